@@ -1,0 +1,199 @@
+"""Contracts: what each transform declares about itself, as data.
+
+A contract says where a transform sits in the canonical order (:class:`Stage`), what it needs
+from the environment (:class:`Requirement`), what it cannot be combined with
+(:class:`Conflict`), extra pairwise ordering (:class:`Order`), roles only one transform may own
+(``owns``), and transforms it implies (:class:`Implication`). compose() reads only these; no
+ordering or compatibility rule lives in an if-chain elsewhere.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .environment import Environment
+
+if TYPE_CHECKING:
+    from .transform import Transform
+
+
+class Stage(enum.IntEnum):
+    """The canonical order. Each value's docstring-like reason is in :data:`STAGE_REASONS`."""
+
+    MODULE_REWRITE = 1
+    HALF_CAST = 2
+    TENSOR_PARALLEL = 3
+    PIPELINE_SPLIT = 4
+    CHECKPOINT = 5
+    COMPILE = 6
+    DATA_PARALLEL = 7
+    FORWARD_PRECISION = 8
+    OPTIMIZER = 9
+
+
+STAGE_REASONS: dict[Stage, str] = {
+    Stage.MODULE_REWRITE: "module rewrites must see the user's original classes before any wrapper hides them",
+    Stage.HALF_CAST: "cast before sharding so shards are born in the training dtype",
+    Stage.TENSOR_PARALLEL: "shard Linear weights into DTensors before anything wraps the blocks",
+    Stage.PIPELINE_SPLIT: "stages are cut from the rewritten, tensor-parallel model",
+    Stage.CHECKPOINT: "wrap blocks before compile and sharding",
+    Stage.COMPILE: "compile per block after checkpointing and before sharding, so graphs don't break on FSDP hooks",
+    Stage.DATA_PARALLEL: "data parallel / sharding is the outermost module wrapper",
+    Stage.FORWARD_PRECISION: "autocast wraps the outermost forward",
+    Stage.OPTIMIZER: "optimizer-side steps rebind the final parameters and wrap the step",
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Requirements
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Requirement:
+    """Something the environment must provide.
+
+    ``on_unmet`` is ``"error"`` (compose raises RequirementError) or ``"skip"`` (the step is left
+    out of the plan, the reason shows in explain(), and ``strict=True`` raises instead).
+    """
+
+    on_unmet: str = "error"
+
+    def unmet(self, env: Environment, transform: Transform) -> str | None:
+        """What is missing, or None when satisfied."""
+        raise NotImplementedError
+
+    def fix(self) -> str:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class MinWorldSize(Requirement):
+    minimum: int = 2
+
+    def unmet(self, env, transform):
+        if env.world_size < self.minimum:
+            return f"a world size of at least {self.minimum} (this environment has {env.world_size})"
+        return None
+
+    def fix(self):
+        return f"launch with at least {self.minimum} processes, e.g. `python -m composable_atorch launch --nproc {self.minimum} train.py`"
+
+
+@dataclass(frozen=True)
+class DeviceKind(Requirement):
+    kinds: tuple[str, ...] = ("cuda",)
+
+    def unmet(self, env, transform):
+        if env.device not in self.kinds:
+            return f"a {' or '.join(self.kinds)} device (this environment is {env.device})"
+        return None
+
+    def fix(self):
+        return f"run on a {' or '.join(self.kinds)} machine, or drop this transform"
+
+
+@dataclass(frozen=True)
+class MinComputeCapability(Requirement):
+    major: int = 8
+    minor: int = 0
+
+    def unmet(self, env, transform):
+        cc = env.compute_capability
+        if cc is None or tuple(cc) < (self.major, self.minor):
+            have = "no GPU" if cc is None else f"sm{cc[0]}{cc[1]}"
+            return f"a GPU of compute capability >= {self.major}.{self.minor} (this environment has {have})"
+        return None
+
+    def fix(self):
+        return f"use a GPU of compute capability {self.major}.{self.minor} or newer, or drop this transform"
+
+
+@dataclass(frozen=True)
+class Package(Requirement):
+    name: str = ""
+    extra: str | None = None
+
+    def unmet(self, env, transform):
+        return None if env.has(self.name) else f"the package {self.name!r}"
+
+    def fix(self):
+        if self.extra:
+            return f"pip install 'composable_atorch[{self.extra}]' -c constraints.txt"
+        return f"pip install {self.name}"
+
+
+@dataclass(frozen=True)
+class When(Requirement):
+    """A requirement that applies only for some configs: ``When(pred, inner)``.
+
+    ``predicate(transform)`` says whether ``inner`` applies, e.g. only the DeepSpeed backend of
+    zero1 needs deepspeed.
+    """
+
+    predicate: Callable[[Any], bool] = lambda t: True
+    inner: Requirement | None = None
+
+    def unmet(self, env, transform):
+        if self.inner is None or not self.predicate(transform):
+            return None
+        return self.inner.unmet(env, transform)
+
+    def fix(self):
+        return self.inner.fix() if self.inner else ""
+
+
+# ---------------------------------------------------------------------------------------------
+# Pairwise rules
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Conflict:
+    """This transform cannot be combined with ``other`` (a transform name or an owned role).
+
+    ``when(mine, theirs)``, if given, restricts the conflict to some configs (amp and half
+    conflict only when their dtypes differ).
+    """
+
+    other: str
+    reason: str
+    fix: str
+    when: Callable[[Any, Any], bool] | None = None
+
+
+@dataclass(frozen=True)
+class Order:
+    """This transform must run after (``after=True``) or before ``other``, with the reason."""
+
+    other: str
+    reason: str
+    after: bool = True
+
+
+@dataclass(frozen=True)
+class Implication:
+    """This transform needs ``name`` in the plan; compose adds it (with ``config``) if absent.
+
+    ``satisfied_by`` lists other transform names or roles that make the implication moot.
+    """
+
+    name: str
+    reason: str
+    config: dict = field(default_factory=dict)
+    satisfied_by: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Contract:
+    stage: Stage
+    requires: tuple[Requirement, ...] = ()
+    conflicts: tuple[Conflict, ...] = ()
+    orders: tuple[Order, ...] = ()
+    owns: tuple[str, ...] = ()
+    implies: tuple[Implication, ...] = ()
+    #: Short tags saying what the transform does; other contracts may name them in rules.
+    roles: tuple[str, ...] = ()

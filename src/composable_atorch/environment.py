@@ -1,0 +1,98 @@
+"""The environment a plan is checked against, as an explicit value.
+
+compose() accepts an :class:`Environment` so a plan can be checked against hardware we do not
+have (``Environment(world_size=16, device="cuda", compute_capability=(9, 0))``) on this CPU;
+without one it calls :func:`Environment.detect`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+from dataclasses import dataclass, field, replace
+
+#: Optional packages whose presence changes what a plan can do.
+OPTIONAL_PACKAGES = (
+    "deepspeed",
+    "fairscale",
+    "torchao",
+    "transformer_engine",
+    "flash_attn",
+    "transformers",
+    "peft",
+    "optuna",
+)
+
+# Packages whose mere presence on disk is not enough: they must import. transformer-engine's base
+# package installs without its torch part and then raises RuntimeError on import.
+_MUST_IMPORT = frozenset({"transformer_engine", "flash_attn"})
+
+
+def package_available(name: str) -> bool:
+    """True when ``name`` can be used; never raises, whatever the package does on import."""
+    try:
+        if importlib.util.find_spec(name) is None:
+            return False
+    except (ImportError, ValueError):
+        return False
+    if name in _MUST_IMPORT:
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - a broken install is an absent package
+            return False
+    return True
+
+
+@dataclass(frozen=True)
+class Environment:
+    """World size, device kind, compute capability and installed optional packages."""
+
+    world_size: int = 1
+    device: str = "cpu"
+    compute_capability: tuple[int, int] | None = None
+    packages: frozenset[str] = field(default_factory=frozenset)
+
+    def __post_init__(self):
+        from .errors import ConfigError
+
+        if not isinstance(self.world_size, int) or self.world_size < 1:
+            raise ConfigError("Environment.world_size", self.world_size, "an integer >= 1")
+        if self.device not in ("cpu", "cuda"):
+            raise ConfigError("Environment.device", self.device, "'cpu' or 'cuda'")
+        if self.compute_capability is not None:
+            object.__setattr__(self, "compute_capability", tuple(self.compute_capability))
+        object.__setattr__(self, "packages", frozenset(self.packages))
+
+    def has(self, package: str) -> bool:
+        return package in self.packages
+
+    def with_(self, **changes) -> Environment:
+        """A copy with some fields changed, e.g. ``env.with_(world_size=2)``."""
+        return replace(self, **changes)
+
+    def describe(self) -> str:
+        cc = "" if self.compute_capability is None else f" sm{self.compute_capability[0]}{self.compute_capability[1]}"
+        pkgs = ", ".join(sorted(self.packages)) or "none"
+        return f"world {self.world_size}, {self.device}{cc}, optional packages: {pkgs}"
+
+    @staticmethod
+    def detect() -> Environment:
+        """Read the running process: torch.distributed (or torchrun's WORLD_SIZE), CUDA, packages."""
+        import torch
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            world = dist.get_world_size()
+        else:
+            world = int(os.environ.get("WORLD_SIZE", "1"))
+        if torch.cuda.is_available():
+            device, cc = "cuda", torch.cuda.get_device_capability()
+        else:
+            device, cc = "cpu", None
+        return Environment(
+            world_size=world,
+            device=device,
+            compute_capability=cc,
+            packages=frozenset(p for p in OPTIONAL_PACKAGES if package_available(p)),
+        )

@@ -1,0 +1,71 @@
+"""Typed errors, all raised before any work is done, each naming the fix.
+
+Every error a user can cause derives from :class:`CompositionError`, so
+``except CompositionError`` catches exactly "you asked for something that cannot be done",
+never a bug inside a transform.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+
+class CompositionError(Exception):
+    """Base class of every user-facing error in composable_atorch."""
+
+
+class UnknownTransformError(CompositionError, KeyError):
+    """A transform (or seed strategy) name that the registry does not know."""
+
+    def __init__(self, name: str, valid: Iterable[str], *, note: str | None = None):
+        self.name = name
+        self.valid = sorted(valid)
+        self.suggestion = next(iter(difflib.get_close_matches(name, self.valid, n=1)), None)
+        msg = f"unknown transform {name!r}"
+        if note:
+            msg += f": {note}."
+        if self.suggestion:
+            msg += f"; did you mean {self.suggestion!r}?"
+        msg += f" Valid names: {', '.join(self.valid)}."
+        super().__init__(msg)
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return self.args[0]
+
+
+class ConflictError(CompositionError):
+    """Two transforms that cannot be combined (or orderings that contradict each other)."""
+
+    def __init__(self, first: str, second: str, reason: str, fix: str):
+        self.first, self.second, self.reason, self.fix = first, second, reason, fix
+        super().__init__(f"{first!r} conflicts with {second!r}: {reason}. Fix: {fix}.")
+
+
+class RequirementError(CompositionError):
+    """A transform needs something the environment lacks (world size, device, package...)."""
+
+    def __init__(self, transform: str, missing: str, fix: str):
+        self.transform, self.missing, self.fix = transform, missing, fix
+        super().__init__(f"{transform!r} needs {missing}. Fix: {fix}.")
+
+
+class ConfigError(CompositionError, ValueError):
+    """A bad configuration value: names the field, the value and what is allowed."""
+
+    def __init__(self, field: str, value: object, allowed: str):
+        self.field, self.value, self.allowed = field, value, allowed
+        super().__init__(f"bad value for {field}: {value!r}; allowed: {allowed}.")
+
+
+class ParameterMappingError(CompositionError):
+    """Rebuilding the optimizer by parameter name would lose or duplicate a parameter."""
+
+    def __init__(self, problem: str, names: Iterable[str]):
+        self.problem, self.names = problem, sorted(names)
+        shown = ", ".join(self.names[:8]) + (" ..." if len(self.names) > 8 else "")
+        super().__init__(
+            f"rebuilding the optimizer by parameter name would {problem}: {shown}. "
+            "Fix: build the optimizer over model.parameters() (or named groups of them) of the model you pass "
+            "to the plan, and apply the plan before the first optimizer step."
+        )

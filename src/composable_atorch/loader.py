@@ -1,0 +1,69 @@
+"""Rebuilding a DataLoader with another batch size or sampler, keeping everything else.
+
+The loader the user passes carries the *global* batch size (strong scaling, as ATorch):
+accumulation splits it into micro-batches, data parallelism into per-rank batches.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch.utils.data import BatchSampler, DataLoader, RandomSampler, SequentialSampler
+
+from .errors import ConfigError
+
+_KEEP = (
+    "num_workers",
+    "collate_fn",
+    "pin_memory",
+    "drop_last",
+    "timeout",
+    "worker_init_fn",
+    "multiprocessing_context",
+    "generator",
+    "persistent_workers",
+    "pin_memory_device",
+)
+
+
+def loader_batch_size(loader: DataLoader) -> int:
+    if loader.batch_size is None:
+        raise ConfigError(
+            "loader.batch_size", None, "a DataLoader built with batch_size= (a custom batch_sampler cannot be split)"
+        )
+    return loader.batch_size
+
+
+def is_shuffled(loader: DataLoader) -> bool:
+    return isinstance(loader.sampler, RandomSampler)
+
+
+def split_batch(loader: DataLoader, parts: int, *, what: str) -> int:
+    """The batch size after splitting the loader's batch into ``parts``; ConfigError if it does not divide."""
+    batch = loader_batch_size(loader)
+    if parts < 1 or batch % parts:
+        raise ConfigError(what, parts, f"a divisor of the loader's batch size {batch}")
+    return batch // parts
+
+
+def rebuild_loader(loader: DataLoader, *, batch_size: int | None = None, sampler: Any = None) -> DataLoader:
+    """The same loader with a new batch size and/or sampler; every other setting kept."""
+    if isinstance(loader.batch_sampler, BatchSampler) is False and loader.batch_size is None:
+        raise ConfigError("loader.batch_sampler", type(loader.batch_sampler).__name__, "a DataLoader built with batch_size=")
+    kwargs = {k: getattr(loader, k) for k in _KEEP if hasattr(loader, k)}
+    if kwargs.get("num_workers", 0) == 0:
+        kwargs.pop("multiprocessing_context", None)
+        kwargs.pop("persistent_workers", None)
+        kwargs.pop("timeout", None)
+    kwargs.pop("prefetch_factor", None)
+    if sampler is None:
+        sampler = loader.sampler if not isinstance(loader.sampler, SequentialSampler) else None
+    new = DataLoader(
+        loader.dataset,
+        batch_size=batch_size if batch_size is not None else loader.batch_size,
+        sampler=sampler,
+        **kwargs,
+    )
+    # let later rebuilds (and checks) know what the user asked for originally
+    new.global_batch_size = getattr(loader, "global_batch_size", loader.batch_size)
+    return new

@@ -1,0 +1,189 @@
+"""Plan: ordered steps, each with the reason for its place; data for machines, text for people."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import codec
+from .environment import Environment
+from .errors import ConfigError, RequirementError
+from .optim import PlanOptimizer, parameter_names, rebuild_optimizer
+from .transform import ApplyContext, Transform, TrainState, lookup
+
+FORMAT = "composable_atorch.plan"
+VERSION = 1
+
+
+@dataclass(frozen=True)
+class Step:
+    transform: Transform
+    reasons: tuple[str, ...]
+    implied_by: str | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class Plan:
+    """The result of compose(). Apply it with ``model, optim, loader = plan(model, optim, loader)``.
+
+    Two plans are equal when they hold the same steps in the same order and the same notes; the
+    environment they were checked against is shown by explain() but is not part of equality.
+    """
+
+    steps: tuple[Step, ...]
+    requested: tuple[Transform, ...]
+    notes: tuple[str, ...] = ()
+    env: Environment = field(default_factory=Environment)
+    strict: bool = False
+    #: What the last application reported per transform (swapped modules...). Not part of equality.
+    report: dict[str, list[str]] = field(default_factory=dict, compare=False)
+
+    # -- data -------------------------------------------------------------------------------
+    @property
+    def transforms(self) -> tuple[Transform, ...]:
+        return tuple(s.transform for s in self.steps)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(t.name for t in self.transforms)
+
+    def __eq__(self, other):
+        if not isinstance(other, Plan):
+            return NotImplemented
+        return self.steps == other.steps and self.notes == other.notes and self.requested == other.requested
+
+    def __hash__(self):
+        return hash((self.steps, self.notes))
+
+    def __len__(self):
+        return len(self.steps)
+
+    def __or__(self, other):
+        from .compose import compose
+
+        return compose(self, other, strict=self.strict, env=self.env)
+
+    def __ror__(self, other):
+        from .compose import compose
+
+        return compose(other, self, strict=self.strict, env=self.env)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "strict": self.strict,
+            "transforms": [{"name": t.name, "config": codec.encode(t.config())} for t in self.requested],
+            # informational: recomputed on load
+            "steps": [t.name for t in self.transforms],
+            "notes": list(self.notes),
+            "environment": self.env.describe(),
+        }
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], *, env: Environment | None = None, strict: bool | None = None) -> Plan:
+        from .compose import compose
+
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise ConfigError("plan format", data.get("format") if isinstance(data, dict) else type(data).__name__, repr(FORMAT))
+        if data.get("version") != VERSION:
+            raise ConfigError("plan version", data.get("version"), str(VERSION))
+        entries = data.get("transforms")
+        if not isinstance(entries, list):
+            raise ConfigError("plan transforms", entries, "a list of {'name': ..., 'config': {...}}")
+        transforms = []
+        for i, entry in enumerate(entries):
+            if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
+                raise ConfigError(f"plan transforms[{i}]", entry, "{'name': str, 'config': {...}}")
+            config = codec.decode(entry.get("config", {}))
+            transforms.append(build(entry["name"], config))
+        return compose(*transforms, strict=data.get("strict", False) if strict is None else strict, env=env)
+
+    @classmethod
+    def from_json(cls, text: str, *, env: Environment | None = None, strict: bool | None = None) -> Plan:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError("plan JSON", text[:60], f"valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
+        return cls.from_dict(data, env=env, strict=strict)
+
+    # -- people -----------------------------------------------------------------------------
+    def explain(self) -> str:
+        lines = [f"Plan with {len(self.steps)} step(s) for {self.env.describe()}" + (" [strict]" if self.strict else "")]
+        for i, step in enumerate(self.steps, 1):
+            t = step.transform
+            implied = f"  (implied by {step.implied_by})" if step.implied_by else ""
+            lines.append(f"  {i}. {t.describe()}{implied}")
+            lines.extend(f"       - {r}" for r in step.reasons)
+        if not self.steps:
+            lines.append("  (no steps: the plan returns the triple unchanged)")
+        checked = ", ".join(self.names) or "nothing"
+        lines.append(f"Checked: requirements, conflicts and ordering of {checked}.")
+        if self.notes:
+            lines.append("Notes:")
+            lines.extend(f"  - {n}" for n in self.notes)
+        if self.report:
+            lines.append("Applied:")
+            for name, entries in self.report.items():
+                lines.append(f"  {name}:")
+                lines.extend(f"    - {e}" for e in entries)
+        return "\n".join(lines)
+
+    def __str__(self):
+        return self.explain()
+
+    # -- application ------------------------------------------------------------------------
+    def check_runtime(self, runtime: Environment | None = None) -> None:
+        """Refuse to apply a plan checked for another world size or device kind."""
+        runtime = Environment.detect() if runtime is None else runtime
+        if runtime.world_size != self.env.world_size:
+            raise RequirementError(
+                "plan",
+                f"a world size of {self.env.world_size}, as it was composed for (this run has {runtime.world_size})",
+                f"compose the plan again here (Plan.from_json(text) re-checks it), or launch {self.env.world_size} processes",
+            )
+        if runtime.device != self.env.device:
+            raise RequirementError("plan", f"a {self.env.device} device (this run is on {runtime.device})", "compose it again here")
+
+    def apply(self, model, optim=None, loader=None, *, runtime: Environment | None = None) -> TrainState:
+        """Apply every step in order and return the full :class:`TrainState`."""
+        import torch
+
+        if not isinstance(model, torch.nn.Module):
+            raise ConfigError("model", type(model).__name__, "a torch.nn.Module")
+        if optim is not None and not isinstance(optim, torch.optim.Optimizer):
+            raise ConfigError("optim", type(optim).__name__, "a torch.optim.Optimizer, or None")
+        if isinstance(optim, PlanOptimizer):
+            raise ConfigError("optim", "a PlanOptimizer", "the user's own optimizer (a plan is applied once, to the original triple)")
+        self.check_runtime(runtime)
+        state = TrainState(model=model, optim=optim, loader=loader, param_names=parameter_names(model, optim))
+        ctx = ApplyContext(plan=self, env=self.env, strict=self.strict)
+        for step in self.steps:
+            state = step.transform.apply(state, ctx)
+            if state.optim is not None and isinstance(state.optim, torch.optim.Optimizer):
+                state.optim = rebuild_optimizer(state.optim, state.param_names, state.model)
+        self.report.clear()
+        self.report.update(state.report)
+        return state
+
+    def __call__(self, model, optim=None, loader=None):
+        state = self.apply(model, optim, loader)
+        wrapped = None if state.optim is None else PlanOptimizer(state.optim, state.hooks)
+        return state.model, wrapped, state.loader
+
+
+def build(name: str, config: dict[str, Any] | None = None) -> Transform:
+    """A transform from its registry name (or alias) and a config dict; ConfigError on bad fields."""
+    import dataclasses
+
+    cls = lookup(name)
+    config = dict(config or {})
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(config) - fields)
+    if unknown:
+        raise ConfigError(f"{cls.name} config field {unknown[0]!r}", config[unknown[0]], f"one of {sorted(fields)}")
+    return cls(**config)

@@ -1,0 +1,100 @@
+"""Strategies as data: the seed's list form, JSON text or files, and Plans — never pickle.
+
+``load`` accepts
+
+* a :class:`Plan` (returned as it is);
+* the seed's list form: ``["parallel_mode", ("amp_native", {"dtype": torch.bfloat16}), ("checkpoint", (Block,))]``;
+* a JSON string (a saved plan, or the list form with JSON-encoded configs), or bytes of one;
+* a path to a ``.json`` file.
+
+Pickled bytes or files are refused with an error saying why: unpickling runs arbitrary code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from . import codec
+from .compose import compose
+from .environment import Environment
+from .errors import ConfigError
+from .plan import Plan
+from .transform import lookup, register_planned
+
+# Seed names with no transform yet: looked up, they say so rather than "unknown".
+for _name in ("tensor_parallel", "pipeline_parallel", "mixed_parallel", "ds_3d_parallel"):
+    register_planned(_name, "model parallelism is not built in this version")
+
+_PICKLE_REFUSED = "JSON (a plan written by strategy.dump); pickle is refused because unpickling runs arbitrary code"
+
+
+def _looks_pickled(data: bytes) -> bool:
+    # protocol 2+ starts with PROTO (0x80); protocol 0/1 streams start with an opcode such as
+    # '(' or ']' and end with STOP '.'
+    return data[:1] == b"\x80" or (data.rstrip()[-1:] == b"." and data[:1] in (b"(", b"]", b"}", b"c"))
+
+
+def _from_seed_list(items, *, env, strict) -> Plan:
+    transforms = []
+    for i, item in enumerate(items):
+        if isinstance(item, str):
+            name, config = item, None
+        elif isinstance(item, list | tuple) and len(item) == 2 and isinstance(item[0], str):
+            name, config = item
+        else:
+            raise ConfigError(f"strategy[{i}]", item, "a name or a (name, config) pair")
+        transforms.append(lookup(name).from_seed(codec.decode(config) if isinstance(config, list | dict) else config))
+    return compose(*transforms, env=env, strict=strict)
+
+
+def _from_text(text: str, *, env, strict) -> Plan:
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError("strategy JSON", text[:60], f"valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
+    if isinstance(data, dict):
+        return Plan.from_dict(data, env=env, strict=strict)
+    if isinstance(data, list):
+        return _from_seed_list(data, env=env, strict=strict)
+    raise ConfigError("strategy JSON", type(data).__name__, "a saved plan object or a list of strategy entries")
+
+
+def load(strategy: Any, *, env: Environment | None = None, strict: bool | None = None) -> Plan:
+    """A Plan from any strategy form (see the module docstring); typed errors before any work."""
+    if isinstance(strategy, Plan):
+        return strategy
+    if isinstance(strategy, bytes | bytearray):
+        if _looks_pickled(bytes(strategy)):
+            raise ConfigError("strategy bytes", "pickled data", _PICKLE_REFUSED)
+        try:
+            strategy = bytes(strategy).decode("utf-8")
+        except UnicodeDecodeError:
+            raise ConfigError("strategy bytes", "binary data", "UTF-8 JSON text") from None
+        return _from_text(strategy, env=env, strict=bool(strict))
+    if isinstance(strategy, os.PathLike) or (isinstance(strategy, str) and strategy.strip()[:1] not in ("{", "[")):
+        path = Path(strategy)
+        if not path.is_file():
+            raise ConfigError("strategy path", str(strategy), "an existing .json file, a JSON string, a list or a Plan")
+        raw = path.read_bytes()
+        if _looks_pickled(raw) or path.suffix in (".pkl", ".pickle"):
+            raise ConfigError("strategy file", str(path), _PICKLE_REFUSED)
+        return load(raw, env=env, strict=strict)
+    if isinstance(strategy, str):
+        return _from_text(strategy, env=env, strict=bool(strict))
+    if isinstance(strategy, list | tuple):
+        return _from_seed_list(strategy, env=env, strict=bool(strict))
+    raise ConfigError("strategy", type(strategy).__name__, "a Plan, a list of (name, config), a JSON string or bytes, or a .json path")
+
+
+def dump(plan: Any, path: str | os.PathLike | None = None) -> str:
+    """Write the plan (or anything :func:`load` accepts) as JSON to ``path``; return the JSON text."""
+    text = load(plan).to_json()
+    if path is not None:
+        target = Path(path)
+        tmp = target.with_suffix(target.suffix + ".tmp")
+        tmp.write_text(text + "\n")
+        os.replace(tmp, target)  # atomic: a crash leaves the old file or the new one, never half
+    return text

@@ -1,0 +1,159 @@
+"""The Transform base class, the training state it maps, and the registry.
+
+A transform is a frozen dataclass (its config) with a class-level :class:`~.contract.Contract`.
+``apply(state, ctx)`` maps a :class:`TrainState` — the user's ``(model, optim, loader)`` plus the
+process groups and optimizer hooks that travel with it — to a new one. Transforms read no global
+state and leave none behind; what one step tells a later one travels in the state or is read
+from the plan (``ctx.find("amp")``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from .contract import Contract
+from .environment import Environment
+from .errors import UnknownTransformError
+
+if TYPE_CHECKING:
+    import torch
+
+    from .optim import OptimizerHook
+    from .plan import Plan
+
+
+@dataclass
+class TrainState:
+    """What flows through a plan: the triple, plus what travels with it.
+
+    ``optim`` is the user's (inner) optimizer — the plan wraps it with the collected ``hooks`` at
+    the end. ``parallel`` holds process groups / device meshes made by parallel transforms.
+    ``param_names`` maps ``id(param)`` of every parameter the user's optimizer held to its
+    canonical name, so any step that replaces parameters can have the optimizer rebuilt by name.
+    """
+
+    model: torch.nn.Module
+    optim: Any = None
+    loader: Any = None
+    parallel: Any = None
+    hooks: list[OptimizerHook] = field(default_factory=list)
+    param_names: dict[int, str] = field(default_factory=dict)
+    #: Free-form records transforms leave for explain() after application (what was swapped...).
+    report: dict[str, list[str]] = field(default_factory=dict)
+
+    def note(self, transform: str, line: str) -> None:
+        self.report.setdefault(transform, []).append(line)
+
+
+@dataclass(frozen=True)
+class ApplyContext:
+    """Read-only view of the plan being applied: its environment and its other steps."""
+
+    plan: Plan
+    env: Environment
+    strict: bool = False
+
+    def find(self, name: str) -> Transform | None:
+        """The transform of this kind in the plan, if any (e.g. fsdp reads amp's dtype)."""
+        return next((t for t in self.plan.transforms if t.name == name), None)
+
+
+_REGISTRY: dict[str, type[Transform]] = {}
+_ALIASES: dict[str, str] = {}
+#: Seed names whose transforms are not built (yet): name -> why.
+_PLANNED: dict[str, str] = {}
+
+
+@dataclass(frozen=True)
+class Transform:
+    """Base class. Subclasses are frozen dataclasses that set ``name`` and ``contract``."""
+
+    name: ClassVar[str] = ""
+    contract: ClassVar[Contract]
+    #: Other names users may know this transform by (the seed's ``amp_native``...).
+    aliases: ClassVar[tuple[str, ...]] = ()
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if cls.__dict__.get("name"):
+            _REGISTRY[cls.name] = cls
+            for alias in cls.aliases:
+                _ALIASES[alias] = cls.name
+
+    # -- what subclasses implement ---------------------------------------------------------
+    def apply(self, state: TrainState, ctx: ApplyContext) -> TrainState:
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        """One line for explain(): what this step does with this config."""
+        args = ", ".join(f"{k}={v!r}" for k, v in self.config().items())
+        return f"{self.name}({args})"
+
+    def resolve(self, env: Environment) -> tuple[Transform | None, str | None]:
+        """Adapt to the environment before ordering: (transform to use, note) or (None, why skipped).
+
+        The default keeps the transform as it is. fp8's ``backend="auto"`` picks a backend here.
+        """
+        return self, None
+
+    @classmethod
+    def from_seed(cls, config: Any = None) -> Transform:
+        """Build from the seed's ``(name, config)`` form. ``None`` means the seed's default config.
+
+        The default accepts a dict of fields; transforms whose seed config has another shape
+        (a tuple of classes, a dtype string) override this.
+        """
+        if config is None:
+            return cls()
+        if isinstance(config, dict):
+            from .plan import build
+
+            return build(cls.name, config)
+        return cls(config)
+
+    # -- config as data ---------------------------------------------------------------------
+    def config(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def sort_key(self) -> tuple:
+        return (int(self.contract.stage), self.name, repr(sorted(self.config().items(), key=lambda kv: kv[0])))
+
+    # -- composition ------------------------------------------------------------------------
+    def __or__(self, other):
+        from .compose import compose
+
+        return compose(self, other)
+
+    def __ror__(self, other):
+        from .compose import compose
+
+        return compose(other, self)
+
+    def __call__(self, model, optim=None, loader=None):
+        """A single transform applies like a one-step plan."""
+        from .compose import compose
+
+        return compose(self)(model, optim, loader)
+
+
+def registry() -> dict[str, type[Transform]]:
+    """Registered transforms by canonical name (importing the package registers all built ones)."""
+    return dict(_REGISTRY)
+
+
+def register_planned(name: str, why: str) -> None:
+    """Record a seed name whose transform is not built yet, so lookups say so instead of 'unknown'."""
+    _PLANNED[name] = why
+
+
+def lookup(name: str) -> type[Transform]:
+    """The transform class for a canonical name or alias; UnknownTransformError otherwise."""
+    canonical = _ALIASES.get(name, name)
+    if canonical in _REGISTRY:
+        return _REGISTRY[canonical]
+    known = set(_REGISTRY) | set(_ALIASES)
+    if name in _PLANNED and name not in known:
+        raise UnknownTransformError(name, known, note=f"not built yet ({_PLANNED[name]})")
+    raise UnknownTransformError(name, known)

@@ -1,0 +1,105 @@
+"""The training loop's own transforms: gradient accumulation and gradient clipping.
+
+Both act through the returned optimizer (``optim.backward / step / zero_grad``), so the user's
+loop does not change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..contract import Contract, Stage
+from ..errors import ConfigError
+from ..loader import rebuild_loader, split_batch
+from ..optim import OptimizerHook
+from ..transform import ApplyContext, Transform, TrainState
+
+
+class AccumulateHook(OptimizerHook):
+    """Average the loss over ``steps`` micro-batches; the optimizer steps on the last one."""
+
+    def __init__(self, steps: int):
+        self.accumulation_steps = steps
+
+    def scale_loss(self, loss):
+        return loss / self.accumulation_steps
+
+
+@dataclass(frozen=True)
+class Accumulate(Transform):
+    """Split each global batch into ``steps`` micro-batches and step once per global batch.
+
+    The loader's batch size stays the global batch: the rebuilt loader yields micro-batches of
+    ``batch / steps`` (per rank, after data parallelism), and the optimizer steps every ``steps``
+    of them, so the update equals one step on the whole batch while activations shrink.
+    Data-parallel transforms skip gradient sync between boundaries.
+    """
+
+    name = "accumulate"
+    contract = Contract(stage=Stage.OPTIMIZER, roles=("accumulation",))
+
+    steps: int = 1
+
+    def __post_init__(self):
+        if not isinstance(self.steps, int) or isinstance(self.steps, bool) or self.steps < 1:
+            raise ConfigError("accumulate.steps", self.steps, "an integer >= 1")
+
+    def describe(self):
+        return f"accumulate({self.steps} micro-batches per step)"
+
+    def apply(self, state: TrainState, ctx: ApplyContext) -> TrainState:
+        if state.loader is not None and self.steps > 1:
+            micro = split_batch(state.loader, self.steps, what="accumulate.steps")
+            state.loader = rebuild_loader(state.loader, batch_size=micro)
+            state.note(self.name, f"loader yields micro-batches of {micro}; the optimizer steps every {self.steps}")
+        state.hooks.append(AccumulateHook(self.steps))
+        return state
+
+
+def accumulate(steps: int) -> Accumulate:
+    return Accumulate(steps=steps)
+
+
+class ClipHook(OptimizerHook):
+    """Clip the global gradient norm just before the step (after any unscaling)."""
+
+    def __init__(self, max_norm: float, norm_type: float):
+        self.max_norm, self.norm_type = max_norm, norm_type
+        self.last_norm: torch.Tensor | None = None
+
+    def before_step(self, optimizer):
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        if params:
+            # torch computes the true global norm for DTensor (sharded) gradients
+            self.last_norm = torch.nn.utils.clip_grad_norm_(params, self.max_norm, norm_type=self.norm_type)
+
+
+@dataclass(frozen=True)
+class ClipGrad(Transform):
+    """Clip gradients to a global norm of at most ``max_norm`` before every optimizer step."""
+
+    name = "clip_grad"
+    contract = Contract(stage=Stage.OPTIMIZER, roles=("clipping",))
+
+    max_norm: float = 1.0
+    norm_type: float = 2.0
+
+    def __post_init__(self):
+        for field, value in (("clip_grad.max_norm", self.max_norm), ("clip_grad.norm_type", self.norm_type)):
+            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+                raise ConfigError(field, value, "a positive number")
+        object.__setattr__(self, "max_norm", float(self.max_norm))
+        object.__setattr__(self, "norm_type", float(self.norm_type))
+
+    def describe(self):
+        return f"clip_grad(max_norm={self.max_norm:g}" + (")" if self.norm_type == 2.0 else f", norm_type={self.norm_type:g})")
+
+    def apply(self, state: TrainState, ctx: ApplyContext) -> TrainState:
+        state.hooks.append(ClipHook(self.max_norm, self.norm_type))
+        return state
+
+
+def clip_grad(max_norm: float, *, norm_type: float = 2.0) -> ClipGrad:
+    return ClipGrad(max_norm=max_norm, norm_type=norm_type)
