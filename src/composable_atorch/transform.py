@@ -48,6 +48,20 @@ class TrainState:
 
 
 @dataclass(frozen=True)
+class SearchContext:
+    """What the auto search knows when it asks each transform for candidate configs.
+
+    ``block_classes`` are the model's repeated blocks (candidates for checkpoint / fsdp wrap /
+    compile); ``batch_size`` is the global batch; ``env`` the target environment (its world size
+    is the one the trial will run at).
+    """
+
+    env: Environment
+    block_classes: tuple[type, ...] = ()
+    batch_size: int = 1
+
+
+@dataclass(frozen=True)
 class ApplyContext:
     """Read-only view of the plan being applied: its environment and its other steps."""
 
@@ -97,6 +111,16 @@ class Transform:
         The default keeps the transform as it is. fp8's ``backend="auto"`` picks a backend here.
         """
         return self, None
+
+    @classmethod
+    def candidates(cls, search: SearchContext) -> tuple[Transform, ...]:
+        """Configurations the auto search may try for this kind of transform.
+
+        Empty (the default) means auto mode never proposes it. The search space is the product
+        over registered kinds of ``(absent, *candidates)``, filtered by compose() — so a new
+        transform joins the search by declaring candidates here, not by editing a list elsewhere.
+        """
+        return ()
 
     @classmethod
     def from_seed(cls, config: Any = None) -> Transform:

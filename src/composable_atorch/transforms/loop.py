@@ -46,6 +46,11 @@ class Accumulate(Transform):
         if not isinstance(self.steps, int) or isinstance(self.steps, bool) or self.steps < 1:
             raise ConfigError("accumulate.steps", self.steps, "an integer >= 1")
 
+    @classmethod
+    def candidates(cls, search):
+        per_rank = search.batch_size // max(1, search.env.world_size)
+        return tuple(cls(steps=k) for k in (2, 4) if per_rank % k == 0 and per_rank >= k)
+
     def describe(self):
         return f"accumulate({self.steps} micro-batches per step)"
 

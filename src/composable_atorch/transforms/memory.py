@@ -49,6 +49,10 @@ class Checkpoint(Transform):
         object.__setattr__(self, "reentrant", bool(self.reentrant))
 
     @classmethod
+    def candidates(cls, search):
+        return tuple(cls(targets=(b,)) for b in search.block_classes)
+
+    @classmethod
     def from_seed(cls, config=None):
         """Seed config: a tuple of classes/names, or ``{"wrap_class": ..., "no_reentrant": ...}``."""
         if config is None:

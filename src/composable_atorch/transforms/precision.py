@@ -112,6 +112,11 @@ class Amp(Transform):
             return super().from_seed({"dtype": "fp16", **config})
         return cls(dtype=config)
 
+    @classmethod
+    def candidates(cls, search):
+        # fp16 is left out of the search: without a GPU's fp16 units it only adds a scaler
+        return (cls(dtype="bf16"),)
+
     def describe(self):
         extra = ", grad scaler" if self.dtype == "fp16" else (", skip non-finite steps" if self.skip_if_nonfinite else "")
         return f"amp({self.dtype}{extra})"

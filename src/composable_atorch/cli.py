@@ -1,0 +1,36 @@
+"""``python -m composable_atorch <command>``: demo | search | explain | launch.
+
+Each command lives in its own module with a ``main(argv) -> int``; this file only dispatches, so
+the CLI grows without a central if-chain.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS = {
+    "demo": ("composable_atorch.demo", "train the built-in GPT on the built-in corpus with a plan"),
+    "search": ("composable_atorch.auto.cli", "auto-search the fastest plan that fits memory"),
+    "explain": ("composable_atorch.explain_cli", "print explain() of a saved plan JSON"),
+    "launch": ("composable_atorch.launch", "run a training script on N processes (thin layer over torchrun)"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: python -m composable_atorch <command> [args]", "", "commands:"]
+    lines += [f"  {name:<8} {desc}" for name, (_, desc) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"unknown command {name!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[name][0])
+    return int(module.main(rest) or 0)
