@@ -2,6 +2,7 @@
 
 from composable_atorch import accumulate, amp, checkpoint, clip_grad, half
 from composable_atorch.models import Block
+
 from matrix import Case
 
 CASES = {

@@ -1,10 +1,11 @@
 """Every registered transform is exercised; a transform without a case fails the suite."""
 
 import pytest
-from _dist import run_world
-from matrix import all_cases, run_case, run_cases_in_group
 
 import composable_atorch as ca
+
+from _dist import run_world
+from matrix import all_cases, run_case, run_cases_in_group
 
 CASES = all_cases()
 

@@ -52,9 +52,9 @@ STAGE_REASONS: dict[Stage, str] = {
 # ---------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Requirement:
-    """Something the environment must provide.
+    """Something the environment must provide. Fields are keyword-only: ``Package(name="deepspeed")``.
 
     ``on_unmet`` is ``"error"`` (compose raises RequirementError) or ``"skip"`` (the step is left
     out of the plan, the reason shows in explain(), and ``strict=True`` raises instead).
@@ -70,7 +70,7 @@ class Requirement:
         raise NotImplementedError
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class MinWorldSize(Requirement):
     minimum: int = 2
 
@@ -83,7 +83,7 @@ class MinWorldSize(Requirement):
         return f"launch with at least {self.minimum} processes, e.g. `python -m composable_atorch launch --nproc {self.minimum} train.py`"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DeviceKind(Requirement):
     kinds: tuple[str, ...] = ("cuda",)
 
@@ -96,7 +96,7 @@ class DeviceKind(Requirement):
         return f"run on a {' or '.join(self.kinds)} machine, or drop this transform"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class MinComputeCapability(Requirement):
     major: int = 8
     minor: int = 0
@@ -112,7 +112,7 @@ class MinComputeCapability(Requirement):
         return f"use a GPU of compute capability {self.major}.{self.minor} or newer, or drop this transform"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Package(Requirement):
     name: str = ""
     extra: str | None = None
@@ -126,7 +126,7 @@ class Package(Requirement):
         return f"pip install {self.name}"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class When(Requirement):
     """A requirement that applies only for some configs: ``When(pred, inner)``.
 

@@ -13,6 +13,7 @@ loss.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Iterator
 from typing import Any
 
@@ -87,7 +88,12 @@ def rebuild_optimizer(optim: torch.optim.Optimizer, names: dict[int, str], model
         groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": params})
     if missing:
         raise ParameterMappingError("lose parameters the transformed model no longer has", missing)
-    new = type(optim)(groups, **optim.defaults)
+    # Constructor arguments are the defaults the constructor accepts (AdamW's defaults hold
+    # 'decoupled_weight_decay', which its __init__ does not take); each group carries all of its
+    # hyperparameters anyway, and the full defaults dict is restored afterwards.
+    accepted = inspect.signature(type(optim).__init__).parameters
+    new = type(optim)(groups, **{k: v for k, v in optim.defaults.items() if k in accepted})
+    new.defaults = dict(optim.defaults)
     # keep the names map valid for the new parameter objects
     for name, p in current.items():
         names[id(p)] = name

@@ -1,5 +1,5 @@
 """Built-in models for demos, tests and benchmarks."""
 
-from .gpt import GPT, Block, CausalSelfAttention, GPTConfig, MLP
+from .gpt import GPT, MLP, Block, CausalSelfAttention, GPTConfig
 
 __all__ = ["GPT", "GPTConfig", "Block", "CausalSelfAttention", "MLP"]

@@ -14,7 +14,7 @@ from ..contract import Contract, Stage
 from ..errors import ConfigError
 from ..loader import rebuild_loader, split_batch
 from ..optim import OptimizerHook
-from ..transform import ApplyContext, Transform, TrainState
+from ..transform import ApplyContext, TrainState, Transform
 
 
 class AccumulateHook(OptimizerHook):

@@ -17,7 +17,7 @@ from torch.distributed._composable import checkpoint as composable_checkpoint
 
 from ..contract import Contract, Stage
 from ..errors import ConfigError
-from ..transform import ApplyContext, Transform, TrainState
+from ..transform import ApplyContext, TrainState, Transform
 from ._util import outermost_matches
 
 
@@ -74,7 +74,7 @@ class Checkpoint(Transform):
                 tuple(_target_name(t) for t in self.targets),
                 f"classes or names of modules in {type(state.model).__name__} (none matched)",
             )
-        for qualname, module in found:
+        for _, module in found:
             if self.reentrant:
                 inner = module.forward
                 module.forward = functools.partial(torch_checkpoint.checkpoint, inner, use_reentrant=True)

@@ -1,0 +1,24 @@
+"""nox sessions: tests, lint, demo. Every install passes -c constraints.txt (torch==2.13.0 here)."""
+
+import nox
+
+nox.options.sessions = ["lint", "tests"]
+CONSTRAINTS = ("-c", "constraints.txt")
+
+
+@nox.session(python="3.11")
+def tests(session):
+    session.install(*CONSTRAINTS, "-e", ".[test]")
+    session.run("python", "-m", "pytest", "-q", *session.posargs, env={"OMP_NUM_THREADS": "1"})
+
+
+@nox.session(python="3.11")
+def lint(session):
+    session.install("ruff>=0.6")
+    session.run("ruff", "check", "src", "tests", "benchmarks", "examples", "noxfile.py")
+
+
+@nox.session(python="3.11")
+def demo(session):
+    session.install(*CONSTRAINTS, "-e", ".[auto]")
+    session.run("python", "-m", "composable_atorch", "demo", *session.posargs)
