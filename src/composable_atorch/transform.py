@@ -53,12 +53,14 @@ class SearchContext:
 
     ``block_classes`` are the model's repeated blocks (candidates for checkpoint / fsdp wrap /
     compile); ``batch_size`` is the global batch; ``env`` the target environment (its world size
-    is the one the trial will run at).
+    is the one the trial will run at). ``allow_compile`` lets compile offer candidates: a cold
+    inductor compile costs minutes per trial on a small CPU, so the search opts in.
     """
 
     env: Environment
     block_classes: tuple[type, ...] = ()
     batch_size: int = 1
+    allow_compile: bool = False
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,264 @@
+"""fp8: train chosen ``nn.Linear`` layers in float8, through transformer-engine or torchao.
+
+Which Linear layers (seed 000's rules): weight dims both multiples of 16 (the fp8 GEMM and its
+transpose in the backward need it), and the qualified name passes ``include`` (at least one
+substring present, when given) and ``exclude`` (no substring present). The Llama example:
+``exclude=("lm_head",)`` keeps the output head in high precision, which fp8 hurts.
+
+Backends, chosen in ``resolve(env)``:
+
+* ``transformer_engine`` on CUDA with compute capability >= 8.9 where it imports: ``te.Linear``
+  with the weights copied, and ``fp8_autocast`` with the seed's ``DelayedScaling`` recipe around
+  the outer forward;
+* ``torchao`` otherwise: ``convert_to_float8_training`` (dynamic per-tensor scaling). It runs on
+  the CPU too (emulated: fp8 numerics, no speed-up), so the fp8 path trains in tests here. The
+  DelayedScaling fields other than ``fp8_format`` have no torchao counterpart and are reported
+  as unused.
+
+Where neither can run the step is skipped with the reason (``strict=True``: RequirementError).
+torchao's import takes seconds, so it is imported only when the step is applied.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..contract import Contract, Order, Stage
+from ..environment import Environment
+from ..errors import ConfigError
+from ..transform import ApplyContext, TrainState, Transform
+
+BACKENDS = ("auto", "transformer_engine", "torchao")
+FORMATS = ("HYBRID", "E4M3")
+AMAX_ALGOS = ("max", "most_recent")
+#: The seed's recipe.DelayedScaling fields and their defaults.
+RECIPE_DEFAULTS = {"margin": 0, "interval": 1, "fp8_format": "HYBRID", "amax_history_len": 1024, "amax_compute_algo": "max", "reduce_amax": True}
+_SHOWN = 40  # explain() lists at most this many modules per line
+
+
+def _names(value, field: str) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    items = (value,) if isinstance(value, str) else value
+    try:
+        items = tuple(items)
+    except TypeError:
+        raise ConfigError(field, value, "None, a string or a list of non-empty strings (module-name substrings)") from None
+    if not items or not all(isinstance(s, str) and s for s in items):
+        raise ConfigError(field, value, "None, a string or a list of non-empty strings (module-name substrings)")
+    return items
+
+
+def _int(value, field: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(field, value, f"an integer >= {minimum}")
+    return value
+
+
+def te_usable(env: Environment) -> str | None:
+    """What transformer-engine lacks here, or None when it can run."""
+    if env.device != "cuda" or env.compute_capability is None or tuple(env.compute_capability) < (8, 9):
+        have = env.device if env.compute_capability is None else f"sm{env.compute_capability[0]}{env.compute_capability[1]}"
+        return f"a CUDA GPU of compute capability >= 8.9 (this environment has {have})"
+    if not env.has("transformer_engine"):
+        return "the transformer_engine package with its torch part (it is absent, or `import transformer_engine` fails)"
+    return None
+
+
+def select_linears(model: nn.Module, include=None, exclude=None) -> tuple[list[str], list[tuple[str, str]]]:
+    """The Linear layers fp8 swaps, and every other Linear with the reason it is kept.
+
+    Rules in order: exact ``nn.Linear`` class, both weight dims multiples of 16, ``include``,
+    ``exclude``.
+    """
+    chosen, kept = [], []
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        if type(module) is not nn.Linear:
+            kept.append((name, f"{type(module).__name__} is not a plain nn.Linear"))
+            continue
+        out_f, in_f = module.weight.shape
+        if out_f % 16 or in_f % 16:
+            kept.append((name, f"weight {out_f}x{in_f}: dims not both multiples of 16"))
+        elif include is not None and not any(s in name for s in include):
+            kept.append((name, f"include: none of {list(include)} in its name"))
+        elif exclude is not None and (hit := next((s for s in exclude if s in name), None)):
+            kept.append((name, f"exclude: {hit!r} in its name"))
+        else:
+            chosen.append(name)
+    return chosen, kept
+
+
+def _listing(items: list[str]) -> str:
+    return ", ".join(items[:_SHOWN]) + (f" ... and {len(items) - _SHOWN} more" if len(items) > _SHOWN else "")
+
+
+@dataclass(frozen=True)
+class Fp8(Transform):
+    """Float8 training of the chosen Linear layers (see the module docstring)."""
+
+    name = "fp8"
+    contract = Contract(
+        stage=Stage.MODULE_REWRITE,
+        orders=(Order("module_replace", "module_replace may rebuild modules (and their Linear layers); fp8 swaps the final ones"),),
+        roles=("fp8",),
+    )
+
+    include: tuple[str, ...] | None = None
+    exclude: tuple[str, ...] | None = None
+    backend: str = "auto"
+    margin: int = 0
+    interval: int = 1
+    fp8_format: str = "HYBRID"
+    amax_history_len: int = 1024
+    amax_compute_algo: str = "max"
+    reduce_amax: bool = True
+
+    def __post_init__(self):
+        set_ = functools.partial(object.__setattr__, self)
+        set_("include", _names(self.include, "fp8.include"))
+        set_("exclude", _names(self.exclude, "fp8.exclude"))
+        if self.backend not in BACKENDS:
+            raise ConfigError("fp8.backend", self.backend, ", ".join(repr(b) for b in BACKENDS))
+        _int(self.margin, "fp8.margin", 0)
+        _int(self.interval, "fp8.interval", 1)
+        _int(self.amax_history_len, "fp8.amax_history_len", 1)
+        fmt = self.fp8_format.upper() if isinstance(self.fp8_format, str) else self.fp8_format
+        if fmt not in FORMATS:
+            raise ConfigError("fp8.fp8_format", self.fp8_format, "'HYBRID' (e4m3 forward, e5m2 gradients) or 'E4M3'")
+        set_("fp8_format", fmt)
+        if self.amax_compute_algo not in AMAX_ALGOS:
+            raise ConfigError("fp8.amax_compute_algo", self.amax_compute_algo, "'max' or 'most_recent'")
+        if not isinstance(self.reduce_amax, bool):
+            raise ConfigError("fp8.reduce_amax", self.reduce_amax, "True or False")
+
+    # -- search / seed ------------------------------------------------------------------------
+    @classmethod
+    def candidates(cls, search):
+        """One candidate where a backend can run: TE on sm89+, else torchao where installed."""
+        env = search.env
+        if te_usable(env) is None:
+            return (cls(backend="transformer_engine", exclude=("lm_head",)),)
+        if env.has("torchao"):
+            return (cls(backend="torchao", exclude=("lm_head",)),)
+        return ()
+
+    @classmethod
+    def from_seed(cls, config=None):
+        """The seed's dict: include, exclude, verbose (explain() always lists) and the recipe fields."""
+        config = dict(config or {})
+        config.pop("verbose", None)
+        return fp8(**config)
+
+    # -- environment --------------------------------------------------------------------------
+    def resolve(self, env: Environment):
+        te_missing = te_usable(env)
+        if self.backend in ("auto", "transformer_engine") and te_missing is None:
+            return dataclasses.replace(self, backend="transformer_engine"), "backend transformer_engine (CUDA sm89+)"
+        if self.backend == "transformer_engine":
+            return None, f"the transformer_engine backend needs {te_missing}"
+        if not env.has("torchao"):
+            why = "the torchao package" + ("" if self.backend == "torchao" else f", or for transformer_engine {te_missing}")
+            return None, f"no fp8 backend can run: needs {why} (pip install 'composable_atorch[fp8]' -c constraints.txt)"
+        note = "backend torchao" + ("" if env.device == "cuda" and tuple(env.compute_capability or (0, 0)) >= (8, 9) else " (emulated on this device: fp8 numerics, no speed-up)")
+        if self.backend == "auto":
+            note += f"; transformer_engine not used: needs {te_missing}"
+        return dataclasses.replace(self, backend="torchao"), note
+
+    def describe(self):
+        rules = "".join(f"; {k}={list(v)}" for k, v in (("include", self.include), ("exclude", self.exclude)) if v)
+        changed = {k: getattr(self, k) for k, d in RECIPE_DEFAULTS.items() if getattr(self, k) != d}
+        recipe = "".join(f", {k}={v!r}" for k, v in changed.items())
+        return f"fp8({self.backend}, {self.fp8_format}{recipe}{rules})"
+
+    # -- application --------------------------------------------------------------------------
+    def apply(self, state: TrainState, ctx: ApplyContext) -> TrainState:
+        chosen, kept = select_linears(state.model, self.include, self.exclude)
+        if self.backend == "transformer_engine":
+            kind = self._apply_te(state, chosen)
+        elif self.backend == "torchao":
+            kind = self._apply_torchao(state, chosen, ctx.env)
+        else:  # "auto" left unresolved: only when applied outside compose()
+            raise ConfigError("fp8.backend", self.backend, "a backend resolved by compose() (apply the plan, not the transform's apply())")
+        state.note(self.name, f"{len(chosen)} Linear -> {kind}: {_listing(chosen) or 'none'}")
+        if kept:
+            state.note(self.name, "not swapped: " + _listing([f"{n} ({why})" for n, why in kept]))
+        return state
+
+    def _apply_torchao(self, state: TrainState, chosen: list[str], env: Environment) -> str:
+        from torchao.float8 import CastConfig, Float8LinearConfig, convert_to_float8_training
+
+        emulate = env.device == "cuda" and tuple(env.compute_capability or (0, 0)) < (8, 9)
+        kwargs = {"emulate": emulate}
+        if self.fp8_format == "E4M3":  # torchao's default is HYBRID: e5m2 for gradients
+            kwargs["cast_config_grad_output"] = CastConfig(target_dtype=torch.float8_e4m3fn)
+        wanted = set(chosen)
+        if wanted:
+            config = Float8LinearConfig(**kwargs)
+            state.model = convert_to_float8_training(state.model, module_filter_fn=lambda m, fqn: fqn in wanted, config=config)
+        unused = [f"{k}={getattr(self, k)!r}" for k in ("margin", "interval", "amax_history_len", "amax_compute_algo", "reduce_amax")]
+        state.note(self.name, f"torchao scales each tensor dynamically; DelayedScaling fields not used: {', '.join(unused)}")
+        return "torchao Float8Linear (same parameters)"
+
+    def recipe_kwargs(self, accepted: set[str], formats) -> dict:
+        """The seed's recipe as ``recipe.DelayedScaling`` keywords, limited to those it accepts.
+
+        transformer-engine >= 1.8 dropped ``interval`` (scales update every step); passing it
+        would raise, so fields the installed version does not accept are left out.
+        """
+        values = {k: getattr(self, k) for k in RECIPE_DEFAULTS}
+        values["fp8_format"] = getattr(formats, self.fp8_format)
+        return {k: v for k, v in values.items() if k in accepted}
+
+    def _apply_te(self, state: TrainState, chosen: list[str]) -> str:
+        import transformer_engine.pytorch as te
+        from transformer_engine.common import recipe as te_recipe
+
+        model = state.model
+        for name in chosen:
+            old = model.get_submodule(name)
+            new = te.Linear(
+                old.in_features, old.out_features, bias=old.bias is not None, params_dtype=old.weight.dtype, device=old.weight.device
+            )
+            with torch.no_grad():
+                new.weight.copy_(old.weight)
+                if old.bias is not None:
+                    new.bias.copy_(old.bias)
+            new.weight.requires_grad_(old.weight.requires_grad)
+            if not name:  # the model is itself a Linear
+                model = state.model = new
+                continue
+            parent, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, leaf, new)
+        accepted = set(inspect.signature(te_recipe.DelayedScaling).parameters)
+        kwargs = self.recipe_kwargs(accepted, te_recipe.Format)
+        fp8_recipe = te_recipe.DelayedScaling(**kwargs)
+        dropped = sorted(set(RECIPE_DEFAULTS) - set(kwargs))
+        if dropped:
+            state.note(self.name, f"this transformer_engine's DelayedScaling has no {', '.join(dropped)}: not used")
+        if chosen and getattr(model.forward, "_composable_atorch_fp8", None) is None:
+            inner = model.forward
+
+            @functools.wraps(inner)
+            def forward(*args, **kwargs):
+                with te.fp8_autocast(enabled=True, fp8_recipe=fp8_recipe):
+                    return inner(*args, **kwargs)
+
+            forward._composable_atorch_fp8 = fp8_recipe
+            model.forward = forward
+        return f"transformer_engine te.Linear (weights copied) under fp8_autocast(DelayedScaling {kwargs})"
+
+
+def fp8(include=None, exclude=None, backend: str = "auto", **recipe) -> Fp8:
+    """Float8 Linear training: ``fp8(exclude=("lm_head",))``; recipe fields as in the seed (margin...)."""
+    unknown = sorted(set(recipe) - set(RECIPE_DEFAULTS))
+    if unknown:
+        raise ConfigError(f"fp8 recipe field {unknown[0]!r}", recipe[unknown[0]], f"one of {', '.join(RECIPE_DEFAULTS)}")
+    return Fp8(include=include, exclude=exclude, backend=backend, **recipe)
