@@ -153,6 +153,7 @@ def compose(*items, strict: bool = False, env: Environment | None = None):
                 if strict:
                     raise RequirementError(t.name, f"{imp.name} in the plan ({imp.reason})", f"add {imp.name}(...) yourself")
                 new = lookup(imp.name)(**imp.config)
+                new = new.resolve(env)[0] or new  # adapt to the environment like a requested one
                 active.append(new)
                 implied_by[new.name] = t.name
                 notes.append(f"implied {new.describe()} by {t.name}: {imp.reason}")

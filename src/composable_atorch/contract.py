@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 class Stage(enum.IntEnum):
     """The canonical order. Each value's docstring-like reason is in :data:`STAGE_REASONS`."""
 
+    PROCESS_GROUPS = 0
     MODULE_REWRITE = 1
     HALF_CAST = 2
     TENSOR_PARALLEL = 3
@@ -35,6 +36,7 @@ class Stage(enum.IntEnum):
 
 
 STAGE_REASONS: dict[Stage, str] = {
+    Stage.PROCESS_GROUPS: "process groups and the device mesh exist before anything shards over them",
     Stage.MODULE_REWRITE: "module rewrites must see the user's original classes before any wrapper hides them",
     Stage.HALF_CAST: "cast before sharding so shards are born in the training dtype",
     Stage.TENSOR_PARALLEL: "shard Linear weights into DTensors before anything wraps the blocks",

@@ -32,8 +32,14 @@ def canonical_name(name: str) -> str:
     return name
 
 
+#: Attribute a transform sets on a whole-model wrapper that prefixes every name (fairscale's
+#: ShardedDataParallel, DeepSpeed's engine: ``"module."``), so names still map to the user's.
+NAME_PREFIX_ATTR = "_composable_atorch_name_prefix"
+
+
 def named_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
-    return {canonical_name(n): p for n, p in model.named_parameters()}
+    prefix = getattr(model, NAME_PREFIX_ATTR, "")
+    return {canonical_name(n.removeprefix(prefix)): p for n, p in model.named_parameters()}
 
 
 def parameter_names(model: torch.nn.Module, optim: torch.optim.Optimizer | None) -> dict[int, str]:
@@ -109,6 +115,14 @@ class OptimizerHook:
 
     accumulation_steps: int = 1
 
+    def attach(self, optimizer: PlanOptimizer) -> None:
+        """Called once when the plan's optimizer is built, for hooks that act outside it.
+
+        DDP decides at *forward* time whether the coming backward all-reduces, so the hook that
+        skips sync inside an accumulation window reads ``optimizer.is_boundary`` from a forward
+        pre-hook.
+        """
+
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss
 
@@ -155,6 +169,8 @@ class PlanOptimizer(torch.optim.Optimizer):
             self.accumulation_steps *= max(1, int(h.accumulation_steps))
         self.micro_step = 0  # micro-batches since the last real step
         self._forced_boundary: bool | None = None
+        for h in self.hooks:
+            h.attach(self)
 
     # -- delegation ----------------------------------------------------------------------------
     @property

@@ -75,6 +75,11 @@ class ClipHook(OptimizerHook):
         self.last_norm: torch.Tensor | None = None
 
     def before_step(self, optimizer):
+        own = getattr(optimizer, "clip_grad_norm", None)
+        if callable(own):
+            # an optimizer that shards gradients outside DTensor (fairscale OSS) knows the global norm
+            self.last_norm = own(self.max_norm, norm_type=self.norm_type)
+            return
         params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         if params:
             # torch computes the true global norm for DTensor (sharded) gradients

@@ -14,7 +14,7 @@ import torch
 
 from ..contract import Conflict, Contract, Stage
 from ..optim import OptimizerHook
-from ..transform import ApplyContext, Transform, TrainState
+from ..transform import ApplyContext, TrainState, Transform
 from ._util import cast_floats, dtype_name, dtype_of
 
 
@@ -26,8 +26,16 @@ def _dtypes_differ(a, b) -> bool:
 class GradScalerHook(OptimizerHook):
     """fp16 loss scaling: scale the loss, unscale before clipping, skip steps with inf/nan grads."""
 
-    def __init__(self, device: str):
-        self.scaler = torch.amp.GradScaler(device)
+    def __init__(self, device: str, shard_group=None):
+        if shard_group is None:
+            # also global for FSDP2's DTensor gradients (measured: an inf in one rank's shard is
+            # found on every rank)
+            self.scaler = torch.amp.GradScaler(device)
+        else:
+            # gradients sharded outside DTensor (fairscale): reduce the inf check over the group
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            self.scaler = ShardedGradScaler(device, process_group=shard_group)
         self.skipped_steps = 0
 
     def scale_loss(self, loss):
@@ -52,16 +60,36 @@ class GradScalerHook(OptimizerHook):
         self.skipped_steps = state.get("skipped_steps", 0)
 
 
+def _all_finite(grads, shard_group=None) -> bool:
+    """True when every gradient is finite on every rank holding a shard of it.
+
+    Sharded gradients (DTensor, or fairscale's per-rank shards) are checked locally and the verdict
+    reduced over their groups, so all ranks skip the same steps.
+    """
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    bad = torch.stack([~torch.isfinite(g).all() for g in local]).any().float() if local else torch.zeros(())
+    groups = {id(g.device_mesh): g.device_mesh for g in grads if isinstance(g, DTensor)}
+    for mesh in groups.values():
+        for dim in range(mesh.ndim):
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
+    if shard_group is not None:
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=shard_group)
+    return not bool(bad)
+
+
 class NonfiniteSkipHook(OptimizerHook):
     """bf16 with ``skip_if_nonfinite``: no scaling (bf16 has fp32's range), but skip inf/nan steps."""
 
-    def __init__(self):
+    def __init__(self, shard_group=None):
         self.skipped_steps = 0
+        self.shard_group = shard_group
 
     def run_step(self, optimizer, closure=None):
         grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        finite = torch.stack([torch.isfinite(g).all() for g in grads]).all() if grads else torch.tensor(True)
-        if not bool(finite):
+        if not _all_finite(grads, self.shard_group):
             self.skipped_steps += 1
             return True  # handled: by not stepping
         return False
@@ -137,10 +165,10 @@ class Amp(Transform):
         model.forward = forward
         state.note(self.name, f"autocast({device}, {self.dtype}) around {type(model).__name__}.forward; float outputs cast to float32")
         if self.dtype == "fp16":
-            state.hooks.append(GradScalerHook(device))
+            state.hooks.append(GradScalerHook(device, getattr(state.parallel, "grad_shard_group", None)))
             state.note(self.name, "grad scaler: loss scaled in optim.backward(), inf/nan steps skipped")
         elif self.skip_if_nonfinite:
-            state.hooks.append(NonfiniteSkipHook())
+            state.hooks.append(NonfiniteSkipHook(getattr(state.parallel, "grad_shard_group", None)))
             state.note(self.name, "steps with inf/nan gradients skipped")
         return state
 

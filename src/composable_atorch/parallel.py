@@ -1,0 +1,206 @@
+"""The parallel context: the seed's ``parallel_mode`` layout, its device mesh, and its process groups.
+
+The seed writes a layout as ``[(name, size), ...]`` with the *first* name varying fastest over the
+ranks: ``[("tensor", 4), ("pipeline", 2), ("data", 2)]`` at world 16 gives tensor groups
+``[0..3], [4..7], ...``, pipeline groups ``[0, 4], [1, 5], ...`` and data groups ``[0, 8], [1, 9], ...``.
+A torch :class:`~torch.distributed.device_mesh.DeviceMesh` varies its *last* dimension fastest, so
+the mesh's dimensions are the seed's list reversed (``("data", "pipeline", "tensor")``).
+
+:func:`plan_layout` is the pure part (world size -> groups of ranks per dimension, with the seed's
+data-size adjustment), testable without processes. :func:`make_context` adds the device mesh when a
+process group exists. Nothing here is global: the context travels in ``TrainState.parallel``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import ConfigError
+
+#: The dimension names the seed supports. ``zero`` is a ZeRO sharding subgroup of data parallelism.
+DIM_NAMES = ("data", "zero", "tensor", "pipeline")
+#: Dimensions over which different ranks see different samples (the batch is split over them).
+BATCH_DIMS = ("data", "zero")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Sizes per named dimension (seed order, fastest first) and the rank order, for one world size."""
+
+    dims: tuple[tuple[str, int], ...]
+    world_size: int
+    rank_order: tuple[int, ...]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(n for n, _ in self.dims)
+
+    def size(self, name: str) -> int:
+        """Size of a dimension; 1 for a dimension the layout does not have."""
+        return dict(self.dims).get(name, 1)
+
+    @property
+    def batch_split(self) -> int:
+        """How many ways the global batch is split (the product of the data-like dimensions)."""
+        return math.prod(self.size(n) for n in BATCH_DIMS)
+
+    # torch's mesh order: the seed's list reversed (the last mesh dimension varies fastest)
+    @property
+    def mesh_dim_names(self) -> tuple[str, ...]:
+        return tuple(reversed(self.names))
+
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        return tuple(s for _, s in reversed(self.dims))
+
+    def mesh_tensor(self):
+        import torch
+
+        return torch.tensor(self.rank_order, dtype=torch.int).reshape(self.mesh_shape)
+
+    def groups(self, name: str) -> list[list[int]]:
+        """The groups of ranks along one dimension, ordered as the seed's 16-rank example lists them."""
+        if name not in self.names:
+            raise ConfigError("parallel dimension", name, f"one of the layout's dimensions {self.names}")
+        mesh = self.mesh_tensor()
+        axis = self.mesh_dim_names.index(name)
+        rows = mesh.movedim(axis, -1).reshape(-1, self.size(name))
+        return [list(map(int, row)) for row in rows]
+
+    def coordinate(self, rank: int, name: str) -> int:
+        """This rank's index inside its group along ``name`` (0 for an absent dimension)."""
+        if name not in self.names:
+            return 0
+        for group in self.groups(name):
+            if rank in group:
+                return group.index(rank)
+        raise ConfigError("rank", rank, f"a rank below the world size {self.world_size}")
+
+    def batch_rank(self, rank: int) -> int:
+        """This rank's index among the ``batch_split`` data shards (data-major over data x zero)."""
+        return self.coordinate(rank, "data") * self.size("zero") + self.coordinate(rank, "zero")
+
+    def describe(self) -> str:
+        dims = " x ".join(f"{n} {s}" for n, s in self.dims)
+        order = "" if self.rank_order == tuple(range(self.world_size)) else f", rank order {list(self.rank_order)}"
+        return f"{dims} = world {self.world_size}{order}"
+
+
+def _arith(dims) -> str:
+    return " x ".join(f"{n} {s}" for n, s in dims) or "(no dimensions)"
+
+
+def normalize_groups(groups: Any, field_name: str = "parallel_mode.groups") -> tuple[tuple[str, int], ...]:
+    """Validate the seed's ``[(name, size), ...]`` and return it as a tuple of pairs."""
+    if isinstance(groups, str) or not isinstance(groups, list | tuple) or not groups:
+        raise ConfigError(field_name, groups, "a non-empty list of (name, size) pairs, e.g. [('data', 2)]")
+    out: list[tuple[str, int]] = []
+    for item in groups:
+        if not (isinstance(item, list | tuple) and len(item) == 2):
+            raise ConfigError(field_name, item, "(name, size) pairs such as ('tensor', 2)")
+        name, size = item
+        if name not in DIM_NAMES:
+            raise ConfigError(f"{field_name} name", name, f"one of {', '.join(DIM_NAMES)}")
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ConfigError(f"{field_name} size of {name!r}", size, "an integer >= 1")
+        if name in (n for n, _ in out):
+            raise ConfigError(field_name, name, "each dimension named once")
+        out.append((name, size))
+    return tuple(out)
+
+
+def plan_layout(groups: Any, world_size: int, rank_order: Any = None) -> Layout:
+    """The layout for ``world_size``: data size adjusted as the seed describes, or a ConfigError.
+
+    With a ``data`` dimension its size becomes ``world / (product of the others)`` (the seed's
+    ``[("data", 8)]`` at world 16 -> 16). Without one the sizes must multiply to the world size.
+    """
+    dims = normalize_groups(groups)
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ConfigError("world size", world_size, "an integer >= 1")
+    others = [(n, s) for n, s in dims if n != "data"]
+    fixed = math.prod(s for _, s in others)
+    if any(n == "data" for n, _ in dims):
+        if world_size % fixed:
+            raise ConfigError(
+                "parallel_mode.groups",
+                list(dims),
+                f"sizes whose non-data product divides the world size: {_arith(others)} = {fixed}, "
+                f"and {world_size} / {fixed} is not an integer, so no data size fits",
+            )
+        dims = tuple((n, world_size // fixed if n == "data" else s) for n, s in dims)
+    elif fixed != world_size:
+        raise ConfigError(
+            "parallel_mode.groups",
+            list(dims),
+            f"sizes multiplying to the world size: {_arith(dims)} = {fixed}, not {world_size}; "
+            "add ('data', n) to let the data size absorb the rest",
+        )
+    if rank_order is None:
+        order = tuple(range(world_size))
+    else:
+        order = tuple(rank_order)
+        if sorted(order) != list(range(world_size)) or any(isinstance(r, bool) for r in order):
+            raise ConfigError("parallel_mode.rank_order", rank_order, f"a permutation of the ranks 0..{world_size - 1}, or None")
+    return Layout(dims=dims, world_size=world_size, rank_order=order)
+
+
+@dataclass
+class ParallelContext:
+    """What parallel transforms share through ``TrainState.parallel``.
+
+    ``mesh`` is None when no process group exists (a single process not launched by torchrun):
+    then data-parallel transforms have nothing to synchronize and say so in the plan's report.
+    ``grad_shard_group`` is set by a transform whose gradients are sharded outside DTensor
+    (fairscale's ShardedDataParallel), so inf checks and clipping know to reduce over it.
+    """
+
+    layout: Layout
+    rank: int = 0
+    mesh: Any = None
+    grad_shard_group: Any = None
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def distributed(self) -> bool:
+        return self.mesh is not None
+
+    @property
+    def data_size(self) -> int:
+        return self.layout.batch_split
+
+    @property
+    def data_rank(self) -> int:
+        return self.layout.batch_rank(self.rank)
+
+    def data_mesh(self):
+        """The 1-D mesh over the data dimension (what DDP and FSDP synchronize over)."""
+        if self.mesh is None:
+            return None
+        if self.mesh.ndim == 1:
+            return self.mesh
+        return self.mesh["data"]
+
+    def data_group(self):
+        mesh = self.data_mesh()
+        return None if mesh is None else mesh.get_group()
+
+
+def make_context(layout: Layout, device: str = "cpu") -> ParallelContext:
+    """The context for this process: the device mesh if torch.distributed is initialized."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return ParallelContext(layout=layout)
+    if dist.get_world_size() != layout.world_size:
+        raise ConfigError("parallel layout world size", layout.world_size, f"the running world size {dist.get_world_size()}")
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    names = layout.mesh_dim_names
+    if layout.rank_order == tuple(range(layout.world_size)):
+        mesh = init_device_mesh(device, layout.mesh_shape, mesh_dim_names=names)
+    else:
+        mesh = DeviceMesh(device, layout.mesh_tensor(), mesh_dim_names=names)
+    return ParallelContext(layout=layout, rank=dist.get_rank(), mesh=mesh)

@@ -1,0 +1,389 @@
+"""Sharded data parallelism: ``fsdp`` (ZeRO-3) and ``zero2`` on torch's FSDP2 ``fully_shard``.
+
+FSDP2 works in place and keeps parameter names (parameters become DTensor shards), so the plan
+rebuilds the optimizer over the shards by name. ``fully_shard`` is applied to each wrapped block,
+children before parents, then to the root. Before sharding, parameters and buffers are broadcast
+from the first data-parallel rank (what DDP does at start and FSDP1 calls ``sync_module_states``),
+so a model initialised differently per rank still trains as one.
+
+``zero2`` is the same engine with ``reshard_after_forward=False`` (the seed's default,
+SHARD_GRAD_OP), or fairscale's OSS + ShardedDataParallel with ``backend="fairscale"``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..contract import Conflict, Contract, Package, Stage, When
+from ..errors import ConfigError
+from ..optim import NAME_PREFIX_ATTR
+from ..transform import ApplyContext, TrainState, Transform
+from ._util import dtype_of, matches
+from .data_parallel import (
+    DDP_VS_FSDP,
+    DDP_VS_ZERO2,
+    FSDP_VS_ZERO2,
+    IMPLIES_PARALLEL_MODE,
+    SHARDED_STATE,
+    ZERO_DIM_CONFLICT,
+    GradSyncHook,
+    IgnoredGradSyncHook,
+    KeepGradBuffersHook,
+    _is_fairscale,
+    parallel_context,
+    sharded_optimizer,
+)
+
+#: fully_shard keywords the transform sets itself; the rest may pass through ``fsdp_kwargs``.
+_OWN_KWARGS = {"module", "mesh", "reshard_after_forward", "mp_policy", "offload_policy", "ignored_params"}
+#: The seed's FSDP1 options that FSDP2 makes moot (always original params, rate-limited all-gathers,
+#: module states synced here before sharding). Accepted from seed configs and shown in explain().
+FSDP1_OPTIONS = ("forward_prefetch", "limit_all_gathers", "sync_module_states", "use_orig_params", "backward_prefetch")
+
+
+def _targets(value, field: str) -> tuple:
+    if isinstance(value, type | str):
+        value = (value,)
+    value = tuple(value or ())
+    bad = [t for t in value if not isinstance(t, type | str)]
+    if bad:
+        raise ConfigError(field, bad[0], "module classes, class names or qualified module names")
+    return value
+
+
+def _tname(t) -> str:
+    return t.__name__ if isinstance(t, type) else t
+
+
+def wrap_targets(model: nn.Module, wrap: tuple, min_params: int, ignored: set, trainable_outmost: bool) -> list[nn.Module]:
+    """Modules to shard as their own group, children before parents (FSDP2 needs that order)."""
+    ignored_ids = {id(m) for m in ignored}
+    inside_ignored: set[int] = set()
+    for m in ignored:
+        inside_ignored.update(id(s) for s in m.modules())
+    chosen: list[nn.Module] = []
+    managed: set[int] = set()  # params already in a chosen descendant
+    for qualname, module in reversed(list(model.named_modules())):
+        if module is model or id(module) in inside_ignored:
+            continue
+        if wrap:
+            take = matches(module, qualname, wrap)
+        elif min_params:
+            fresh = sum(p.numel() for p in module.parameters() if id(p) not in managed)
+            take = fresh >= min_params
+        else:
+            take = False
+        if take:
+            chosen.append(module)
+            managed.update(id(p) for p in module.parameters())
+    if trainable_outmost:
+        # keep trainable parameters for the root group: a chosen module holding any is replaced by
+        # its largest all-frozen submodules (LoRA: the frozen base layers shard per block).
+        frozen: list[nn.Module] = []
+        for m in chosen:
+            if all(not p.requires_grad for p in m.parameters()):
+                frozen.append(m)
+                continue
+            for sub in m.modules():
+                params = list(sub.parameters())
+                if params and all(not p.requires_grad for p in params) and not any(sub in f.modules() for f in frozen):
+                    frozen.append(sub)
+        chosen = [m for m in frozen if id(m) not in ignored_ids]
+        # children before parents again
+        chosen.sort(key=lambda m: -sum(1 for _ in m.modules()))
+        chosen.reverse()
+    return chosen
+
+
+def broadcast_module_states(model: nn.Module, group) -> None:
+    """Make every rank start from data-rank 0's parameters and buffers."""
+    with torch.no_grad():
+        for t in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(t.data, group=group, group_src=0)
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """How to shard: what fsdp and zero2 (fsdp backend) share."""
+
+    wrap: tuple = ()
+    min_params: int = 0
+    ignored: tuple = ()
+    reshard_after_forward: bool = True
+    cpu_offload: bool = False
+    wrap_trainable_outmost: bool = False
+    fsdp_kwargs: tuple = ()
+
+
+def shard(spec: ShardSpec, who: str, state: TrainState, ctx: ApplyContext) -> TrainState:
+    """Apply FSDP2 as ``spec`` says; the shared body of fsdp and zero2(backend="fsdp")."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    pc = parallel_context(state, who)
+    if not pc.distributed:
+        state.note(who, "no process group: a single process has nothing to shard, model left as it is")
+        return state
+    model, mesh, group = state.model, pc.data_mesh(), pc.data_group()
+    ignored_modules = {m for q, m in model.named_modules() if spec.ignored and m is not model and matches(m, q, spec.ignored)}
+    ignored_params = {p for m in ignored_modules for p in m.parameters()}
+    kwargs = dict(spec.fsdp_kwargs)
+    kwargs["reshard_after_forward"] = spec.reshard_after_forward
+    kwargs["ignored_params"] = ignored_params or None
+    amp = ctx.find("amp")
+    if amp is not None and ctx.find("half") is None:
+        dtype = dtype_of(amp.dtype)
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+        state.note(who, f"mixed precision from amp: parameters all-gathered in {amp.dtype}, gradients reduced in float32")
+    kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if spec.cpu_offload else OffloadPolicy()
+    broadcast_module_states(model, group)
+    targets = wrap_targets(model, spec.wrap, spec.min_params, ignored_modules, spec.wrap_trainable_outmost)
+    for module in targets:
+        fully_shard(module, mesh=mesh, **kwargs)
+    fully_shard(model, mesh=mesh, **kwargs)
+    state.hooks.append(GradSyncHook(model))
+    kinds = sorted({type(m).__name__ for m in targets})
+    state.note(
+        who,
+        f"fully_shard on {len(targets)} module(s) ({', '.join(kinds) or 'none'}) then the root, over {pc.data_size} ranks; "
+        f"reshard_after_forward={spec.reshard_after_forward}{', parameters offloaded to CPU' if spec.cpu_offload else ''}",
+    )
+    if ignored_params:
+        trainable = [p for p in ignored_params if p.requires_grad]
+        if trainable:
+            state.hooks.append(IgnoredGradSyncHook(trainable, group, pc.data_size))
+        state.note(who, f"{len(ignored_params)} parameter(s) of ignored modules kept whole; their gradients averaged before the step")
+    return state
+
+
+def _fsdp_kwargs(kwargs) -> tuple:
+    from torch.distributed.fsdp import fully_shard
+
+    items = dict(kwargs or ())
+    allowed = set(inspect.signature(fully_shard).parameters) - _OWN_KWARGS
+    bad = sorted(set(items) - allowed)
+    if bad:
+        raise ConfigError(f"fsdp keyword {bad[0]!r}", items[bad[0]], f"fully_shard keywords {sorted(allowed)} (the others are fsdp's own fields)")
+    return tuple(sorted(items.items()))
+
+
+# ---------------------------------------------------------------------------------------------
+# fsdp
+# ---------------------------------------------------------------------------------------------
+
+FSDP_BACKENDS = ("torch", "deepspeed")
+
+
+@dataclass(frozen=True)
+class Fsdp(Transform):
+    """Fully sharded data parallelism (ZeRO-3): parameters, gradients and optimizer state sharded.
+
+    ``wrap`` (classes or names) or ``min_params`` (size-based) choose the blocks sharded as their
+    own groups; ``ignored`` modules stay whole. With ``amp`` in the plan the parameters are
+    all-gathered in amp's dtype. ``backend="deepspeed"`` runs DeepSpeed ZeRO-3 instead.
+    """
+
+    name = "fsdp"
+    contract = Contract(
+        stage=Stage.DATA_PARALLEL,
+        owns=("grad_sync", "optimizer_state_sharding"),
+        roles=("sharding", "data_parallel"),
+        implies=(IMPLIES_PARALLEL_MODE,),
+        conflicts=(
+            Conflict("ddp", DDP_VS_FSDP, "drop ddp: fsdp synchronizes gradients itself"),
+            Conflict("zero2", FSDP_VS_ZERO2, "keep one of fsdp (ZeRO-3) and zero2"),
+            Conflict("zero1", f"fsdp {SHARDED_STATE}", "drop zero1"),
+            ZERO_DIM_CONFLICT,
+        ),
+    )
+
+    wrap: tuple = ()
+    min_params: int = 0
+    ignored: tuple = ()
+    reshard_after_forward: bool = True
+    cpu_offload: bool = False
+    wrap_trainable_outmost: bool = False
+    backend: str = "torch"
+    fsdp_kwargs: tuple = ()
+    #: seed FSDP1 options with no FSDP2 meaning, kept so explain() shows they were read
+    fsdp1_options: tuple = ()
+
+    def __post_init__(self):
+        object.__setattr__(self, "wrap", _targets(self.wrap, "fsdp.wrap"))
+        object.__setattr__(self, "ignored", _targets(self.ignored, "fsdp.ignored"))
+        if isinstance(self.min_params, bool) or not isinstance(self.min_params, int) or self.min_params < 0:
+            raise ConfigError("fsdp.min_params", self.min_params, "an integer >= 0 (0: no size-based wrapping)")
+        if self.wrap and self.min_params:
+            raise ConfigError("fsdp.min_params", self.min_params, "0 when wrap is given (choose blocks by class or by size, not both)")
+        if self.backend not in FSDP_BACKENDS:
+            raise ConfigError("fsdp.backend", self.backend, ", ".join(map(repr, FSDP_BACKENDS)))
+        object.__setattr__(self, "fsdp_kwargs", _fsdp_kwargs(self.fsdp_kwargs))
+        object.__setattr__(self, "fsdp1_options", tuple(sorted(tuple(kv) for kv in self.fsdp1_options)))
+
+    def spec(self) -> ShardSpec:
+        return ShardSpec(self.wrap, self.min_params, self.ignored, self.reshard_after_forward, self.cpu_offload, self.wrap_trainable_outmost, self.fsdp_kwargs)
+
+    @classmethod
+    def from_seed(cls, config=None):
+        """The seed's dict: atorch_wrap_cls / atorch_size_based_min_num_params / atorch_ignored_cls, FSDP options."""
+        if config is None:
+            return cls()
+        if not isinstance(config, dict):
+            raise ConfigError("fsdp config", config, "a dict such as {'atorch_wrap_cls': (Block,)}")
+        cfg = dict(config)
+        renames = {
+            "atorch_wrap_cls": "wrap",
+            "atorch_size_based_min_num_params": "min_params",
+            "atorch_ignored_cls": "ignored",
+            "fsdp_wrap_params_outmost": "wrap_trainable_outmost",
+        }
+        fields = {renames.get(k, k): v for k, v in cfg.items() if k not in FSDP1_OPTIONS}
+        if "cpu_offload" in fields and not isinstance(fields["cpu_offload"], bool):
+            fields["cpu_offload"] = bool(getattr(fields["cpu_offload"], "offload_params", fields["cpu_offload"]))
+        if cfg.get("use_ds_zero"):
+            fields.pop("use_ds_zero")
+            fields["backend"] = "deepspeed"
+        known = {"wrap", "min_params", "ignored", "reshard_after_forward", "cpu_offload", "wrap_trainable_outmost", "backend"}
+        extra = {k: fields.pop(k) for k in list(fields) if k not in known}
+        return cls(**fields, fsdp_kwargs=tuple(extra.items()), fsdp1_options=tuple((k, cfg[k]) for k in FSDP1_OPTIONS if k in cfg))
+
+    @classmethod
+    def candidates(cls, search):
+        if search.env.world_size < 2:
+            return ()
+        return tuple(cls(wrap=(b,)) for b in search.block_classes)
+
+    def resolve(self, env):
+        if self.backend == "deepspeed":
+            from .deepspeed import DeepSpeedFsdp
+
+            return DeepSpeedFsdp(**self.config()), "DeepSpeed engine (ZeRO-3) owns backward, gradient sync and step"
+        return self, None
+
+    def describe(self):
+        how = f"wrap {', '.join(map(_tname, self.wrap))}" if self.wrap else (f"wrap blocks of >= {self.min_params} params" if self.min_params else "root only")
+        parts = [how]
+        if self.ignored:
+            parts.append(f"ignore {', '.join(map(_tname, self.ignored))}")
+        if not self.reshard_after_forward:
+            parts.append("keep parameters after forward")
+        if self.cpu_offload:
+            parts.append("CPU offload")
+        if self.wrap_trainable_outmost:
+            parts.append("trainable parameters in the root group")
+        if self.fsdp1_options:
+            parts.append(f"FSDP1-only options read and moot in FSDP2: {', '.join(k for k, _ in self.fsdp1_options)}")
+        return f"fsdp({'; '.join(parts)})"
+
+    def apply(self, state: TrainState, ctx: ApplyContext) -> TrainState:
+        return shard(self.spec(), self.name, state, ctx)
+
+
+def fsdp(wrap=(), *, min_params=0, ignored=(), reshard_after_forward=True, cpu_offload=False, wrap_trainable_outmost=False, backend="torch", **fsdp_kwargs) -> Fsdp:
+    """``fsdp(wrap=(Block,))``; extra keywords go to torch's ``fully_shard``."""
+    return Fsdp(wrap, min_params, ignored, reshard_after_forward, cpu_offload, wrap_trainable_outmost, backend, tuple(fsdp_kwargs.items()))
+
+
+# ---------------------------------------------------------------------------------------------
+# zero2
+# ---------------------------------------------------------------------------------------------
+
+ZERO2_BACKENDS = ("fsdp", "fairscale", "deepspeed")
+
+
+@dataclass(frozen=True)
+class Zero2(Transform):
+    """ZeRO-2: gradients and optimizer state sharded, parameters whole during compute.
+
+    ``backend``: ``"fsdp"`` (FSDP2 with ``reshard_after_forward=False``, default), ``"fairscale"``
+    (OSS + ShardedDataParallel, whose wrapper prefixes names with ``module.``; the plan maps them
+    back) or ``"deepspeed"`` (ZeRO stage 2 in a DeepSpeed engine).
+    """
+
+    name = "zero2"
+    contract = Contract(
+        stage=Stage.DATA_PARALLEL,
+        owns=("grad_sync", "optimizer_state_sharding"),
+        roles=("sharding", "data_parallel", "zero"),
+        requires=(When(predicate=_is_fairscale, inner=Package(name="fairscale", extra="fairscale")),),
+        implies=(IMPLIES_PARALLEL_MODE,),
+        conflicts=(
+            Conflict("ddp", DDP_VS_ZERO2, "drop ddp: zero2 synchronizes gradients itself"),
+            Conflict("fsdp", FSDP_VS_ZERO2, "keep one of fsdp (ZeRO-3) and zero2"),
+            Conflict("zero1", f"zero2 {SHARDED_STATE}", "drop zero1"),
+            ZERO_DIM_CONFLICT,
+        ),
+    )
+
+    backend: str = "fsdp"
+    wrap: tuple = ()
+
+    def __post_init__(self):
+        if self.backend not in ZERO2_BACKENDS:
+            raise ConfigError("zero2.backend", self.backend, ", ".join(map(repr, ZERO2_BACKENDS)))
+        object.__setattr__(self, "wrap", _targets(self.wrap, "zero2.wrap"))
+        if self.wrap and self.backend != "fsdp":
+            raise ConfigError("zero2.wrap", self.wrap, "() unless backend='fsdp' (only FSDP wraps blocks)")
+
+    @classmethod
+    def from_seed(cls, config=None):
+        """Seed: None (FSDP), ``{"not_use_fsdp": True}`` (fairscale), ``{"use_ds_zero": True}`` (DeepSpeed)."""
+        if config is None:
+            return cls()
+        if not isinstance(config, dict):
+            return cls(backend=config)
+        cfg = dict(config)
+        backend = "deepspeed" if cfg.pop("use_ds_zero", False) else ("fairscale" if cfg.pop("not_use_fsdp", False) else cfg.pop("backend", "fsdp"))
+        wrap = cfg.pop("atorch_wrap_cls", cfg.pop("wrap", ()))
+        unknown = sorted(set(cfg) - set(FSDP1_OPTIONS))
+        if unknown:
+            raise ConfigError(f"zero2 config key {unknown[0]!r}", cfg[unknown[0]], "use_ds_zero, not_use_fsdp, atorch_wrap_cls, or FSDP1 options")
+        return cls(backend=backend, wrap=wrap)
+
+    @classmethod
+    def candidates(cls, search):
+        return (cls(),) if search.env.world_size >= 2 else ()
+
+    def resolve(self, env):
+        if self.backend == "deepspeed":
+            from .deepspeed import DeepSpeedZero2
+
+            return DeepSpeedZero2(backend=self.backend), "DeepSpeed engine (ZeRO-2) owns backward, gradient sync and step"
+        return self, None
+
+    def describe(self):
+        if self.backend == "fairscale":
+            return "zero2(fairscale OSS + ShardedDataParallel)"
+        wrap = f"; wrap {', '.join(map(_tname, self.wrap))}" if self.wrap else ""
+        return f"zero2(FSDP2, reshard_after_forward=False{wrap})"
+
+    def apply(self, state: TrainState, ctx: ApplyContext) -> TrainState:
+        if self.backend == "fsdp":
+            return shard(ShardSpec(wrap=self.wrap, reshard_after_forward=False), self.name, state, ctx)
+        return self._fairscale(state)
+
+    def _fairscale(self, state: TrainState) -> TrainState:
+        from fairscale.nn.data_parallel import ShardedDataParallel
+
+        pc = parallel_context(state, self.name)
+        if state.optim is None or not pc.distributed:
+            state.note(self.name, "nothing to shard: " + ("no optimizer" if state.optim is None else "no process group"))
+            return state
+        group = pc.data_group()
+        state.optim = sharded_optimizer(state.optim, "fairscale", group)
+        wrapped = ShardedDataParallel(state.model, state.optim, process_group=group)
+        setattr(wrapped, NAME_PREFIX_ATTR, "module.")
+        state.model = wrapped
+        pc.grad_shard_group = group  # amp's scaler and clip_grad reduce their checks over it
+        state.hooks.append(GradSyncHook(wrapped, no_sync=wrapped.no_sync))
+        state.hooks.append(KeepGradBuffersHook())
+        state.note(self.name, f"fairscale OSS + ShardedDataParallel over {pc.data_size} ranks; names prefixed 'module.' by the wrapper, mapped back for the optimizer")
+        return state
+
+
+def zero2(backend: str = "fsdp", *, wrap=()) -> Zero2:
+    return Zero2(backend=backend, wrap=wrap)
