@@ -10,7 +10,8 @@ from . import codec
 from .environment import Environment
 from .errors import ConfigError, RequirementError
 from .optim import PlanOptimizer, parameter_names, rebuild_optimizer
-from .transform import ApplyContext, Transform, TrainState, lookup
+from .resumable import can_resume, resumable
+from .transform import ApplyContext, TrainState, Transform, lookup
 
 FORMAT = "composable_atorch.plan"
 VERSION = 1
@@ -173,7 +174,9 @@ class Plan:
     def __call__(self, model, optim=None, loader=None):
         state = self.apply(model, optim, loader)
         wrapped = None if state.optim is None else PlanOptimizer(state.optim, state.hooks)
-        return state.model, wrapped, state.loader
+        # the returned loader tracks its data position, so save_state/load_state can resume it
+        loader = resumable(state.loader) if can_resume(state.loader) else state.loader
+        return state.model, wrapped, loader
 
 
 def build(name: str, config: dict[str, Any] | None = None) -> Transform:

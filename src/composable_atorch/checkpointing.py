@@ -1,0 +1,393 @@
+"""Sharded, atomic save and resume of a training run on torch.distributed.checkpoint (DCP).
+
+    step, extra = load_state(ckpt, model, optim, loader) if latest_checkpoint(ckpt) else (0, {})
+    for x, y in loader:
+        ...; step += 1
+        if step % 100 == 0:
+            save_state(ckpt, model, optim, loader, step=step)
+
+What is saved, and where
+    ``ckpt/step-00000100/`` holds DCP's files (each rank writes its own shard of the model and
+    optimizer state — FSDP's DTensors stay sharded, DDP's replicas are written once), one
+    ``rank-N.json`` per rank (RNG states, the loader's data position, the plan optimizer's hook
+    states and accumulation micro-step) and ``checkpoint.json`` (step, world size, user extra,
+    the optimizer's shape). ``ckpt/latest.json`` names the newest complete checkpoint. A ZeRO-1
+    optimizer (ZeroRedundancyOptimizer, fairscale OSS) is saved from its local optimizer: each
+    rank writes its own partition, by parameter name. A save inside an accumulation window also
+    saves each rank's accumulated gradients (not with FSDP, which keeps them in its own buffers:
+    that is a ConfigError; save after ``optim.step()``).
+
+Why it survives a crash
+    Everything is written into ``ckpt/.step-00000100.partial`` and fsynced (DCP's
+    ``sync_files``, our JSON files too); only then rank 0 renames the directory into place and
+    moves ``latest.json`` (written to a temporary file, fsynced, ``os.replace``-d). A process
+    killed at any point leaves ``latest.json`` naming the previous complete checkpoint; the next
+    save clears the stale partial directory.
+
+Why it resumes bitwise
+    Weights and optimizer state come back through ``get_state_dict`` / ``set_state_dict`` (which
+    handle DDP, FSDP2 and plain modules alike); RNG states come back per rank; the loader (made
+    resumable by the plan, see resumable.py) continues with exactly the next batch, replaying its
+    pass's shuffle. At another world size DCP reshards the weights and optimizer state; the epoch
+    and batch count carry over (exact for a DistributedSampler at the same global batch), the
+    per-rank RNG states cannot and are left alone.
+
+Nothing here pickles: metadata is JSON; tensors go through DCP's own format.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from . import resumable as _resumable
+from .checkpoint_files import (
+    FORMAT,
+    META,
+    VERSION,
+    check_jsonable,
+    checkpoint_name,
+    latest_checkpoint,
+    partial_dir,
+    prune,
+    publish,
+    read_json,
+    write_json,
+)
+from .errors import ConfigError
+from .optim import PlanOptimizer
+
+__all__ = ["Resumed", "latest_checkpoint", "load_state", "save_state"]
+
+
+class Resumed(NamedTuple):
+    """What :func:`load_state` returns: ``step, extra = load_state(...)``."""
+
+    step: int
+    extra: dict[str, Any]
+
+
+# -- small helpers ---------------------------------------------------------------------------------
+def _dcp():
+    """torch.distributed.checkpoint and its state-dict API, imported on first use (~1 s to import)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import state_dict as sd
+
+    return dcp, sd, sd.StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank_world() -> tuple[int, int]:
+    if _distributed():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+@contextlib.contextmanager
+def _single_process_is_intended():
+    """Without a process group DCP warns that it assumes one process; here that is the design."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
+
+
+def _barrier() -> None:
+    if _distributed():
+        dist.barrier()
+
+
+def _split_optimizer(optim) -> tuple[torch.optim.Optimizer | None, list, int]:
+    """(inner torch optimizer, plan hooks, accumulation micro-step) of a PlanOptimizer or a plain one."""
+    if optim is None:
+        return None, [], 0
+    if isinstance(optim, PlanOptimizer):
+        return optim.optimizer, list(optim.hooks), optim.micro_step
+    if isinstance(optim, torch.optim.Optimizer):
+        return optim, [], 0
+    raise ConfigError("optim", type(optim).__name__, "the optimizer a plan returned, a torch.optim.Optimizer, or None")
+
+
+def _state_optimizer(inner: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer whose state DCP saves: a ZeRO-1 optimizer's local one (this rank's partition).
+
+    torch's ZeroRedundancyOptimizer and fairscale's OSS keep the state of this rank's parameters
+    in ``.optim``; saved by parameter name from there, each rank writes its own partition, and a
+    load at any world size reads the partition it owns then.
+    """
+    local = getattr(inner, "optim", None)
+    return local if isinstance(local, torch.optim.Optimizer) and local is not inner else inner
+
+
+def _sync_hyperparameters(inner: torch.optim.Optimizer, local: torch.optim.Optimizer) -> None:
+    """After a load into a ZeRO optimizer's local one, its wrapper's groups take the loaded values."""
+    if local is inner or len(local.param_groups) != len(inner.param_groups):
+        return
+    for outer, group in zip(inner.param_groups, local.param_groups):
+        outer.update({k: v for k, v in group.items() if k != "params"})
+
+
+def _optimizer_shape(inner: torch.optim.Optimizer, hooks: list) -> dict[str, Any]:
+    return {
+        "class": type(_state_optimizer(inner)).__name__,  # ZeRO-1 at world 2 loads into the plain one at world 1
+        "group_sizes": [len(g["params"]) for g in inner.param_groups],
+        "hooks": [type(h).__name__ for h in hooks],
+    }
+
+
+def _has_fsdp(model: torch.nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def _grad_state(model: torch.nn.Module, rank: int) -> dict[str, torch.Tensor]:
+    """This rank's accumulated local gradients (mid-window saves), under rank-specific keys."""
+    out = {}
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            out[f"rank{rank}.{name}"] = grad.detach()
+    return out
+
+
+# -- save ------------------------------------------------------------------------------------------
+def save_state(
+    directory: str | os.PathLike,
+    model: torch.nn.Module,
+    optim=None,
+    loader=None,
+    *,
+    step: int,
+    extra: dict[str, Any] | None = None,
+    keep: int | None = None,
+) -> Path:
+    """Save model, optimizer (with the plan's hook states), data position and RNG states.
+
+    Call it on every rank (it is collective when a process group exists), after ``optim.step()``
+    of the step you count in ``step``. ``extra`` is any JSON dict (returned by load_state).
+    ``keep`` prunes all but the newest ``keep`` checkpoints. Returns the checkpoint's directory.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError("model", type(model).__name__, "a torch.nn.Module")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ConfigError("save_state step", step, "an integer >= 0")
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+        raise ConfigError("save_state keep", keep, "an integer >= 1, or None to keep every checkpoint")
+    if extra is not None and not isinstance(extra, dict):
+        raise ConfigError("save_state extra", type(extra).__name__, "a dict of JSON values, or None")
+    extra = check_jsonable(dict(extra or {}), "save_state extra")
+    inner, hooks, micro_step = _split_optimizer(optim)
+    hook_states = [check_jsonable(h.state_dict(), f"{type(h).__name__}.state_dict()") for h in hooks]
+    if loader is not None and not _resumable.is_resumable(loader):
+        raise ConfigError(
+            "save_state loader",
+            type(loader).__name__,
+            "the loader a plan returned, or composable_atorch.resumable(loader) called before iterating it "
+            "(a plain DataLoader does not know how far it was iterated), or loader=None",
+        )
+    if micro_step and _has_fsdp(model):
+        raise ConfigError(
+            "save_state during an accumulation window",
+            f"micro-step {micro_step} of {optim.accumulation_steps}",
+            "a save right after optim.step() completed a window: FSDP keeps unsynchronised gradients inside its own buffers",
+        )
+
+    rank, world = _rank_world()
+    root = Path(directory)
+    partial = partial_dir(root, step)
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir()
+    _barrier()
+
+    dcp, sd, options = _dcp()
+    local = None if inner is None else _state_optimizer(inner)
+    has_optim_state = local is not None and bool(local.state)
+    if has_optim_state:
+        model_sd, optim_sd = sd.get_state_dict(model, [local], options=options)
+        state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
+    else:  # no state yet: get_state_dict would initialise it with a zero step, changing training
+        state = {"model": sd.get_model_state_dict(model, options=options)}
+    if micro_step:
+        state["grads"] = _grad_state(model, rank)
+    position = None if loader is None else loader.position.to_json()
+    write_json(
+        partial / f"rank-{rank}.json",
+        {"rank": rank, "rng": _resumable.capture_rng(), "loader": position, "micro_step": micro_step, "hooks": hook_states},
+    )
+    with _single_process_is_intended():
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(partial, sync_files=True), no_dist=not _distributed())
+    _barrier()
+    if rank == 0:
+        meta = {
+            "format": FORMAT,
+            "version": VERSION,
+            "step": step,
+            "world_size": world,
+            "extra": extra,
+            "optimizer": None if inner is None else {**_optimizer_shape(inner, hooks), "has_state": has_optim_state},
+            "micro_step": micro_step,
+            "loader": position is not None,
+        }
+        write_json(partial / META, meta)
+        publish(root, partial, step)
+        if keep is not None:
+            prune(root, keep)
+    _barrier()
+    return root / checkpoint_name(step)
+
+
+# -- load ------------------------------------------------------------------------------------------
+def _check_model(model: torch.nn.Module, metadata, path: Path) -> dict[str, Any]:
+    """The model's state dict; ConfigError when its names or shapes differ from the checkpoint's."""
+    _, sd, options = _dcp()
+    model_sd = sd.get_model_state_dict(model, options=options)
+    saved = {k[len("model.") :]: v for k, v in metadata.state_dict_metadata.items() if k.startswith("model.")}
+    missing = sorted(set(model_sd) - set(saved))
+    unexpected = sorted(set(saved) - set(model_sd))
+    shapes = [
+        f"{k} {tuple(getattr(saved[k], 'size', ()))} vs {tuple(v.shape)}"
+        for k, v in model_sd.items()
+        if k in saved and isinstance(v, torch.Tensor) and tuple(getattr(saved[k], "size", v.shape)) != tuple(v.shape)
+    ]
+    problems = [f"missing from the checkpoint: {', '.join(missing[:5])}"] if missing else []
+    problems += [f"not in the model: {', '.join(unexpected[:5])}"] if unexpected else []
+    problems += [f"shape (checkpoint vs model): {', '.join(shapes[:5])}"] if shapes else []
+    if problems:
+        raise ConfigError(
+            f"checkpoint {path}",
+            type(model).__name__,
+            "a model with the same parameter names and shapes as the saved one (" + "; ".join(problems) + ")",
+        )
+    return model_sd
+
+
+def _check_optimizer(inner, hooks: list, saved: dict | None, hook_states: list, path: Path) -> None:
+    if inner is None:
+        return
+    if saved is None:
+        raise ConfigError(f"checkpoint {path}", "no optimizer state", "load_state(..., optim=None) for a checkpoint saved without one")
+    mine = _optimizer_shape(inner, hooks)
+    for key in ("class", "group_sizes"):
+        if mine[key] != saved[key]:
+            raise ConfigError(f"checkpoint {path} optimizer {key}", mine[key], f"{saved[key]!r}, as saved")
+    unmatched = _match_hooks(hooks, saved["hooks"], hook_states)[1]
+    if unmatched:
+        raise ConfigError(
+            f"checkpoint {path} optimizer hooks",
+            mine["hooks"],
+            f"a plan whose optimizer has the saved hooks {saved['hooks']} (state of {unmatched} would be lost)",
+        )
+
+
+def _match_hooks(hooks: list, saved_names: list[str], saved_states: list) -> tuple[list, list[str]]:
+    """Pair this optimizer's hooks with saved states by class name (n-th of a kind to n-th).
+
+    Returns (pairs, names of saved hooks with state and no counterpart).
+    """
+    pool: dict[str, list] = {}
+    for name, state in zip(saved_names, saved_states):
+        pool.setdefault(name, []).append(state)
+    pairs = [(h, pool[type(h).__name__].pop(0)) for h in hooks if pool.get(type(h).__name__)]
+    lost = [name for name, states in pool.items() for s in states if s]
+    return pairs, lost
+
+
+def load_state(directory: str | os.PathLike, model: torch.nn.Module, optim=None, loader=None) -> Resumed:
+    """Load what save_state wrote into ``model``, ``optim`` and ``loader``, in place.
+
+    ``directory`` is the one given to save_state (its latest checkpoint is loaded) or one
+    ``step-*`` checkpoint inside it. Call it on every rank, after applying the same plan as the
+    saving run (any world size). Everything is checked before anything is modified.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError("model", type(model).__name__, "a torch.nn.Module")
+    path = latest_checkpoint(directory)
+    if path is None:
+        raise ConfigError(
+            "load_state directory",
+            str(directory),
+            "a directory written by save_state (holding latest.json) or one of its step-* checkpoints",
+        )
+    meta = read_json(path / META, "checkpoint metadata")
+    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+        raise ConfigError(f"checkpoint {path} format", (meta.get("format"), meta.get("version")), f"({FORMAT!r}, {VERSION})")
+    inner, hooks, _ = _split_optimizer(optim)
+    rank, world = _rank_world()
+    same_world = meta["world_size"] == world
+    rank_state = read_json(path / f"rank-{rank if same_world else 0}.json", "checkpoint rank state")
+    dcp, sd, options = _dcp()
+    reader = dcp.FileSystemReader(path)
+    model_sd = _check_model(model, reader.read_metadata(), path)
+    _check_optimizer(inner, hooks, meta["optimizer"], rank_state["hooks"], path)
+    if meta["micro_step"] and not same_world:
+        raise ConfigError(
+            f"checkpoint {path}",
+            f"saved mid accumulation window at world {meta['world_size']}",
+            f"world {meta['world_size']}: unsynchronised per-rank gradients cannot be resharded",
+        )
+    if loader is not None and not (_resumable.is_resumable(loader) or _resumable.can_resume(loader)):
+        _resumable.resumable(loader)  # raises the ConfigError naming what is allowed
+    if loader is not None and not meta["loader"]:
+        raise ConfigError(f"checkpoint {path}", "no data position", "load_state(..., loader=None) for a checkpoint saved without a loader")
+
+    # -- checked: from here on, state is modified ------------------------------------------------
+    saved_optim = inner is not None and meta["optimizer"]["has_state"]
+    local = None if inner is None else _state_optimizer(inner)
+    if saved_optim:
+        model_sd, optim_sd = sd.get_state_dict(model, [local], options=options)  # creates the state DCP loads into
+        state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
+    else:
+        state = {"model": model_sd}
+    if meta["micro_step"]:
+        params = dict(model.named_parameters())
+        state["grads"] = {
+            f"rank{rank}.{name}": torch.zeros_like(p.to_local() if hasattr(p, "to_local") else p) for name, p in params.items()
+        }
+        saved_keys = reader.read_metadata().state_dict_metadata
+        state["grads"] = {k: v for k, v in state["grads"].items() if f"grads.{k}" in saved_keys}
+    with _single_process_is_intended():
+        dcp.load(state, storage_reader=reader, no_dist=not _distributed())
+    if saved_optim:
+        sd.set_state_dict(model, [local], model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
+        _sync_hyperparameters(inner, local)
+    else:
+        sd.set_model_state_dict(model, state["model"], options=options)
+        if local is not None:
+            local.state.clear()
+    if meta["micro_step"]:
+        _restore_grads(model, state["grads"], rank)
+    for hook, hook_state in _match_hooks(hooks, meta["optimizer"]["hooks"] if meta["optimizer"] else [], rank_state["hooks"])[0]:
+        hook.load_state_dict(hook_state)
+    if isinstance(optim, PlanOptimizer):
+        optim.micro_step = rank_state["micro_step"]
+    if loader is not None:
+        rng = rank_state["rng"] if same_world else None
+        _resumable.resumable(loader).resume_at(rank_state["loader"], rng=rng, replay=same_world)
+    elif same_world:
+        _resumable.restore_rng(rank_state["rng"])
+    return Resumed(meta["step"], meta["extra"])
+
+
+def _restore_grads(model: torch.nn.Module, grads: dict[str, torch.Tensor], rank: int) -> None:
+    for name, p in model.named_parameters():
+        grad = grads.get(f"rank{rank}.{name}")
+        if grad is None:
+            p.grad = None
+        elif hasattr(p, "to_local"):
+            from torch.distributed.tensor import DTensor
+
+            p.grad = DTensor.from_local(grad, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+        else:
+            p.grad = grad

@@ -1,0 +1,141 @@
+"""``python -m composable_atorch launch``: run a training script on N processes, over torchrun.
+
+A thin layer over ``torch.distributed.run`` (torchrun): it checks the arguments up front, picks
+the rendezvous, gives every rank ``OMP_NUM_THREADS=1`` unless you set it, and returns the exit
+status. The script reads ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` and calls
+``torch.distributed.init_process_group()`` as with torchrun itself.
+
+One machine::
+
+    python -m composable_atorch launch --nproc 4 train.py --steps 100
+
+runs torchrun's ``--standalone`` rendezvous (a private store on a free port; a fixed
+``--master-port 0`` without it hangs).
+
+Several machines, through torchrun's c10d rendezvous: run the same command on every node with
+its own ``--node-rank``; ``--rdzv-endpoint`` is the address of node 0, which hosts the
+rendezvous store there (pick a port free on node 0)::
+
+    # on node 0 (10.0.0.1)                     # on node 1
+    python -m composable_atorch launch \\        python -m composable_atorch launch \\
+      --nnodes 2 --node-rank 0 --nproc 8 \\        --nnodes 2 --node-rank 1 --nproc 8 \\
+      --rdzv-endpoint 10.0.0.1:29400 \\            --rdzv-endpoint 10.0.0.1:29400 \\
+      train.py                                    train.py
+
+Global ranks are assigned by the rendezvous (node by node). ``--max-restarts K`` restarts the
+whole group after a failure, up to K times: a script that resumes with
+``composable_atorch.load_state`` from its last checkpoint then continues where it stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+PROG = "python -m composable_atorch launch"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports bad arguments as a return code (2) rather than by exiting."""
+
+    def error(self, message):
+        raise _UsageError(message)
+
+
+class _UsageError(Exception):
+    pass
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 0")
+    return value
+
+
+def _endpoint(text: str) -> str:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT (e.g. 10.0.0.1:29400)")
+    return text
+
+
+def parser() -> argparse.ArgumentParser:
+    p = _Parser(prog=PROG, description="Run a training script on N processes (a thin layer over torchrun).")
+    p.add_argument("--nproc", type=_positive, required=True, help="processes on this node (e.g. one per GPU)")
+    p.add_argument("--nnodes", type=_positive, default=1, help="number of nodes (default 1)")
+    p.add_argument("--node-rank", type=_non_negative, default=0, help="this node's index, 0..nnodes-1 (node 0 hosts the rendezvous)")
+    p.add_argument("--rdzv-endpoint", type=_endpoint, default=None, help="HOST:PORT of node 0, required with --nnodes > 1")
+    p.add_argument("--rdzv-id", default="composable_atorch", help="job id shared by all nodes of one run")
+    p.add_argument("--max-restarts", type=_non_negative, default=0, help="restart the group after a failure up to this many times")
+    p.add_argument("script", help="the training script (a .py file)")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
+    return p
+
+
+def torchrun_args(ns: argparse.Namespace) -> list[str]:
+    """The torchrun command line (without the program name) for parsed launch arguments."""
+    common = ["--nproc-per-node", str(ns.nproc), "--max-restarts", str(ns.max_restarts)]
+    if ns.nnodes == 1 and ns.rdzv_endpoint is None:
+        return ["--standalone", *common, ns.script, *ns.args]
+    # c10d assigns ranks by arrival (torchrun ignores --node-rank with it); the node rank says who
+    # hosts the rendezvous store, so two "nodes" on one machine do not race for the port
+    is_host = "1" if ns.node_rank == 0 else "0"
+    return [
+        "--nnodes", str(ns.nnodes),
+        "--rdzv-backend", "c10d",
+        "--rdzv-endpoint", ns.rdzv_endpoint,
+        "--rdzv-id", ns.rdzv_id,
+        "--rdzv-conf", f"is_host={is_host}",
+        *common, ns.script, *ns.args,
+    ]  # fmt: skip
+
+
+def _check(ns: argparse.Namespace) -> None:
+    if ns.nnodes > 1 and ns.rdzv_endpoint is None:
+        raise _UsageError(f"--nnodes {ns.nnodes} needs --rdzv-endpoint HOST:PORT (the address of node 0)")
+    if ns.node_rank >= ns.nnodes:
+        raise _UsageError(f"--node-rank {ns.node_rank} must be below --nnodes {ns.nnodes}")
+    if not os.path.isfile(ns.script):
+        raise _UsageError(f"script {ns.script!r} not found")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = parser()
+    try:
+        ns = p.parse_args(argv)
+        _check(ns)
+    except _UsageError as exc:
+        print(f"{p.format_usage()}{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    except SystemExit as exc:  # --help
+        return int(exc.code or 0)
+    # two ranks with several threads each on a small machine ran 5-10x slower (CPU_FACTS); torchrun
+    # itself only sets this with more than one process per node
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    try:
+        torchrun.run(torchrun.parse_args(torchrun_args(ns)))
+    except ChildFailedError as exc:
+        print(exc.format_msg(), file=sys.stderr)
+        codes = [f.exitcode for f in exc.failures.values()]
+        return next((c for c in codes if c > 0), 1)
+    return 0

@@ -1,0 +1,286 @@
+"""The data position and RNG states a checkpoint needs to continue with exactly the next batch.
+
+A resumed run reproduces the uninterrupted one bitwise only if three things come back: the
+weights and optimizer (DCP's job, see checkpointing.py), the random number generators, and the
+position in the data. A plain ``DataLoader`` does not know how far it has been iterated, so
+:func:`resumable` makes it know, in place — the way FSDP2's ``fully_shard`` swaps a module's
+class for a subclass — keeping the object, its sampler and every setting:
+
+* each ``iter(loader)`` starts a *pass*; the loader records the pass's epoch (the sampler's
+  ``epoch`` when it has one, e.g. ``DistributedSampler``; otherwise the pass index), the RNG
+  states at the start of the pass, and how many batches it has handed out;
+* after ``loader.resume_at(...)``, the next pass replays the start of the saved pass
+  (same RNG states, same sampler epoch, so the same permutation and worker seeds), skips the
+  batches already consumed at the index level (no data is loaded for them), and then puts the
+  RNG states of the moment of the save back, so training continues bitwise.
+
+The loader does not call ``set_epoch`` for you: keep calling it as torch documents. A resumed
+pass uses the saved epoch whatever was set before it; ``loader.epoch`` tells a resumed loop
+which epoch it is in. Everything here is JSON-able (base64 for RNG bytes): no pickle.
+"""
+
+from __future__ import annotations
+
+import base64
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from .errors import ConfigError
+
+
+# -- RNG states as JSON --------------------------------------------------------------------------
+def _bytes_of(state: torch.Tensor) -> str:
+    return base64.b64encode(state.cpu().numpy().tobytes()).decode("ascii")
+
+
+def _state_of(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8).clone()
+
+
+def capture_rng() -> dict[str, Any]:
+    """The process's RNG states (torch CPU and CUDA, Python ``random``, NumPy) as JSON values."""
+    version, internal, gauss = random.getstate()
+    state: dict[str, Any] = {"torch": _bytes_of(torch.get_rng_state()), "python": [version, list(internal), gauss]}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = [_bytes_of(s) for s in torch.cuda.get_rng_state_all()]
+    try:
+        import numpy as np
+    except ImportError:  # numpy is a dependency, but its RNG is only restored when present
+        return state
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state["numpy"] = [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)]
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    """Put back what :func:`capture_rng` recorded."""
+    torch.set_rng_state(_state_of(state["torch"]))
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([_state_of(s) for s in state["cuda"]])
+    if "numpy" in state:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+
+# -- the loader ----------------------------------------------------------------------------------
+def _generators(loader: DataLoader) -> dict[str, torch.Generator]:
+    """The loader's own torch.Generators (loader, sampler, batch sampler's sampler), by role."""
+    found = {"loader": loader.generator, "sampler": getattr(loader.sampler, "generator", None)}
+    inner = getattr(loader.batch_sampler, "sampler", None)
+    found["batch_sampler"] = getattr(inner, "generator", None)
+    return {k: g for k, g in found.items() if isinstance(g, torch.Generator)}
+
+
+def _epoch_sampler(loader: DataLoader):
+    """The sampler that takes ``set_epoch`` (a DistributedSampler, possibly inside the batch sampler)."""
+    for candidate in (loader.sampler, getattr(loader.batch_sampler, "sampler", None), loader.batch_sampler):
+        if callable(getattr(candidate, "set_epoch", None)):
+            return candidate
+    return None
+
+
+@dataclass
+class DataPosition:
+    """Where a resumable loader is: the current pass's epoch and the batches it handed out."""
+
+    epoch: int = 0
+    batches: int = 0
+    passes: int = 0
+    #: RNG states (global and the loader's generators) at the start of the current pass
+    pass_rng: dict[str, Any] | None = None
+    #: set by resume_at(): what the next pass replays
+    pending: dict[str, Any] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "batches": self.batches, "passes": self.passes, "pass_rng": self.pass_rng}
+
+
+class _SkipFirst:
+    """An index sampler that drops its first ``k`` index batches once, then behaves as ``base``.
+
+    The skip happens when an iterator is first advanced (or primed), so the DataLoader's unused
+    extra ``iter()`` calls, and later passes of persistent workers, do not skip again.
+    """
+
+    def __init__(self, base, k: int):
+        self.base, self.k, self.last = base, k, None
+
+    def __len__(self):
+        return max(0, len(self.base) - self.k)
+
+    def __iter__(self):
+        self.last = _Skipping(self, iter(self.base))
+        return self.last
+
+
+class _Skipping:
+    def __init__(self, owner: _SkipFirst, it):
+        self.owner, self.it = owner, it
+
+    def prime(self) -> None:
+        for _ in range(self.owner.k):
+            next(self.it, None)
+        self.owner.k = 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.owner.k:
+            self.prime()
+        return next(self.it)
+
+
+class _Counting:
+    """The DataLoader's iterator, counting the batches it hands out into the loader's position."""
+
+    def __init__(self, inner, position: DataPosition):
+        self._inner, self._position = inner, position
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        batch = next(self._inner)
+        self._position.batches += 1
+        return batch
+
+    def __len__(self):
+        return len(self._inner)
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+def _resumable_class(base: type) -> type:
+    """A subclass of the loader's class that tracks the data position (created once per class).
+
+    Made by a factory rather than a mixin: a mixin placed before DataLoader in the bases gives
+    a different object layout, and CPython then refuses the in-place ``__class__`` swap.
+    """
+
+    class Resumable(base):
+        """``base`` that tracks its data position; see the module docstring."""
+
+        __slots__ = ()  # the same object layout as ``base``, so the class can be swapped in place
+        _ca_resumable = True
+        _ca_skip = 0
+
+        @property
+        def position(self) -> DataPosition:
+            return self.__dict__["_ca_position"]
+
+        @property
+        def epoch(self) -> int:
+            """The epoch of the current (or, after resume_at, the resumed) pass."""
+            pending = self.position.pending
+            return pending["epoch"] if pending else self.position.epoch
+
+        @property
+        def batches_consumed(self) -> int:
+            pending = self.position.pending
+            return pending["batches"] if pending else self.position.batches
+
+        @property
+        def _index_sampler(self):
+            base = super()._index_sampler
+            return _SkipFirst(base, self._ca_skip) if self._ca_skip else base
+
+        def _pass_rng(self) -> dict[str, Any]:
+            return {"global": capture_rng(), "generators": {k: _bytes_of(g.get_state()) for k, g in _generators(self).items()}}
+
+        def resume_at(self, saved: dict[str, Any], *, rng: dict | None = None, replay: bool = True) -> None:
+            """Make the next pass continue a saved position (``DataPosition.to_json()``).
+
+            With ``replay`` the RNG states of the start of the saved pass are put back first, so the
+            pass shuffles and seeds its workers as it did; ``rng`` (the states at the save) is put
+            back once the pass is set up. Without ``replay`` (another world size) only the epoch and
+            the batch count carry over.
+            """
+            epoch, batches = int(saved["epoch"]), int(saved["batches"])
+            pass_rng = saved["pass_rng"] if replay else None
+            self.position.pending = {"epoch": epoch, "batches": batches, "passes": int(saved["passes"]), "pass_rng": pass_rng, "rng": rng}
+            sampler = _epoch_sampler(self)
+            if sampler is not None:
+                sampler.set_epoch(int(epoch))
+
+        def __iter__(self):
+            position = self.position
+            resume, position.pending = position.pending, None
+            sampler = _epoch_sampler(self)
+            skip = 0
+            if resume is not None:
+                if resume["pass_rng"] is not None:
+                    restore_rng(resume["pass_rng"]["global"])
+                    gens = _generators(self)
+                    for role, text in resume["pass_rng"]["generators"].items():
+                        if role in gens:
+                            gens[role].set_state(_state_of(text))
+                if sampler is not None:
+                    sampler.set_epoch(resume["epoch"])
+                skip = resume["batches"]
+            position.pass_rng = self._pass_rng()
+            position.passes = position.passes + 1 if resume is None else max(1, resume["passes"])
+            if resume is not None:
+                position.epoch = resume["epoch"]
+            else:
+                position.epoch = int(getattr(sampler, "epoch", 0)) if sampler is not None else position.passes - 1
+            position.batches = skip
+            self._ca_skip = skip
+            try:
+                inner = super().__iter__()
+                index_sampler = getattr(inner, "_index_sampler", None)
+                if isinstance(index_sampler, _SkipFirst) and index_sampler.last is not None:
+                    # draw what the original pass drew before the save (a RandomSampler's seed...)
+                    index_sampler.last.prime()
+            finally:
+                self._ca_skip = 0
+            if resume is not None and resume["rng"] is not None:
+                restore_rng(resume["rng"])
+            return _Counting(inner, position)
+
+    Resumable.__name__ = Resumable.__qualname__ = f"Resumable{base.__name__}"
+    return Resumable
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def can_resume(loader: Any) -> bool:
+    """True for a map-style DataLoader (an IterableDataset has no index to resume at)."""
+    return isinstance(loader, DataLoader) and not isinstance(loader.dataset, IterableDataset)
+
+
+def is_resumable(loader: Any) -> bool:
+    return getattr(type(loader), "_ca_resumable", False)
+
+
+def resumable(loader: DataLoader) -> DataLoader:
+    """Make ``loader`` track its data position, in place; returns the same object.
+
+    Idempotent. Plans apply it to the loader they return, so ``save_state`` works on it as is.
+    """
+    if is_resumable(loader):
+        return loader
+    if not can_resume(loader):
+        kind = type(getattr(loader, "dataset", None)).__name__ if isinstance(loader, DataLoader) else type(loader).__name__
+        raise ConfigError(
+            "loader",
+            kind,
+            "a torch DataLoader over a map-style Dataset (its position is an index; an IterableDataset "
+            "cannot be resumed at a batch), or loader=None to save no data position",
+        )
+    cls = type(loader)
+    if cls not in _CLASSES:
+        _CLASSES[cls] = _resumable_class(cls)
+    loader.__class__ = _CLASSES[cls]
+    loader.__dict__["_ca_position"] = DataPosition()
+    return loader
