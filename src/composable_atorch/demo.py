@@ -1,70 +1,100 @@
-"""The main job: train the built-in tiny GPT on the built-in corpus with a composed plan.
+"""The main job: auto-search a plan for the built-in tiny GPT at world 2, then train the best one.
 
-``python -m composable_atorch demo [--steps N] [--plan PLAN.json]`` prints the plan's explain(),
-shows a progress bar, and reports the loss falling (first vs last 10-step mean).
+``python -m composable_atorch demo`` runs an optuna search over the plans of the registered
+transforms (at world 2 on this machine, with a per-rank memory budget that rules some plans
+out), prints the trials table, writes the best plan (JSON) and an HTML report to ``--out``
+(default ``runs/demo``), then trains the best plan at world 2 in fresh worker processes with a
+progress bar and reports the loss falling.
+
+``--plan PLAN.json`` skips the search and trains a saved plan.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
+from pathlib import Path
 
-import torch
+from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-from torch.utils.data import DataLoader
 
 from . import strategy
-from .compose import compose
-from .data import TextDataset
-from .models import GPT, Block, GPTConfig
-from .models.gpt import lm_loss
-from .transforms.loop import clip_grad
-from .transforms.memory import checkpoint
-from .transforms.precision import amp
+from .auto import report
+from .auto.builtin import GPTTask
+from .auto.study import search
+from .auto.trial import train_plan
+from .environment import Environment
+from .errors import CompositionError
+
+#: The demo's GPT: big enough that plans differ in speed and memory, small enough for 2 CPU cores.
+TASK = GPTTask(seq_len=128, d_model=128, n_layer=4, n_head=4, lr=3e-3, batch_size=16)
+#: Left out of the demo's search, with the reason: fp8 on a CPU is emulated (no speed-up, ~10 s
+#: import per trial); compile's cold inductor builds take minutes per trial here.
+DEMO_EXCLUDED = ("fp8",)
 
 
-def default_plan():
-    return checkpoint(Block) | amp("bf16") | clip_grad(1.0)
-
-
-def train(plan, *, steps: int, batch_size: int, seq_len: int, seed: int = 0, progress: bool = True) -> list[float]:
-    torch.manual_seed(seed)
-    model = GPT(GPTConfig(seq_len=seq_len, d_model=128, n_layer=4, n_head=4))
-    optim = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
-    loader = DataLoader(TextDataset(seq_len), batch_size=batch_size, shuffle=True, drop_last=True)
-    model, optim, loader = plan(model, optim, loader)
-    print(plan.explain())
-    losses: list[float] = []
-    columns = (TextColumn("[bold]training"), BarColumn(), TextColumn("step {task.completed}/{task.total}"), TextColumn("loss {task.fields[loss]:.3f}"), TimeElapsedColumn())
-    with Progress(*columns, disable=not progress) as bar:
+def train(plan_json: str, *, world_size: int, steps: int, console: Console, timeout: float = 900.0) -> list[float] | None:
+    """Train a plan at ``world_size`` in fresh processes with a progress bar; rank 0's losses."""
+    columns = (TextColumn("[bold]training"), BarColumn(), TextColumn("step {task.completed}/{task.total}"),
+               TextColumn("loss {task.fields[loss]:.3f}"), TimeElapsedColumn())
+    with Progress(*columns, console=console) as bar:
         task = bar.add_task("train", total=steps, loss=float("nan"))
-        data = iter(loader)
-        while len(losses) < steps:
-            try:
-                x, y = next(data)
-            except StopIteration:
-                data = iter(loader)
-                continue
-            loss = lm_loss(model(x), y)
-            optim.backward(loss)
-            optim.step()
-            optim.zero_grad()
-            losses.append(loss.item())
-            bar.update(task, advance=1, loss=losses[-1])
+        losses, failure = train_plan(plan_json, TASK.workload(), world_size=world_size, steps=steps, timeout=timeout,
+                                     on_step=lambda step, loss: bar.update(task, completed=step, loss=loss))
+    if failure:
+        console.print(f"[red]training failed: {failure}[/red]")
+        return None
     return losses
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m composable_atorch demo", description=__doc__)
-    parser.add_argument("--steps", type=int, default=150)
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--plan", default=None, help="a saved plan JSON to train with instead of the default")
+    parser = argparse.ArgumentParser(prog="python -m composable_atorch demo", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="runs/demo", help="where best_plan.json, report.html and trials.json go")
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--trials", type=int, default=10, help="plans to measure in the search")
+    parser.add_argument("--time-limit", type=float, default=240.0, help="seconds for the search")
+    parser.add_argument("--memory-limit", default="48MiB", help="peak bytes per rank a plan may use")
+    parser.add_argument("--steps", type=int, default=150, help="training steps of the best plan")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--plan", default=None, help="train this saved plan JSON instead of searching")
     args = parser.parse_args(argv)
-    torch.set_num_threads(max(1, torch.get_num_threads()))
-    plan = strategy.load(args.plan) if args.plan else compose(default_plan())
+    console = Console()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    losses = train(plan, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len)
-    first, last = sum(losses[:10]) / min(10, len(losses)), sum(losses[-10:]) / min(10, len(losses))
-    print(f"loss: first 10 steps {first:.3f} -> last 10 steps {last:.3f} ({time.perf_counter() - start:.0f} s)")
+    env = Environment.detect().with_(world_size=args.world_size)
+    try:
+        if args.plan:
+            plan = strategy.load(args.plan, env=env)
+        else:
+            console.print(f"[bold]searching[/bold] plans for a {TASK.n_layer}-block GPT (d={TASK.d_model}, seq {TASK.seq_len}, "
+                          f"global batch {TASK.batch_size}) at world {args.world_size}, memory budget {args.memory_limit} per rank; "
+                          f"left out: {', '.join(DEMO_EXCLUDED)} (emulated on a CPU)")
+            result = search(
+                TASK.model, TASK.optimizer, TASK.dataset(), GPTTask.loss, world_size=args.world_size, batch_size=TASK.batch_size,
+                n_trials=args.trials, time_limit=args.time_limit, memory_limit=args.memory_limit, excluded=DEMO_EXCLUDED,
+                seed=args.seed, env=env,
+            )
+            console.print(report.table(result))
+            written = report.write_all(result, out)
+            for what, path in written.items():
+                console.print(f"{what}: {path}")
+            if result.best_plan is None:
+                console.print("[red]no plan fit the memory budget; raise --memory-limit[/red]")
+                return 1
+            plan = result.best_plan
+    except CompositionError as exc:
+        console.print(f"[red]error: {exc}[/red]")
+        return 2
+    console.print(plan.explain())
+    losses = train(plan.to_json(), world_size=args.world_size, steps=args.steps, console=console)
+    if not losses:
+        return 1
+    n = min(10, len(losses))
+    first, last = sum(losses[:n]) / n, sum(losses[-n:]) / n
+    (out / "train_losses.json").write_text(json.dumps({"plan": plan.to_dict(), "losses": losses}) + "\n")
+    console.print(f"final loss: first {n} steps {first:.3f} -> last {n} steps {last:.3f} "
+                  f"({'falling' if last < first else 'NOT falling'}; {time.perf_counter() - start:.0f} s in all)")
     return 0 if last < first else 1

@@ -1,3 +1,3 @@
 """One module per family of transforms. Importing this package registers every built transform."""
 
-from . import loop, memory, precision  # noqa: F401
+from . import compile, data_parallel, deepspeed, fp8, loop, memory, modules, precision, sharding  # noqa: F401

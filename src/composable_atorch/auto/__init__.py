@@ -1,0 +1,29 @@
+"""Auto mode: search the plans of the registered transforms for the fastest one that fits memory.
+
+    result = search(model_fn, optim_fn, dataset, loss_fn, world_size=2, batch_size=16,
+                    n_trials=8, memory_limit="200MiB", storage="runs/search.db", study_name="gpt")
+    result.best_plan            # a Plan: apply it, or save it with strategy.dump
+    report.write_all(result, "runs/search")
+
+:mod:`.space` builds the space from the registry, :mod:`.trial` measures one plan in fresh
+processes, :mod:`.study` runs the optuna study, :mod:`.report` writes what it found.
+"""
+
+from .space import SearchSpace, block_classes, plan_key
+from .study import SearchResult, TrialRecord, search
+from .trial import TrialResult, TrialSettings, run_trial, train_plan
+from .worker import Workload
+
+__all__ = [
+    "SearchResult",
+    "SearchSpace",
+    "TrialRecord",
+    "TrialResult",
+    "TrialSettings",
+    "Workload",
+    "block_classes",
+    "plan_key",
+    "run_trial",
+    "search",
+    "train_plan",
+]

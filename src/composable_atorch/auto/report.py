@@ -1,0 +1,156 @@
+"""What a search leaves behind: the trials table, the best plan as JSON, an HTML report.
+
+The table lists every measured plan (throughput, peak memory, status and reason) and counts the
+proposals that cost nothing (rejected by compose(), or already measured). The HTML report holds
+the same table and optuna's own plotly figures (optimization history, parameter importances,
+slices), each skipped with a note when the study has too few trials for it.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from pathlib import Path
+
+from rich.table import Table
+
+from .. import strategy
+from .study import SearchResult
+
+MiB = 2**20
+
+
+def rows(result: SearchResult) -> list[dict]:
+    """One dict per measured trial, best first (failed last)."""
+    order = {"ok": 0, "infeasible": 1, "failed": 2}
+    measured = sorted(
+        result.measured, key=lambda r: (order.get(r.status, 3), -(r.result.samples_per_s or 0) if r.result else 0)
+    )
+    out = []
+    for r in measured:
+        res = r.result
+        out.append({
+            "trial": r.number,
+            "plan": r.plan_label,
+            "steps": list(r.steps),
+            "samples_per_s": None if not res or res.samples_per_s is None else round(res.samples_per_s, 2),
+            "tokens_per_s": None if not res or res.tokens_per_s is None else round(res.tokens_per_s, 1),
+            "peak_mib": None if not res or res.peak_bytes is None else round(res.peak_bytes / MiB, 2),
+            "status": r.status,
+            "reason": r.reason or "",
+            "best": result.best is not None and r.number == result.best.number,
+        })
+    return out
+
+
+def summary(result: SearchResult) -> dict:
+    e = result.enumeration
+    return {
+        "space": {"assignments": e.total, "valid_plans": len(e.valid), "invalid_assignments": len(e.invalid),
+                  "duplicate_assignments": e.duplicates,
+                  "rejected_sub_combinations": len(result.space.rejected), "knobs": {k: list(v) for k, v in result.space.options.items()}},
+        "environment": result.space.env.describe(),
+        "memory_limit_mib": None if result.memory_limit is None else round(result.memory_limit / MiB, 2),
+        "measured_total": len(result.measured),
+        "measured_this_run": result.measured_now,
+        "invalid_proposals": result.invalid_proposals,
+        "duplicate_proposals": result.duplicate_proposals,
+        "dry_runs_on_invalid_plans": result.dry_runs_on_invalid,
+        "stopped_by": result.stopped_by,
+        "wall_time_s": round(result.wall_time, 1),
+        "best_trial": None if result.best is None else result.best.number,
+        "best_plan": None if result.best is None else result.best.plan_label,
+    }
+
+
+def table(result: SearchResult) -> Table:
+    """The trials table for a rich console."""
+    t = Table(title=f"trials ({_title(result)})")
+    for col, justify in (("#", "right"), ("plan", "left"), ("samples/s", "right"), ("tokens/s", "right"),
+                         ("peak MiB", "right"), ("status", "left"), ("reason", "left")):
+        t.add_column(col, justify=justify, overflow="fold")
+    for row in rows(result):
+        style = "bold green" if row["best"] else ("red" if row["status"] == "failed" else ("yellow" if row["status"] == "infeasible" else None))
+        t.add_row(str(row["trial"]), row["plan"] + ("  ← best" if row["best"] else ""), _num(row["samples_per_s"]),
+                  _num(row["tokens_per_s"], 0), _num(row["peak_mib"]), row["status"], row["reason"][:120], style=style)
+    return t
+
+
+def _title(result: SearchResult) -> str:
+    s = summary(result)
+    budget = "" if s["memory_limit_mib"] is None else f", memory budget {s['memory_limit_mib']} MiB per rank"
+    rejected = s["space"]["invalid_assignments"] + s["space"]["rejected_sub_combinations"]
+    return (f"{s['measured_total']} measured of {s['space']['valid_plans']} valid plans{budget}; {rejected} invalid "
+            f"combinations rejected by compose(); {s['invalid_proposals']} invalid and {s['duplicate_proposals']} "
+            "repeated proposals cost no run")
+
+
+def _num(value, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def text_table(result: SearchResult) -> str:
+    """The trials table as plain text (logs, files)."""
+    lines = [_title(result), f"{'#':>4}  {'plan':<48} {'samples/s':>10} {'peak MiB':>9}  status"]
+    for r in rows(result):
+        lines.append(f"{r['trial']:>4}  {r['plan'][:48]:<48} {_num(r['samples_per_s']):>10} {_num(r['peak_mib']):>9}  "
+                     f"{r['status']}{' (best)' if r['best'] else ''} {r['reason'][:80]}")
+    return "\n".join(lines)
+
+
+def figures(study) -> list[tuple[str, object | None, str]]:
+    """optuna's plotly figures for the study: (title, figure or None, note)."""
+    from optuna import visualization as vis
+
+    out = []
+    for title, make in (("optimization history", vis.plot_optimization_history),
+                        ("parameter importances", vis.plot_param_importances),
+                        ("slices", vis.plot_slice)):
+        try:
+            out.append((title, make(study), ""))
+        except Exception as exc:  # noqa: BLE001 - e.g. too few complete trials for importances
+            out.append((title, None, f"not drawn: {type(exc).__name__}: {exc}"))
+    return out
+
+
+def write_html(result: SearchResult, path: str | Path) -> Path:
+    path = Path(path)
+    parts = [f"<h1>composable_atorch search</h1><p>{html.escape(_title(result))}</p>"]
+    parts.append("<pre>" + html.escape(json.dumps(summary(result), indent=2)) + "</pre>")
+    head = "".join(f"<th>{c}</th>" for c in ("#", "plan", "samples/s", "tokens/s", "peak MiB", "status", "reason"))
+    bold = ' style="font-weight:bold"'
+    body = "".join(
+        f"<tr{bold if r['best'] else ''}><td>{r['trial']}</td><td>{html.escape(r['plan'])}</td>"
+        f"<td>{_num(r['samples_per_s'])}</td><td>{_num(r['tokens_per_s'], 0)}</td><td>{_num(r['peak_mib'])}</td>"
+        f"<td>{r['status']}</td><td>{html.escape(r['reason'])}</td></tr>"
+        for r in rows(result)
+    )
+    parts.append(f"<table border=1 cellpadding=4><tr>{head}</tr>{body}</table>")
+    if result.best_plan is not None:
+        parts.append("<h2>best plan</h2><pre>" + html.escape(result.best_plan.explain()) + "</pre>")
+    include_js = True  # the first figure carries plotly.js inline: the report opens offline
+    for title, fig, note in figures(result.study):
+        parts.append(f"<h2>{html.escape(title)}</h2>")
+        if fig is None:
+            parts.append(f"<p>{html.escape(note)}</p>")
+            continue
+        parts.append(fig.to_html(full_html=False, include_plotlyjs=include_js))
+        include_js = False
+    path.write_text("<!doctype html><html><head><meta charset='utf-8'><title>search report</title></head><body>"
+                    + "\n".join(parts) + "</body></html>")
+    return path
+
+
+def write_all(result: SearchResult, out_dir: str | Path) -> dict[str, Path]:
+    """best_plan.json (strategy.dump), trials.json and report.html under ``out_dir``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written = {}
+    if result.best_plan is not None:
+        written["plan"] = out / "best_plan.json"
+        strategy.dump(result.best_plan, written["plan"])
+    written["trials"] = out / "trials.json"
+    written["trials"].write_text(json.dumps({"summary": summary(result), "trials": rows(result)}, indent=2) + "\n")
+    written["report"] = write_html(result, out / "report.html")
+    return written
+

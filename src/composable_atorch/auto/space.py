@@ -1,0 +1,283 @@
+"""The search space, generated from the registry: for each kind, "absent" or one of its candidates.
+
+Nothing here names a transform. Each registered class offers configs through its
+``candidates(SearchContext)`` classmethod; a kind with no candidates is never proposed. A point of
+the space is an *assignment* ``{kind: label}``; compose() is the constraint that turns it into a
+Plan or rejects it (conflict, unmet requirement) before it costs a dry run. Two assignments whose
+composed plans have the same steps are the same plan, measured once (``plan_key``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import codec
+from ..compose import compose
+from ..environment import Environment
+from ..errors import CompositionError, ConfigError, UnknownTransformError
+from ..plan import Plan
+from ..transform import _PLANNED, SearchContext, Transform, lookup, registry
+
+ABSENT = "absent"
+
+
+def plan_key(plan: Plan) -> str:
+    """What makes two plans the same plan: their ordered steps and configs (not how they were asked for)."""
+    steps = [{"name": t.name, "config": codec.encode(t.config())} for t in plan.transforms]
+    return json.dumps(steps, sort_keys=True, separators=(",", ":"))
+
+
+def label_of(transform: Transform) -> str:
+    """A short, stable label for one candidate config (what optuna stores as the categorical value)."""
+    return transform.describe()
+
+
+def block_classes(model: torch.nn.Module) -> tuple[type, ...]:
+    """The model's repeated building blocks: user classes (not torch.nn's own) found at least twice.
+
+    Outermost first, in the order the model holds them: GPT gives (Block, CausalSelfAttention, MLP).
+    These are what checkpoint / fsdp-wrap / compile candidates are made of.
+    """
+    counts: dict[type, int] = {}
+    for module in model.modules():
+        cls = type(module)
+        if cls.__module__.startswith("torch.") or module is model:
+            continue
+        if not any(True for _ in module.parameters()):
+            continue
+        counts[cls] = counts.get(cls, 0) + 1
+    return tuple(cls for cls, n in counts.items() if n >= 2)
+
+
+def canonical_kind(name: str) -> str | None:
+    """The registry name for a name or alias; None for a seed name that is planned but not built."""
+    try:
+        return lookup(name).name
+    except UnknownTransformError:
+        if name in _PLANNED:
+            return None
+        raise
+
+
+@dataclass(frozen=True)
+class Point:
+    """One assignment of the space and what compose() made of it."""
+
+    assignment: tuple[tuple[str, str], ...]
+    plan: Plan | None
+    error: str | None = None
+
+    @property
+    def valid(self) -> bool:
+        return self.plan is not None
+
+    @property
+    def key(self) -> str | None:
+        return None if self.plan is None else plan_key(self.plan)
+
+
+@dataclass
+class Enumeration:
+    """Every assignment of a space, composed: the distinct valid plans and the rejected ones."""
+
+    valid: dict[str, Point] = field(default_factory=dict)  # plan key -> first assignment giving it
+    invalid: list[Point] = field(default_factory=list)
+    duplicates: int = 0  # valid assignments whose plan another assignment already gave
+
+    @property
+    def total(self) -> int:
+        return len(self.valid) + len(self.invalid) + self.duplicates
+
+
+def _contenders(a: type[Transform], b: type[Transform]) -> bool:
+    """Two kinds contend when they own a common role or either declares a conflict with the other."""
+    ca, cb = a.contract, b.contract
+    if set(ca.owns) & set(cb.owns):
+        return True
+    tags_a, tags_b = {a.name, *ca.owns, *ca.roles}, {b.name, *cb.owns, *cb.roles}
+    return any(c.other in tags_b for c in ca.conflicts) or any(c.other in tags_a for c in cb.conflicts)
+
+
+def dimensions(kinds: dict[str, type[Transform]]) -> list[tuple[str, ...]]:
+    """Kinds grouped into knobs: contending kinds (see :func:`_contenders`) share one knob.
+
+    ddp, zero1, zero2 and fsdp own gradient sync / optimizer-state sharding, so they form one knob,
+    "the data-parallel engine", whose options are their valid sub-combinations. Read from the
+    contracts: a new engine joins the knob by declaring what it owns.
+    """
+    parent = {k: k for k in kinds}
+
+    def root(k):
+        while parent[k] != k:
+            k = parent[k]
+        return k
+
+    for a, b in itertools.combinations(sorted(kinds), 2):
+        if _contenders(kinds[a], kinds[b]):
+            parent[root(b)] = root(a)
+    groups: dict[str, list[str]] = {}
+    for k in sorted(kinds):
+        groups.setdefault(root(k), []).append(k)
+    return [tuple(g) for g in groups.values()]
+
+
+class SearchSpace:
+    """``{knob: {label: transforms}}`` built from the registry, with compose() as the constraint.
+
+    A knob is one kind, or a group of contending kinds (:func:`dimensions`) whose options are the
+    sub-combinations compose() accepts on their own (the others are counted in ``rejected``).
+    ``excluded`` drops kinds from the search; ``included`` pins kinds to be present (one of their
+    candidates); ``extra`` adds given configs as options of their kind (e.g. a loaded strategy
+    to fine-tune from); ``customize(plan) -> plan`` adjusts every composed plan (settings that are
+    not searched, such as ``find_unused_parameters``).
+    """
+
+    def __init__(
+        self,
+        search: SearchContext,
+        *,
+        excluded: Iterable[str] = (),
+        included: Iterable[str] = (),
+        extra: Iterable[Transform] = (),
+        customize: Callable[[Plan], Plan] | None = None,
+    ):
+        self.search = search
+        self.customize = customize
+        self.env = search.env
+        excluded_kinds = {k for k in (canonical_kind(n) for n in excluded) if k is not None}
+        included_kinds = set()
+        for name in included:
+            kind = canonical_kind(name)
+            if kind is None:
+                raise ConfigError("included", name, "transforms that are built (this one is planned, not built)")
+            if kind in excluded_kinds:
+                raise ConfigError("included", name, "a transform that is not also in excluded")
+            included_kinds.add(kind)
+        per_kind: dict[str, list[Transform | None]] = {}
+        classes = {}
+        for kind, cls in sorted(registry().items()):
+            if kind in excluded_kinds:
+                continue
+            found = list(cls.candidates(search))
+            found += [t for t in extra if t.name == kind and t not in found]
+            if not found:
+                if kind in included_kinds:
+                    raise ConfigError(
+                        "included", kind, f"transforms that offer search candidates here ({kind} offers none for {self.env.describe()}); pass it in load_strategy instead"
+                    )
+                continue
+            per_kind[kind] = ([] if kind in included_kinds else [None]) + list(dict.fromkeys(found))
+            classes[kind] = cls
+        #: sub-combinations of a knob that compose() rejected while the space was built
+        self.rejected: list[tuple[str, str]] = []
+        self.options: dict[str, dict[str, tuple[Transform, ...]]] = {}
+        for group in dimensions(classes):
+            self.options["+".join(group)] = self._knob(group, per_kind)
+
+    def _knob(self, group: tuple[str, ...], per_kind: dict) -> dict[str, tuple[Transform, ...]]:
+        if len(group) == 1:
+            return {ABSENT if t is None else label_of(t): (() if t is None else (t,)) for t in per_kind[group[0]]}
+        combos = [tuple(t for t in combo if t is not None) for combo in itertools.product(*(per_kind[k] for k in group))]
+        by_key: dict[str, tuple[Transform, ...]] = {}
+        for combo in sorted(combos, key=len, reverse=True):  # the explicit spelling wins over an implied one
+            label = " + ".join(label_of(t) for t in combo) or ABSENT
+            try:
+                key = plan_key(compose(*combo, env=self.env))
+            except CompositionError as exc:
+                self.rejected.append((label, f"{type(exc).__name__}: {exc}"))
+                continue
+            by_key.setdefault(key, combo)
+        ordered = sorted(by_key.values(), key=len)
+        return {(" + ".join(label_of(t) for t in combo) or ABSENT): combo for combo in ordered}
+
+    @classmethod
+    def for_model(
+        cls,
+        model: torch.nn.Module,
+        *,
+        world_size: int,
+        batch_size: int,
+        env: Environment | None = None,
+        **kwargs,
+    ) -> SearchSpace:
+        """The space for ``model`` at ``world_size`` (other environment facts detected here)."""
+        env = (env or Environment.detect()).with_(world_size=world_size)
+        return cls(SearchContext(env=env, block_classes=block_classes(model), batch_size=batch_size), **kwargs)
+
+    # -- the space --------------------------------------------------------------------------
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """The knob names (a kind, or contending kinds joined by '+')."""
+        return tuple(self.options)
+
+    @property
+    def size(self) -> int:
+        n = 1
+        for choices in self.options.values():
+            n *= len(choices)
+        return n
+
+    def assignments(self) -> Iterator[dict[str, str]]:
+        for labels in itertools.product(*(list(c) for c in self.options.values())):
+            yield dict(zip(self.kinds, labels))
+
+    def transforms(self, assignment: dict[str, str]) -> list[Transform]:
+        out: list[Transform] = []
+        for knob, label in assignment.items():
+            if knob not in self.options or label not in self.options[knob]:
+                raise ConfigError(f"search assignment {knob!r}", label, f"one of {list(self.options.get(knob, {}))}")
+            out.extend(self.options[knob][label])
+        return out
+
+    def point(self, assignment: dict[str, str]) -> Point:
+        """Compose an assignment. An invalid one comes back with compose()'s error as the reason."""
+        items = tuple(sorted(assignment.items()))
+        try:
+            plan = compose(*self.transforms(assignment), env=self.env)
+            if self.customize is not None:
+                plan = self.customize(plan)
+        except CompositionError as exc:
+            return Point(items, None, f"{type(exc).__name__}: {exc}")
+        return Point(items, plan)
+
+    def assignment_of(self, plan: Plan) -> dict[str, str] | None:
+        """The assignment that asks for exactly ``plan``'s requested transforms, if the space has one."""
+        wanted = {t.name: t for t in plan.requested}
+        out = {}
+        for knob, choices in self.options.items():
+            mine = {wanted.pop(k) for k in knob.split("+") if k in wanted}
+            label = next((lab for lab, combo in choices.items() if set(combo) == mine), None)
+            if label is None:
+                return None
+            out[knob] = label
+        return None if wanted else out
+
+    def enumerate(self) -> Enumeration:
+        """Compose every assignment (cheap: no model is touched) and sort them out."""
+        result = Enumeration()
+        for assignment in self.assignments():
+            p = self.point(assignment)
+            if not p.valid:
+                result.invalid.append(p)
+            elif p.key in result.valid:
+                result.duplicates += 1
+            else:
+                result.valid[p.key] = p
+        return result
+
+    def suggest(self, trial) -> dict[str, str]:
+        """Ask an optuna trial for one label per knob (categorical parameters named by knob)."""
+        return {knob: trial.suggest_categorical(knob, list(choices)) for knob, choices in self.options.items()}
+
+    def describe(self) -> str:
+        lines = [f"search space for {self.env.describe()}: {self.size} assignment(s)"]
+        for knob, choices in self.options.items():
+            lines.append(f"  {knob}: {', '.join(choices)}")
+        if self.rejected:
+            lines.append(f"  ({len(self.rejected)} sub-combination(s) rejected by compose() while building the knobs)")
+        return "\n".join(lines)

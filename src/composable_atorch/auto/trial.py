@@ -1,0 +1,220 @@
+"""Run one plan in fresh worker processes at the target world size, with a time limit.
+
+Each trial spawns ``world_size`` processes on a real process group (gloo on the CPU, NCCL on
+GPUs), trains ``warmup_steps`` optimizer steps, then times ``measure_steps`` between barriers, then
+measures the peak memory of one more step on every rank (see :mod:`.worker` for how). Throughput
+is the global batch times the optimizer steps over the time (samples/s; tokens/s where the batch
+holds token ids). A crash, an out-of-memory error or a hang is a failed trial with its reason;
+the parent kills every rank's process group on failure or timeout, so nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import signal
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from multiprocessing.connection import wait
+
+from ..errors import ConfigError
+from .worker import RankSpec, Workload, rank_main
+
+
+@dataclass(frozen=True)
+class TrialSettings:
+    world_size: int = 2
+    warmup_steps: int = 2
+    measure_steps: int = 4
+    #: seconds one trial may take, spawn to exit; a trial still running then is a hang
+    timeout: float = 120.0
+    measure_memory: bool = True
+
+    def __post_init__(self):
+        if not isinstance(self.world_size, int) or self.world_size < 1:
+            raise ConfigError("world_size", self.world_size, "an integer >= 1")
+        for name in ("warmup_steps", "measure_steps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < (0 if name == "warmup_steps" else 1):
+                raise ConfigError(name, value, "a positive integer" if name == "measure_steps" else "an integer >= 0")
+        if not isinstance(self.timeout, int | float) or self.timeout <= 0:
+            raise ConfigError("trial timeout", self.timeout, "a positive number of seconds")
+
+
+@dataclass
+class TrialResult:
+    """What one trial measured, or why it failed. ``status`` is "ok" or "failed"."""
+
+    status: str
+    reason: str | None = None
+    samples_per_s: float | None = None
+    tokens_per_s: float | None = None
+    step_time: float | None = None
+    peak_bytes: int | None = None  # max over ranks
+    peak_bytes_per_rank: list[int | None] = field(default_factory=list)
+    memory_method: str | None = None
+    wall_time: float = 0.0
+    losses: list[float] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> TrialResult:
+        return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
+
+
+def check_picklable(workload: Workload) -> None:
+    """ConfigError naming the field that cannot reach a worker process (before any work)."""
+    for name in ("model_fn", "optim_fn", "dataset", "loss_fn", "loader_kwargs"):
+        try:
+            pickle.dumps(getattr(workload, name))
+        except Exception as exc:  # noqa: BLE001 - pickling can fail in many ways
+            raise ConfigError(
+                name, getattr(workload, name), f"a module-level function, class or picklable object: trials run in fresh processes ({exc})"
+            ) from None
+
+
+def kill_group(proc) -> None:
+    """SIGKILL the rank's process group (the rank and whatever it started), then the rank itself."""
+    if proc.pid is None:
+        return
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        if os.getpgid(proc.pid) == proc.pid:  # the rank has made its own group (it always does first)
+            os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(Exception):
+        proc.kill()
+    proc.join(10)
+
+
+def _signal_reason(code: int) -> str:
+    name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else str(-code)
+    if name == "SIGKILL":
+        return "out of memory (killed by SIGKILL, as the kernel's out-of-memory killer does)"
+    return f"crash (killed by {name})"
+
+
+def _log_tail(out_dir: str, rank: int, lines: int = 6) -> str:
+    path = os.path.join(out_dir, f"rank{rank}.log")
+    if not os.path.exists(path):
+        return ""
+    with open(path, errors="replace") as f:
+        tail = [ln.rstrip() for ln in f.readlines() if ln.strip()][-lines:]
+    return " | ".join(tail)
+
+
+def _read(out_dir: str, rank: int) -> dict | None:
+    path = os.path.join(out_dir, f"rank{rank}.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def _spawn(spec_for: Callable[[str], RankSpec], world: int, timeout: float, on_progress=None):
+    """Start the ranks, wait for them (calling ``on_progress`` with rank 0's messages), kill on failure.
+
+    Returns ``(per-rank JSON or None, failure reason or None, wall seconds)``.
+    """
+    ctx = mp.get_context("spawn")
+    start = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="composable-atorch-trial-") as tmp:
+        spec = spec_for(tmp)
+        progress = ctx.Queue() if on_progress is not None else None
+        procs = [ctx.Process(target=rank_main, args=(r, spec, progress), name=f"trial-rank{r}") for r in range(world)]
+        failure = None
+        try:
+            for p in procs:
+                p.start()
+            deadline = start + timeout
+            while True:
+                if progress is not None:
+                    with contextlib.suppress(queue.Empty):
+                        while True:
+                            on_progress(*progress.get_nowait())
+                codes = [p.exitcode for p in procs]
+                bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+                if bad:
+                    rank, code = bad[0]
+                    data = _read(tmp, rank)
+                    if data and data.get("status") == "error":
+                        failure = f"{data['kind']} on rank {rank}: {data['reason']}"
+                    elif code < 0:
+                        failure = f"{_signal_reason(code)} on rank {rank}: {_log_tail(tmp, rank)}"
+                    else:
+                        failure = f"crash on rank {rank} (exit code {code}): {_log_tail(tmp, rank)}"
+                    break
+                if all(c == 0 for c in codes):
+                    break
+                if time.monotonic() > deadline:
+                    late = [r for r, c in enumerate(codes) if c is None]
+                    failure = f"timeout: rank(s) {late} still running after {timeout:.0f} s (hang); killed"
+                    break
+                wait([p.sentinel for p in procs if p.exitcode is None], timeout=0.1)
+        finally:
+            for p in procs:
+                if p.exitcode is None or failure is not None:
+                    kill_group(p)
+                else:
+                    p.join(10)
+            if progress is not None:
+                with contextlib.suppress(queue.Empty, OSError, ValueError, EOFError):
+                    while True:
+                        on_progress(*progress.get_nowait())
+                progress.close()
+                progress.cancel_join_thread()
+        results = [_read(tmp, r) for r in range(world)]
+    return results, failure, time.monotonic() - start
+
+
+def run_trial(plan_json: str, workload: Workload, settings: TrialSettings) -> TrialResult:
+    """Measure one plan (its JSON) in fresh processes; never raises for what the plan does."""
+
+    def spec_for(tmp: str) -> RankSpec:
+        return RankSpec(
+            plan_json=plan_json, workload=workload, world_size=settings.world_size, out_dir=tmp,
+            init_file=os.path.join(tmp, "pg_init"), warmup_steps=settings.warmup_steps,
+            measure_steps=settings.measure_steps, measure_memory=settings.measure_memory, timeout=settings.timeout,
+        )
+
+    results, failure, wall = _spawn(spec_for, settings.world_size, settings.timeout)
+    if failure is not None:
+        return TrialResult(status="failed", reason=failure, wall_time=wall)
+    head = results[0]
+    # rank 0's median step (under data parallelism each step waits for the slowest rank) resists
+    # the pauses of a shared machine better than the mean
+    step_time = statistics.median(head["step_times"])
+    samples = workload.batch_size / step_time
+    tokens = samples * head["tokens_per_sample"] if head.get("tokens_per_sample") else None
+    peaks = [r.get("peak_bytes") for r in results]
+    known = [p for p in peaks if p is not None]
+    return TrialResult(
+        status="ok", samples_per_s=samples, tokens_per_s=tokens, step_time=step_time,
+        peak_bytes=max(known) if known else None, peak_bytes_per_rank=peaks, memory_method=head.get("memory_method"),
+        wall_time=wall, losses=head.get("losses", []),
+    )
+
+
+def train_plan(plan_json: str, workload: Workload, *, world_size: int, steps: int, timeout: float,
+               on_step: Callable[[int, float], None] | None = None) -> tuple[list[float] | None, str | None]:
+    """Train a plan for ``steps`` optimizer steps at ``world_size``: (rank 0's losses, failure or None)."""
+
+    def spec_for(tmp: str) -> RankSpec:
+        return RankSpec(plan_json=plan_json, workload=workload, world_size=world_size, out_dir=tmp,
+                        init_file=os.path.join(tmp, "pg_init"), mode="train", train_steps=steps, timeout=timeout)
+
+    results, failure, _ = _spawn(spec_for, world_size, timeout, on_progress=on_step or (lambda *_: None))
+    if failure is not None:
+        return None, failure
+    return results[0]["losses"], None

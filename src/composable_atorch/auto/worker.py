@@ -1,0 +1,282 @@
+"""What one rank of a trial does, inside a fresh process: build, apply the plan, train, measure.
+
+The parent (:mod:`.trial`) starts ``world`` of these with multiprocessing's *spawn* context, so
+factories defined in the user's ``__main__`` resolve as they do for any spawned worker. Each rank
+starts its own session (``os.setsid``) so the parent can kill it and anything it started with one
+``killpg``, and asks the kernel to kill it if the parent dies (``PR_SET_PDEATHSIG``): a trial never
+leaves a process behind.
+
+Peak memory per rank: on CUDA ``torch.cuda.max_memory_allocated`` over one training step; on the
+CPU torch's ``MemTracker`` (torch.distributed._tools) over one training step, with the model's
+parameters, buffers and the optimizer's state registered before the step — the peak bytes of
+every tensor storage the plan holds (parameters, gradients, optimizer state, activations,
+temporaries). Process RSS is not used: on this machine it got the direction wrong.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import datetime
+import json
+import os
+import signal
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+#: Environment variables of an enclosing torchrun that must not leak into a trial's own group.
+_LAUNCHER_PREFIXES = ("TORCHELASTIC_", "GROUP_", "ROLE_", "TORCH_ELASTIC")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What every trial trains. Everything here crosses a process boundary: module-level functions,
+    classes or picklable objects only (no lambdas).
+
+    ``model_fn()`` builds a fresh model; ``optim_fn(model)`` its optimizer (an optimizer class is
+    called with ``model.parameters()``); ``loss_fn(model, batch)`` runs the forward and returns the
+    loss of one batch; ``batch_size`` is the global batch (strong scaling).
+    """
+
+    model_fn: Callable[[], Any]
+    optim_fn: Callable[..., Any]
+    dataset: Any
+    loss_fn: Callable[[Any, Any], Any]
+    batch_size: int
+    loader_kwargs: dict = field(default_factory=dict)
+    seed: int = 0
+
+    def build(self):
+        import torch
+        from torch.utils.data import DataLoader
+
+        torch.manual_seed(self.seed)
+        model = self.model_fn()
+        optim = make_optimizer(self.optim_fn, model)
+        kwargs = {"shuffle": True, "drop_last": True, **self.loader_kwargs}
+        if kwargs.get("shuffle"):
+            kwargs.setdefault("generator", torch.Generator().manual_seed(self.seed))
+        loader = DataLoader(self.dataset, batch_size=self.batch_size, **kwargs)
+        return model, optim, loader
+
+
+def make_optimizer(optim_fn, model):
+    import torch
+
+    if isinstance(optim_fn, type) and issubclass(optim_fn, torch.optim.Optimizer):
+        return optim_fn(model.parameters())
+    return optim_fn(model)
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """One trial as the ranks see it (picklable; the plan travels as JSON)."""
+
+    plan_json: str
+    workload: Workload
+    world_size: int
+    out_dir: str
+    init_file: str
+    mode: str = "measure"  # or "train"
+    warmup_steps: int = 2
+    measure_steps: int = 4
+    train_steps: int = 0
+    measure_memory: bool = True
+    timeout: float = 120.0
+
+
+def batches(loader) -> Iterator[Any]:
+    """Endless iteration over the loader, advancing a distributed sampler's epoch."""
+    epoch = 0
+    while True:
+        sampler = getattr(loader, "sampler", None)
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(epoch)
+        yield from loader
+        epoch += 1
+
+
+def to_device(batch, device):
+    import torch
+
+    if device == "cpu":
+        return batch
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, list | tuple):
+        return type(batch)(to_device(v, device) for v in batch)
+    return batch
+
+
+def tokens_per_sample(batch) -> int | None:
+    """Tokens in one sample when the batch's first tensor holds token ids ``(batch, seq...)``."""
+    import torch
+
+    first = batch
+    while isinstance(first, list | tuple) and first:
+        first = first[0]
+    if isinstance(first, dict) and first:
+        first = next(iter(first.values()))
+    if isinstance(first, torch.Tensor) and not first.is_floating_point() and first.dim() >= 2:
+        return first[0].numel()
+    return None
+
+
+def train_step(model, optim, data: Iterator, loss_fn, device: str, before_micro=None) -> tuple[float, Any]:
+    """One optimizer step: as many micro-batches as the plan's accumulation asks for."""
+    micro = int(getattr(optim, "accumulation_steps", 1))
+    total, batch = 0.0, None
+    for _ in range(micro):
+        if before_micro is not None:
+            before_micro()
+        batch = to_device(next(data), device)
+        loss = loss_fn(model, batch)
+        if isinstance(loss, list | tuple):
+            loss = loss[0]
+        optim.backward(loss)
+        optim.step()
+        optim.zero_grad()
+        total += float(loss.detach())
+    return total / micro, batch
+
+
+def peak_bytes_of_step(step: Callable[..., Any], model, optim, device: str) -> tuple[int, str]:
+    """Peak bytes of one training step on this rank, and how they were measured (see module doc)."""
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        torch.cuda.synchronize()
+        return int(torch.cuda.max_memory_allocated()), "torch.cuda.max_memory_allocated over one step"
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    inner = getattr(optim, "optimizer", optim)
+    tracker.track_external(model, inner)
+    with tracker:
+        # per-module stats are per forward; the global peak survives resets between micro-batches
+        step(before_micro=tracker.reset_mod_stats)
+    peak = tracker.get_tracker_snapshot("peak")
+    total = sum(int(snap.get("Total", 0)) for snap in peak.values())
+    return total, "torch MemTracker peak over one step (parameters, gradients, optimizer state, activations, temporaries)"
+
+
+def _isolate() -> None:
+    os.setsid()  # own session and process group: the parent kills us and our children with killpg
+    with contextlib.suppress(Exception):  # Linux only: die with the parent
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _redirect_output(path: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+def _write(path: str, data: dict) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f)
+    os.replace(tmp, path)
+
+
+def classify(exc: BaseException) -> str:
+    text = str(exc).lower()
+    if isinstance(exc, MemoryError) or "out of memory" in text or "can't allocate memory" in text:
+        return "out of memory"
+    return "crash"
+
+
+def rank_main(rank: int, spec: RankSpec, progress=None) -> None:
+    """Entry point of one rank (a spawned process)."""
+    _isolate()
+    _redirect_output(os.path.join(spec.out_dir, f"rank{rank}.log"))
+    for key in [k for k in os.environ if k.startswith(_LAUNCHER_PREFIXES)]:
+        del os.environ[key]
+    world = spec.world_size
+    os.environ.update(
+        OMP_NUM_THREADS="1", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world), DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cpu"),
+    )
+    result_path = os.path.join(spec.out_dir, f"rank{rank}.json")
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device == "cuda":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(
+            "nccl" if device == "cuda" else "gloo", init_method=f"file://{spec.init_file}", rank=rank,
+            world_size=world, timeout=datetime.timedelta(seconds=max(30.0, spec.timeout)),
+        )
+        out = _run(rank, spec, device, progress)
+        _write(result_path, {"status": "ok", **out})
+    except BaseException as exc:  # noqa: BLE001 - every failure becomes the trial's reason
+        _write(result_path, {"status": "error", "kind": classify(exc), "reason": f"{type(exc).__name__}: {exc}"[:2000],
+                             "traceback": traceback.format_exc()[-4000:]})
+        os._exit(1)  # do not wait in collectives or atexit handlers of a broken group
+    with contextlib.suppress(Exception):
+        dist.destroy_process_group()
+    os._exit(0)
+
+
+def _run(rank: int, spec: RankSpec, device: str, progress) -> dict:
+    import torch.distributed as dist
+
+    from ..plan import Plan
+
+    model, optim, loader = spec.workload.build()
+    if device == "cuda":
+        model = model.to(device)
+    plan = Plan.from_json(spec.plan_json)  # composed again here: checked against this very process
+    model, optim, loader = plan(model, optim, loader)
+    data = batches(loader)
+    loss_fn = spec.workload.loss_fn
+    if spec.mode == "train":
+        losses = []
+        for i in range(spec.train_steps):
+            loss, _ = train_step(model, optim, data, loss_fn, device)
+            losses.append(loss)
+            if progress is not None and rank == 0:
+                progress.put((i + 1, loss))
+        return {"losses": losses}
+    losses, batch = [], None
+    for _ in range(spec.warmup_steps):
+        loss, batch = train_step(model, optim, data, loss_fn, device)
+        losses.append(loss)
+    dist.barrier()
+    start = time.perf_counter()
+    step_times = []
+    for _ in range(spec.measure_steps):
+        t0 = time.perf_counter()
+        loss, batch = train_step(model, optim, data, loss_fn, device)  # .item() inside: the step is done
+        step_times.append(time.perf_counter() - t0)
+        losses.append(loss)
+    dist.barrier()
+    elapsed = time.perf_counter() - start
+    peak, method = None, None
+    if spec.measure_memory:
+        def step(before_micro=None):
+            return train_step(model, optim, data, loss_fn, device, before_micro)
+
+        peak, method = peak_bytes_of_step(step, model, optim, device)
+    return {
+        "elapsed": elapsed,
+        "steps": spec.measure_steps,
+        "step_times": step_times,
+        "losses": losses,
+        "peak_bytes": peak,
+        "memory_method": method,
+        "tokens_per_sample": tokens_per_sample(batch),
+        "applied": plan.explain(),
+    }

@@ -1,0 +1,64 @@
+"""Workloads with injected faults for the auto-search tests (importable: trials run in fresh processes).
+
+``FaultyGPT`` crashes under autocast (so every amp plan crashes) and, on micro-batches of
+``hang_batch`` samples (an accumulation plan), starts a grandchild process and hangs — the
+trial runner must kill both. Every pid it starts is appended to ``pid_file``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+
+import torch
+
+from composable_atorch.models import GPT, GPTConfig
+from composable_atorch.models.gpt import lm_loss
+
+
+class FaultyGPT(GPT):
+    def __init__(self, pid_file: str, hang_batch: int):
+        super().__init__(GPTConfig(seq_len=16, d_model=32, n_layer=2, n_head=2))
+        self.pid_file, self.hang_batch = pid_file, hang_batch
+
+    def _record(self, pid: int) -> None:
+        with open(self.pid_file, "a") as f:
+            f.write(f"{pid}\n")
+
+    def forward(self, tokens):
+        self._record(os.getpid())
+        if torch.is_autocast_enabled("cpu"):
+            raise RuntimeError("injected crash under autocast")
+        if tokens.size(0) == self.hang_batch:
+            child = subprocess.Popen(["sleep", "600"])
+            self._record(child.pid)
+            time.sleep(600)
+        return super().forward(tokens)
+
+
+class FaultyModelFn:
+    def __init__(self, pid_file: str, hang_batch: int):
+        self.pid_file, self.hang_batch = pid_file, hang_batch
+
+    def __call__(self):
+        return FaultyGPT(self.pid_file, self.hang_batch)
+
+
+def adamw(model):
+    return torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def lm_step(model, batch):
+    tokens, targets = batch
+    return lm_loss(model(tokens), targets)
+
+
+def alive(pid: int) -> bool:
+    """True if ``pid`` is a live (not zombie) process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
