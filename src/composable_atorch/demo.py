@@ -60,7 +60,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plan", default=None, help="train this saved plan JSON instead of searching")
     args = parser.parse_args(argv)
-    console = Console()
+    console = report.console()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()

@@ -13,8 +13,6 @@ import argparse
 import importlib
 import sys
 
-from rich.console import Console
-
 from ..errors import CompositionError, ConfigError
 from . import report
 from .builtin import GPTTask
@@ -64,7 +62,7 @@ def parser(prog: str = "python -m composable_atorch search") -> argparse.Argumen
 
 def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
-    console = Console()
+    console = report.console()
     try:
         if args.task:
             workload = load_task(args.task)

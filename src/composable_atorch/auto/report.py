@@ -20,6 +20,16 @@ from .study import SearchResult
 MiB = 2**20
 
 
+def console():
+    """A rich console; when output is not a terminal (a log, CI) it is 160 columns wide, so the
+    trials table's plan labels do not wrap into a column a dozen lines tall."""
+    import sys
+
+    from rich.console import Console
+
+    return Console() if sys.stdout.isatty() else Console(width=160)
+
+
 def rows(result: SearchResult) -> list[dict]:
     """One dict per measured trial, best first (failed last)."""
     order = {"ok": 0, "infeasible": 1, "failed": 2}
