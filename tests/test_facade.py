@@ -93,3 +93,36 @@ def test_both_modes_under_torchrun_agree_on_one_plan_and_train(tmp_path):
         assert saved == ca.Plan.from_json(a["plan"], env=ca.Environment.detect().with_(world_size=2))
     semi_steps = json.loads(ranks[0]["semi"]["plan"])["steps"]
     assert "ddp" in semi_steps and "amp" in semi_steps  # parallel_mode implies ddp, as the seed's parallel_mode means
+
+
+def test_dry_run_on_load_strategy_reports_success_and_failure():
+    kwargs = {**COMMON, "trial_timeout": 120}
+    status, result, best = ca.auto_accelerate(
+        seed_task.build(), load_strategy=[("amp_native", {"dtype": torch.bfloat16})], ignore_dryrun_on_load_strategy=False, **kwargs
+    )
+    assert status is True and best.names == ("amp",)
+    status, result, best = ca.auto_accelerate(
+        seed_task.build(), load_strategy=["amp_native"], ignore_dryrun_on_load_strategy=False,
+        **{**kwargs, "loss_func": seed_task.broken_loss_func},
+    )
+    assert (status, result, best) == (False, None, None)
+
+
+def test_finetune_strategy_measures_the_loaded_plan_first_and_returns_a_measured_plan(tmp_path):
+    loaded = ca.compose(ca.amp("bf16"), ca.checkpoint(Block))
+    path = tmp_path / "tuned.json"
+    status, result, best = ca.auto_accelerate(
+        seed_task.build(), load_strategy=loaded, finetune_strategy=True, n_trials=2, trial_timeout=120,
+        storage=str(tmp_path / "study.db"), study_name="finetune", save_strategy_to_file=str(path), **COMMON,
+    )
+    assert status is True
+    import optuna
+
+    study = optuna.load_study(study_name="finetune", storage=f"sqlite:///{tmp_path / 'study.db'}")
+    measured = [t for t in study.trials if t.user_attrs.get("plan_json")]
+    assert len(measured) == 2
+    assert ca.Plan.from_json(measured[0].user_attrs["plan_json"]) == loaded  # the loaded plan runs first
+    assert best in [ca.Plan.from_json(t.user_attrs["plan_json"]) for t in measured]
+    assert strategy.load(str(path)) == best
+    losses = train(result, 30)
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5

@@ -42,3 +42,8 @@ def loss_func(data, output):
 def build():
     torch.manual_seed(0)
     return SeedGPT()
+
+
+def broken_loss_func(data, output):
+    """A loss that fails inside the worker: the dry run must report it, not crash the caller."""
+    raise RuntimeError("injected loss failure")
