@@ -7,7 +7,6 @@ import time
 import pytest
 
 import composable_atorch as ca
-from auto_faults import FaultyModelFn, adamw, alive, lm_step
 from composable_atorch import strategy
 from composable_atorch.auto import report
 from composable_atorch.auto.space import plan_key
@@ -17,6 +16,8 @@ from composable_atorch.auto.worker import Workload
 from composable_atorch.data import TextDataset
 from composable_atorch.environment import Environment
 from composable_atorch.models import GPT
+
+from auto_faults import FaultyModelFn, adamw, alive, lm_step
 
 ENV2 = Environment.detect().with_(world_size=2)
 

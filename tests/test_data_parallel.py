@@ -14,12 +14,12 @@ import torch.distributed as dist
 from torch.utils.data.distributed import DistributedSampler
 
 import composable_atorch as ca
-from _dp import BATCH, STEPS, bitwise, loader, max_diff, model, plain, reference, run_plan, train
 from composable_atorch.errors import ConfigError
 from composable_atorch.models import Block
 from composable_atorch.transforms.loop import ClipHook
 
 from _dist import run_world
+from _dp import BATCH, STEPS, bitwise, loader, max_diff, model, plain, reference, run_plan, train
 
 pytestmark = pytest.mark.dist
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 
 import composable_atorch as ca
-from _dp import max_diff, model, plain, run_plan
 
 from _dist import run_world
+from _dp import max_diff, model, plain, run_plan
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow, pytest.mark.skipif(not ca.environment.package_available("deepspeed"), reason="deepspeed not installed")]
 

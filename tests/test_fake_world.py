@@ -3,6 +3,7 @@
 import multiprocessing as mp
 
 import pytest
+
 from fake_world import child
 
 

@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-import seed_task  # noqa: E402
-
 import composable_atorch as ca  # noqa: E402
+
+import seed_task  # noqa: E402
 
 
 def train(result, steps=12):
