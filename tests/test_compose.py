@@ -116,6 +116,15 @@ class ToyGpu(Transform):
 
 
 @dataclass(frozen=True)
+class ToyUsesGpu(Transform):
+    name = "toy_uses_gpu"
+    contract = Contract(stage=Stage.OPTIMIZER, implies=(Implication("toy_gpu", "needs the GPU rewrite"),))
+
+    def apply(self, state, ctx):
+        return state
+
+
+@dataclass(frozen=True)
 class ToyNeedsWorld(Transform):
     name = "toy_world"
     contract = Contract(stage=Stage.DATA_PARALLEL, requires=(MinWorldSize(minimum=2), Package(name="toypkg", extra="toy")))
@@ -185,6 +194,14 @@ def test_skip_when_environment_lacks_hardware_and_strict_errors():
     assert ca.compose(ToyGpu(), env=h100).names == ("toy_gpu",)
     a100 = h100.with_(compute_capability=(8, 0))
     assert ca.compose(ToyGpu(), env=a100).names == ()
+
+
+def test_implied_steps_are_checked_against_the_environment_too():
+    with pytest.raises(RequirementError, match="toy_gpu.*cannot run"):
+        ca.compose(ToyUsesGpu(), env=CPU)
+    h100 = Environment(world_size=1, device="cuda", compute_capability=(9, 0))
+    plan = ca.compose(ToyUsesGpu(), env=h100)
+    assert plan.names == ("toy_gpu", "toy_uses_gpu") and plan.steps[0].implied_by == "toy_uses_gpu"
 
 
 def test_unmet_hard_requirement_is_error_naming_fix():

@@ -41,6 +41,7 @@ def deepspeed_cases(rank, world):
     # clip_grad maps onto the engine's gradient_clipping
     r = run_plan(ca.zero2(backend="deepspeed"), ca.clip_grad(0.05))
     out["clip_config"] = r["model"].gradient_clipping()
+    out["clip_hooks"] = [type(h).__name__ for h in r["optim"].hooks]
     ref = run_plan(ca.ddp(), ca.clip_grad(0.05))
     out["clip_diff"] = max_diff(plain({n: p.detach() for n, p in r["model"].module.named_parameters()}), plain(ref["params"]))
     return plain(out)
@@ -65,6 +66,7 @@ def test_deepspeed_zero_matches_ddp(ds_results, key, tol):
 def test_deepspeed_clips_with_clip_grads_max_norm(ds_results):
     for r in ds_results:
         assert r["clip_config"] == pytest.approx(0.05)
+        assert r["clip_hooks"] == ["DeepSpeedHook"]  # the engine clips; no second, partition-local clip
         assert r["clip_diff"] < 1e-5
 
 

@@ -102,6 +102,27 @@ def _order(transforms: list[Transform]) -> tuple[list[Transform], dict[str, list
     return ordered, why
 
 
+def _admit(t: Transform, env: Environment, strict: bool, notes: list[str]) -> Transform | None:
+    """``t`` resolved against ``env`` with its requirements checked; None (and a note) if skipped."""
+    resolved, note = t.resolve(env)
+    if resolved is None:
+        if strict:
+            raise RequirementError(t.name, note or "an environment that can run it", "drop it, or run where it can")
+        notes.append(f"skipped {t.name}: {note}")
+        return None
+    if note:
+        notes.append(f"{t.name}: {note}")
+    for req in resolved.contract.requires:
+        missing = req.unmet(env, resolved)
+        if missing is None:
+            continue
+        if req.on_unmet == "skip" and not strict:
+            notes.append(f"skipped {t.name}: needs {missing} ({req.fix()})")
+            return None
+        raise RequirementError(t.name, missing, req.fix())
+    return resolved
+
+
 def compose(*items, strict: bool = False, env: Environment | None = None):
     """Check and order transforms (or plans) into a :class:`~composable_atorch.plan.Plan`.
 
@@ -116,29 +137,7 @@ def compose(*items, strict: bool = False, env: Environment | None = None):
     notes: list[str] = []
 
     # 1. requirements and environment-dependent resolution
-    active: list[Transform] = []
-    for t in requested:
-        resolved, note = t.resolve(env)
-        if resolved is None:
-            if strict:
-                raise RequirementError(t.name, note or "an environment that can run it", "drop it, or run where it can")
-            notes.append(f"skipped {t.name}: {note}")
-            continue
-        if note:
-            notes.append(f"{t.name}: {note}")
-        skip = None
-        for req in resolved.contract.requires:
-            missing = req.unmet(env, resolved)
-            if missing is None:
-                continue
-            if req.on_unmet == "skip" and not strict:
-                skip = f"skipped {t.name}: needs {missing} ({req.fix()})"
-                break
-            raise RequirementError(t.name, missing, req.fix())
-        if skip:
-            notes.append(skip)
-        else:
-            active.append(resolved)
+    active = [t for t in (_admit(t, env, strict, notes) for t in requested) if t is not None]
 
     # 2. implications, to a fixpoint
     implied_by: dict[str, str] = {}
@@ -152,8 +151,10 @@ def compose(*items, strict: bool = False, env: Environment | None = None):
                     continue
                 if strict:
                     raise RequirementError(t.name, f"{imp.name} in the plan ({imp.reason})", f"add {imp.name}(...) yourself")
-                new = lookup(imp.name)(**imp.config)
-                new = new.resolve(env)[0] or new  # adapt to the environment like a requested one
+                # an implied step is checked and adapted to the environment like a requested one
+                new = _admit(lookup(imp.name)(**imp.config), env, strict, notes)
+                if new is None:
+                    raise RequirementError(t.name, f"{imp.name} ({imp.reason}), which this environment cannot run", notes[-1])
                 active.append(new)
                 implied_by[new.name] = t.name
                 notes.append(f"implied {new.describe()} by {t.name}: {imp.reason}")

@@ -7,6 +7,7 @@ without one it calls :func:`Environment.detect`.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import os
@@ -29,8 +30,13 @@ OPTIONAL_PACKAGES = (
 _MUST_IMPORT = frozenset({"transformer_engine", "flash_attn"})
 
 
+@functools.cache
 def package_available(name: str) -> bool:
-    """True when ``name`` can be used; never raises, whatever the package does on import."""
+    """True when ``name`` can be used; never raises, whatever the package does on import.
+
+    Cached: compose() detects the environment on every call, and a broken package (transformer
+    engine without its torch part) would otherwise be imported, and fail, every time.
+    """
     try:
         if importlib.util.find_spec(name) is None:
             return False

@@ -114,6 +114,9 @@ class OptimizerHook:
     """
 
     accumulation_steps: int = 1
+    #: True for a hook whose engine clips gradients itself (DeepSpeed's ``gradient_clipping``):
+    #: clip_grad then adds no hook of its own, which would clip the engine's partitions locally.
+    clips_gradients: bool = False
 
     def attach(self, optimizer: PlanOptimizer) -> None:
         """Called once when the plan's optimizer is built, for hooks that act outside it.

@@ -52,8 +52,9 @@ def deepspeed_contract() -> Contract:
 class DeepSpeedHook(OptimizerHook):
     """``optim.backward / step / zero_grad`` go to the engine."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, clips_gradients: bool):
         self.engine = engine
+        self.clips_gradients = clips_gradients
 
     def backward(self, loss, **kwargs):
         self.engine.backward(loss, **kwargs)
@@ -101,7 +102,7 @@ def apply_engine(stage: int, who: str, state: TrainState, ctx: ApplyContext) -> 
     engine, ds_optim, _, _ = deepspeed.initialize(model=state.model, optimizer=state.optim, config=config, dist_init_required=False)
     setattr(engine, NAME_PREFIX_ATTR, "module.")
     state.model, state.optim = engine, ds_optim
-    state.hooks.append(DeepSpeedHook(engine))
+    state.hooks.append(DeepSpeedHook(engine, clips_gradients=clip is not None))
     state.note(who, f"DeepSpeed ZeRO-{stage} engine over {pc.data_size} ranks, micro-batch {per_rank}, {type(ds_optim).__name__} around the user's optimizer")
     if clip is not None:
         state.note(who, f"clip_grad's max_norm {clip.max_norm:g} passed to the engine (gradient_clipping)")
