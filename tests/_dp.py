@@ -31,7 +31,7 @@ def loader(batch: int = BATCH, shuffle: bool = False) -> DataLoader:
 def full_params(m: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Parameters by the user's names, gathered whole (DTensor shards -> full tensors)."""
     out = {}
-    for name, p in ca.optim.named_parameters(m).items():
+    for name, p in ca.runtime.optim.named_parameters(m).items():
         t = p.full_tensor() if hasattr(p, "full_tensor") else p
         out[name] = t.detach().clone()
     return out

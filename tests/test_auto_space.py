@@ -7,11 +7,11 @@ import pytest
 import composable_atorch as ca
 from composable_atorch.auto.space import ABSENT, SearchSpace, block_classes, dimensions, plan_key
 from composable_atorch.auto.study import parse_bytes
-from composable_atorch.contract import Conflict, Contract, Stage
+from composable_atorch.core.contract import Conflict, Contract, Stage
+from composable_atorch.core.transform import SearchContext, Transform
 from composable_atorch.environment import Environment
 from composable_atorch.errors import ConfigError, UnknownTransformError
 from composable_atorch.models import GPT, MLP, Block, CausalSelfAttention
-from composable_atorch.transform import SearchContext, Transform
 
 ENV2 = Environment.detect().with_(world_size=2)
 

@@ -19,11 +19,11 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.utils.data import DataLoader, IterableDataset
 
 import composable_atorch as ca
-from composable_atorch.checkpointing import latest_checkpoint
 from composable_atorch.data import TextDataset
 from composable_atorch.errors import ConfigError
 from composable_atorch.models import GPT, GPTConfig
 from composable_atorch.models.gpt import lm_loss
+from composable_atorch.state.save import latest_checkpoint
 from composable_atorch.transforms.precision import GradScalerHook
 
 from _dist import run_world

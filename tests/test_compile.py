@@ -13,11 +13,11 @@ import pytest
 import torch
 
 import composable_atorch as ca
+from composable_atorch.core.transform import SearchContext
 from composable_atorch.environment import Environment
 from composable_atorch.errors import ConfigError
 from composable_atorch.models import GPT, Block, GPTConfig
 from composable_atorch.models.gpt import lm_loss
-from composable_atorch.transform import SearchContext
 from composable_atorch.transforms.compile import Compile, repeated_blocks
 
 

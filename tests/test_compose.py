@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import composable_atorch as ca
-from composable_atorch.contract import (
+from composable_atorch.core.contract import (
     Conflict,
     Contract,
     DeviceKind,
@@ -18,6 +18,7 @@ from composable_atorch.contract import (
     Package,
     Stage,
 )
+from composable_atorch.core.transform import _REGISTRY, Transform
 from composable_atorch.environment import Environment
 from composable_atorch.errors import (
     CompositionError,
@@ -27,7 +28,6 @@ from composable_atorch.errors import (
     UnknownTransformError,
 )
 from composable_atorch.models import Block
-from composable_atorch.transform import _REGISTRY, Transform
 
 CPU = Environment(world_size=1, device="cpu")
 

@@ -78,7 +78,7 @@ def world2_cases(rank: int, world: int) -> dict:
     m, opt, data = ca.compose(ca.ddp(), ca.accumulate(2))(m, opt, loader())
     calls = _count_allreduce(m)
     train(m, opt, data)
-    out["accumulate"] = ca.optim.named_parameters(m)
+    out["accumulate"] = ca.runtime.optim.named_parameters(m)
     out["accumulate"] = {k: v.detach().clone() for k, v in out["accumulate"].items()}
     out["accumulate_allreduce_calls"] = calls[0]
     out["accumulate_micro_batch"] = data.batch_size

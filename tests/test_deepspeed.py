@@ -35,7 +35,7 @@ def deepspeed_cases(rank, world):
                 out[key] = {n: p.detach().clone() for n, p in params.items()}
         else:
             out[key] = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
-        out[key + "_names_mapped"] = list(ca.optim.named_parameters(engine)) == user_names
+        out[key + "_names_mapped"] = list(ca.runtime.optim.named_parameters(engine)) == user_names
         out[key + "_losses"] = r["losses"]
         out[key + "_explain"] = r["explain"]
     # clip_grad maps onto the engine's gradient_clipping

@@ -17,12 +17,12 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 import composable_atorch as ca
+from composable_atorch.core.transform import SearchContext
 from composable_atorch.data import TextDataset
 from composable_atorch.environment import Environment, package_available
 from composable_atorch.errors import ConfigError, RequirementError
 from composable_atorch.models import GPT, GPTConfig
 from composable_atorch.models.gpt import lm_loss
-from composable_atorch.transform import SearchContext
 from composable_atorch.transforms.fp8 import Fp8, select_linears
 
 TORCHAO = Environment(packages={"torchao"})

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from composable_atorch import launch
+from composable_atorch.cli import launch
 
 from _dist import free_port
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import composable_atorch as ca
-from composable_atorch.contract import Contract, Stage
+from composable_atorch.core.contract import Contract, Stage
+from composable_atorch.core.transform import _REGISTRY, Transform
 from composable_atorch.errors import ConfigError, ParameterMappingError
-from composable_atorch.transform import _REGISTRY, Transform
 
 from helpers import gpt, params, train, triple, twins
 

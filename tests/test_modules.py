@@ -284,7 +284,7 @@ def test_flash_pairs_are_chosen_only_on_capable_cuda():
 
 def test_seed_forms_and_candidates():
     from composable_atorch import strategy
-    from composable_atorch.transform import SearchContext
+    from composable_atorch.core.transform import SearchContext
 
     plan = strategy.load(["module_replace"])
     assert plan.transforms == (ca.module_replace(),)

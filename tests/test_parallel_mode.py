@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 import composable_atorch as ca
 from composable_atorch.errors import ConfigError
-from composable_atorch.parallel import plan_layout
+from composable_atorch.runtime.layout import plan_layout
 
 from _dist import run_world
 

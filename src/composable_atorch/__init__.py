@@ -5,23 +5,24 @@
     model, optim, loader = plan(model, optim, loader)
 """
 
-from . import errors, strategy
-from .checkpointing import load_state, save_state
-from .compose import compose
-from .contract import Contract, Stage
-from .environment import Environment
-from .facade import auto_accelerate
-from .plan import Plan, Step, build
-from .resumable import resumable
-from .transform import TrainState, Transform, registry
-from .transforms.compile import compile_ as compile  # noqa: A004 - the package's own name, not the builtin
-from .transforms.data_parallel import ddp, parallel_mode, zero1
-from .transforms.fp8 import fp8
-from .transforms.loop import accumulate, clip_grad
-from .transforms.memory import checkpoint
-from .transforms.modules import module_replace, register_replace_pair
-from .transforms.precision import amp, amp_native, half
-from .transforms.sharding import fsdp, zero2
+from composable_atorch import errors
+from composable_atorch.compat.atorch import auto_accelerate
+from composable_atorch.core import strategy
+from composable_atorch.core.compose import compose
+from composable_atorch.core.contract import Contract, Stage
+from composable_atorch.core.plan import Plan, Step, build
+from composable_atorch.core.transform import TrainState, Transform, registry
+from composable_atorch.environment import Environment
+from composable_atorch.runtime.resumable import resumable
+from composable_atorch.state.save import load_state, save_state
+from composable_atorch.transforms.compile import compile_ as compile  # noqa: A004 - the package's own name, not the builtin
+from composable_atorch.transforms.fp8 import fp8
+from composable_atorch.transforms.loop import accumulate, clip_grad
+from composable_atorch.transforms.memory import checkpoint
+from composable_atorch.transforms.modules import module_replace, register_replace_pair
+from composable_atorch.transforms.parallel.data_parallel import ddp, parallel_mode, zero1
+from composable_atorch.transforms.parallel.sharding import fsdp, zero2
+from composable_atorch.transforms.precision import amp, amp_native, half
 
 __version__ = "0.1.0"
 

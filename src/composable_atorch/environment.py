@@ -60,7 +60,7 @@ class Environment:
     packages: frozenset[str] = field(default_factory=frozenset)
 
     def __post_init__(self):
-        from .errors import ConfigError
+        from composable_atorch.errors import ConfigError
 
         if not isinstance(self.world_size, int) or self.world_size < 1:
             raise ConfigError("Environment.world_size", self.world_size, "an integer >= 1")

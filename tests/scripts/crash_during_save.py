@@ -19,8 +19,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.utils.data import DataLoader
 
 import composable_atorch as ca
-import composable_atorch.checkpoint_files as checkpoint_files
-import composable_atorch.checkpointing as checkpointing
+import composable_atorch.state.files as checkpoint_files
+import composable_atorch.state.save as checkpointing
 from composable_atorch.data import TextDataset
 from composable_atorch.models import GPT, GPTConfig
 from composable_atorch.models.gpt import lm_loss

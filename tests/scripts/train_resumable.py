@@ -21,10 +21,10 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.utils.data import DataLoader
 
 import composable_atorch as ca
-from composable_atorch.checkpointing import latest_checkpoint
 from composable_atorch.data import TextDataset
 from composable_atorch.models import GPT, Block, GPTConfig
 from composable_atorch.models.gpt import lm_loss
+from composable_atorch.state.save import latest_checkpoint
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--ckpt", required=True)

@@ -9,10 +9,10 @@
 processes, :mod:`.study` runs the optuna study, :mod:`.report` writes what it found.
 """
 
-from .space import SearchSpace, block_classes, plan_key
-from .study import SearchResult, TrialRecord, search
-from .trial import TrialResult, TrialSettings, run_trial, train_plan
-from .worker import Workload
+from composable_atorch.auto.space import SearchSpace, block_classes, plan_key
+from composable_atorch.auto.study import SearchResult, TrialRecord, search
+from composable_atorch.auto.trial import TrialResult, TrialSettings, run_trial, train_plan
+from composable_atorch.auto.worker import Workload
 
 __all__ = [
     "SearchResult",

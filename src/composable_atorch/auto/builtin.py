@@ -10,10 +10,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..data import TextDataset
-from ..models import GPT, GPTConfig
-from ..models.gpt import lm_loss
-from .worker import Workload
+from composable_atorch.auto.worker import Workload
+from composable_atorch.data import TextDataset
+from composable_atorch.models import GPT, GPTConfig
+from composable_atorch.models.gpt import lm_loss
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,8 @@ from pathlib import Path
 
 from rich.table import Table
 
-from .. import strategy
-from .study import SearchResult
+from composable_atorch.auto.study import SearchResult
+from composable_atorch.core import strategy
 
 MiB = 2**20
 

@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import codec
-from ..compose import compose
-from ..environment import Environment
-from ..errors import CompositionError, ConfigError, UnknownTransformError
-from ..plan import Plan
-from ..transform import _PLANNED, SearchContext, Transform, lookup, registry
+from composable_atorch.core import codec
+from composable_atorch.core.compose import compose
+from composable_atorch.core.plan import Plan
+from composable_atorch.core.transform import _PLANNED, SearchContext, Transform, lookup, registry
+from composable_atorch.environment import Environment
+from composable_atorch.errors import CompositionError, ConfigError, UnknownTransformError
 
 ABSENT = "absent"
 

@@ -19,12 +19,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..environment import Environment
-from ..errors import ConfigError
-from ..plan import Plan
-from .space import ABSENT, Enumeration, SearchSpace, block_classes
-from .trial import TrialResult, TrialSettings, check_picklable, run_trial
-from .worker import Workload
+from composable_atorch.auto.space import ABSENT, Enumeration, SearchSpace, block_classes
+from composable_atorch.auto.trial import TrialResult, TrialSettings, check_picklable, run_trial
+from composable_atorch.auto.worker import Workload
+from composable_atorch.core.plan import Plan
+from composable_atorch.environment import Environment
+from composable_atorch.errors import ConfigError
 
 #: Consecutive proposals that are invalid or already measured before an untried neighbour of the
 #: best plan is enqueued (samplers on small categorical spaces keep proposing their favourite).
@@ -213,7 +213,7 @@ def search(
         runner = ProcessRunner(workload, settings)
     url = storage_url(storage)
     env = (env or Environment.detect()).with_(world_size=world_size)
-    from ..transform import SearchContext
+    from composable_atorch.core.transform import SearchContext
 
     context = SearchContext(
         env=env, block_classes=block_classes(_example_model(model_fn)), batch_size=batch_size, allow_compile=allow_compile

@@ -24,8 +24,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import wait
 
-from ..errors import ConfigError
-from .worker import RankSpec, Workload, rank_main
+from composable_atorch.auto.worker import RankSpec, Workload, rank_main
+from composable_atorch.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -233,7 +233,7 @@ def rank_main(rank: int, spec: RankSpec, progress=None) -> None:
 def _run(rank: int, spec: RankSpec, device: str, progress) -> dict:
     import torch.distributed as dist
 
-    from ..plan import Plan
+    from composable_atorch.core.plan import Plan
 
     model, optim, loader = spec.workload.build()
     if device == "cuda":

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch.utils.data import Dataset
 
-from ..errors import ConfigError
+from composable_atorch.errors import ConfigError
 
 
 def corpus_text() -> str:

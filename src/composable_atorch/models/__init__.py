@@ -1,5 +1,5 @@
 """Built-in models for demos, tests and benchmarks."""
 
-from .gpt import GPT, MLP, Block, CausalSelfAttention, GPTConfig
+from composable_atorch.models.gpt import GPT, MLP, Block, CausalSelfAttention, GPTConfig
 
 __all__ = ["GPT", "GPTConfig", "Block", "CausalSelfAttention", "MLP"]

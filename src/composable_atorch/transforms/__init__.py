@@ -1,3 +1,7 @@
-"""One module per family of transforms. Importing this package registers every built transform."""
+"""One module per family of transforms; ``parallel/`` holds the data- and model-parallel families.
 
-from . import compile, data_parallel, deepspeed, fp8, loop, memory, modules, precision, sharding  # noqa: F401
+Importing this package registers every built transform.
+"""
+
+from composable_atorch.transforms import compile, fp8, loop, memory, modules, precision  # noqa: F401
+from composable_atorch.transforms.parallel import data_parallel, deepspeed, sharding  # noqa: F401

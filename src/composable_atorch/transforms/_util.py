@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import ConfigError
+from composable_atorch.errors import ConfigError
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 _DTYPE_ALIASES = {

@@ -21,10 +21,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..contract import Contract, Stage
-from ..errors import ConfigError
-from ..transform import ApplyContext, TrainState, Transform
-from ._util import outermost_matches
+from composable_atorch.core.contract import Contract, Stage
+from composable_atorch.core.transform import ApplyContext, TrainState, Transform
+from composable_atorch.errors import ConfigError
+from composable_atorch.transforms._util import outermost_matches
 
 MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 

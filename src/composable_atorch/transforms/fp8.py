@@ -29,10 +29,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..contract import Contract, Order, Stage
-from ..environment import Environment
-from ..errors import ConfigError
-from ..transform import ApplyContext, TrainState, Transform
+from composable_atorch.core.contract import Contract, Order, Stage
+from composable_atorch.core.transform import ApplyContext, TrainState, Transform
+from composable_atorch.environment import Environment
+from composable_atorch.errors import ConfigError
 
 BACKENDS = ("auto", "transformer_engine", "torchao")
 FORMATS = ("HYBRID", "E4M3")

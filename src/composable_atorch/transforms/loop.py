@@ -10,11 +10,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..contract import Contract, Stage
-from ..errors import ConfigError
-from ..loader import rebuild_loader, split_batch
-from ..optim import OptimizerHook
-from ..transform import ApplyContext, TrainState, Transform
+from composable_atorch.core.contract import Contract, Stage
+from composable_atorch.core.transform import ApplyContext, TrainState, Transform
+from composable_atorch.errors import ConfigError
+from composable_atorch.runtime.loader import rebuild_loader, split_batch
+from composable_atorch.runtime.optim import OptimizerHook
 
 
 class AccumulateHook(OptimizerHook):

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 import torch.utils.checkpoint as torch_checkpoint
 from torch.distributed._composable import checkpoint as composable_checkpoint
 
-from ..contract import Contract, Stage
-from ..errors import ConfigError
-from ..transform import ApplyContext, TrainState, Transform
-from ._util import outermost_matches
+from composable_atorch.core.contract import Contract, Stage
+from composable_atorch.core.transform import ApplyContext, TrainState, Transform
+from composable_atorch.errors import ConfigError
+from composable_atorch.transforms._util import outermost_matches
 
 
 def _target_name(t) -> str:

@@ -29,12 +29,12 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ..contract import Contract, Stage
-from ..environment import Environment
-from ..errors import ConfigError
-from ..models.gpt import CausalSelfAttention
-from ..transform import ApplyContext, TrainState, Transform
-from ._util import dtype_of
+from composable_atorch.core.contract import Contract, Stage
+from composable_atorch.core.transform import ApplyContext, TrainState, Transform
+from composable_atorch.environment import Environment
+from composable_atorch.errors import ConfigError
+from composable_atorch.models.gpt import CausalSelfAttention
+from composable_atorch.transforms._util import dtype_of
 
 ALL_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
 HALF_DTYPES = frozenset({torch.float16, torch.bfloat16})

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..contract import Conflict, Contract, Stage
-from ..optim import OptimizerHook
-from ..transform import ApplyContext, TrainState, Transform
-from ._util import cast_floats, dtype_name, dtype_of
+from composable_atorch.core.contract import Conflict, Contract, Stage
+from composable_atorch.core.transform import ApplyContext, TrainState, Transform
+from composable_atorch.runtime.optim import OptimizerHook
+from composable_atorch.transforms._util import cast_floats, dtype_name, dtype_of
 
 
 def _dtypes_differ(a, b) -> bool:

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from .errors import ConfigError
+from composable_atorch.errors import ConfigError
 
 
 # -- RNG states as JSON --------------------------------------------------------------------------

@@ -11,14 +11,14 @@ from __future__ import annotations
 import heapq
 import itertools
 
-from .contract import STAGE_REASONS
-from .environment import Environment
-from .errors import ConfigError, ConflictError, RequirementError
-from .transform import Transform, lookup
+from composable_atorch.core.contract import STAGE_REASONS
+from composable_atorch.core.transform import Transform, lookup
+from composable_atorch.environment import Environment
+from composable_atorch.errors import ConfigError, ConflictError, RequirementError
 
 
 def _flatten(items) -> list[Transform]:
-    from .plan import Plan
+    from composable_atorch.core.plan import Plan
 
     out: list[Transform] = []
     for item in items:
@@ -124,13 +124,13 @@ def _admit(t: Transform, env: Environment, strict: bool, notes: list[str]) -> Tr
 
 
 def compose(*items, strict: bool = False, env: Environment | None = None):
-    """Check and order transforms (or plans) into a :class:`~composable_atorch.plan.Plan`.
+    """Check and order transforms (or plans) into a :class:`~composable_atorch.core.plan.Plan`.
 
     ``env`` defaults to :meth:`Environment.detect`. With ``strict=True`` anything compose()
     would otherwise do on its own — add an implied step, skip a step the environment cannot run —
     raises RequirementError instead.
     """
-    from .plan import Plan, Step
+    from composable_atorch.core.plan import Plan, Step
 
     env = Environment.detect() if env is None else env
     requested = _unique(_flatten(items))

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from .errors import ParameterMappingError
+from composable_atorch.errors import ParameterMappingError
 
 #: Prefixes wrappers insert into parameter names; stripped to compare names across wrappers.
 WRAPPER_PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_fpw_module.")

@@ -13,15 +13,15 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from .contract import Contract
-from .environment import Environment
-from .errors import UnknownTransformError
+from composable_atorch.core.contract import Contract
+from composable_atorch.environment import Environment
+from composable_atorch.errors import UnknownTransformError
 
 if TYPE_CHECKING:
     import torch
 
-    from .optim import OptimizerHook
-    from .plan import Plan
+    from composable_atorch.core.plan import Plan
+    from composable_atorch.runtime.optim import OptimizerHook
 
 
 @dataclass
@@ -134,7 +134,7 @@ class Transform:
         if config is None:
             return cls()
         if isinstance(config, dict):
-            from .plan import build
+            from composable_atorch.core.plan import build
 
             return build(cls.name, config)
         return cls(config)
@@ -148,18 +148,18 @@ class Transform:
 
     # -- composition ------------------------------------------------------------------------
     def __or__(self, other):
-        from .compose import compose
+        from composable_atorch.core.compose import compose
 
         return compose(self, other)
 
     def __ror__(self, other):
-        from .compose import compose
+        from composable_atorch.core.compose import compose
 
         return compose(other, self)
 
     def __call__(self, model, optim=None, loader=None):
         """A single transform applies like a one-step plan."""
-        from .compose import compose
+        from composable_atorch.core.compose import compose
 
         return compose(self)(model, optim, loader)
 

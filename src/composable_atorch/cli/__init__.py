@@ -10,10 +10,10 @@ import importlib
 import sys
 
 COMMANDS = {
-    "demo": ("composable_atorch.demo", "train the built-in GPT on the built-in corpus with a plan"),
-    "search": ("composable_atorch.auto.cli", "auto-search the fastest plan that fits memory"),
-    "explain": ("composable_atorch.explain_cli", "print explain() of a saved plan JSON"),
-    "launch": ("composable_atorch.launch", "run a training script on N processes (thin layer over torchrun)"),
+    "demo": ("composable_atorch.cli.demo", "train the built-in GPT on the built-in corpus with a plan"),
+    "search": ("composable_atorch.cli.search", "auto-search the fastest plan that fits memory"),
+    "explain": ("composable_atorch.cli.explain", "print explain() of a saved plan JSON"),
+    "launch": ("composable_atorch.cli.launch", "run a training script on N processes (thin layer over torchrun)"),
 }
 
 

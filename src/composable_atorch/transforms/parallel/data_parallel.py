@@ -21,12 +21,12 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from ..contract import Conflict, Contract, Implication, Package, Stage, When
-from ..errors import ConfigError, RequirementError
-from ..loader import loader_batch_size, rebuild_loader
-from ..optim import OptimizerHook
-from ..parallel import ParallelContext, make_context, normalize_groups, plan_layout
-from ..transform import ApplyContext, TrainState, Transform
+from composable_atorch.core.contract import Conflict, Contract, Implication, Package, Stage, When
+from composable_atorch.core.transform import ApplyContext, TrainState, Transform
+from composable_atorch.errors import ConfigError, RequirementError
+from composable_atorch.runtime.layout import ParallelContext, make_context, normalize_groups, plan_layout
+from composable_atorch.runtime.loader import loader_batch_size, rebuild_loader
+from composable_atorch.runtime.optim import OptimizerHook
 
 # -- the conflicts between gradient-sync owners, written once ----------------------------------
 DDP_VS_FSDP = "fsdp reduce-scatters gradients itself; DDP would all-reduce them a second time"
@@ -64,7 +64,7 @@ def _distributed_loader(loader, pc: ParallelContext, sampler_cls):
     """The loader rebuilt with a distributed sampler and the per-rank batch (strong scaling)."""
     from torch.utils.data.distributed import DistributedSampler
 
-    from ..loader import is_shuffled
+    from composable_atorch.runtime.loader import is_shuffled
 
     if isinstance(loader.sampler, DistributedSampler):
         raise ConfigError(
@@ -366,7 +366,7 @@ class Zero1(Transform):
 
     def resolve(self, env):
         if self.backend == "deepspeed":
-            from .deepspeed import DeepSpeedZero1
+            from composable_atorch.transforms.parallel.deepspeed import DeepSpeedZero1
 
             return DeepSpeedZero1(backend=self.backend), "DeepSpeed engine (ZeRO-1) owns backward, gradient sync and step"
         return self, None

@@ -17,12 +17,12 @@ import os
 from pathlib import Path
 from typing import Any
 
-from . import codec
-from .compose import compose
-from .environment import Environment
-from .errors import ConfigError
-from .plan import Plan
-from .transform import lookup, register_planned
+from composable_atorch.core import codec
+from composable_atorch.core.compose import compose
+from composable_atorch.core.plan import Plan
+from composable_atorch.core.transform import lookup, register_planned
+from composable_atorch.environment import Environment
+from composable_atorch.errors import ConfigError
 
 # Seed names with no transform yet: looked up, they say so rather than "unknown".
 for _name in ("tensor_parallel", "pipeline_parallel", "mixed_parallel", "ds_3d_parallel"):

@@ -19,7 +19,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError
+from composable_atorch.errors import ConfigError
 
 FORMAT = "composable_atorch.checkpoint"
 VERSION = 1

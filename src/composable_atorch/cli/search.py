@@ -13,11 +13,11 @@ import argparse
 import importlib
 import sys
 
-from ..errors import CompositionError, ConfigError
-from . import report
-from .builtin import GPTTask
-from .study import search
-from .worker import Workload
+from composable_atorch.auto import report
+from composable_atorch.auto.builtin import GPTTask
+from composable_atorch.auto.study import search
+from composable_atorch.auto.worker import Workload
+from composable_atorch.errors import CompositionError, ConfigError
 
 
 def _names(text: str | None) -> tuple[str, ...]:

@@ -10,7 +10,7 @@ from typing import Any
 
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler, SequentialSampler
 
-from .errors import ConfigError
+from composable_atorch.errors import ConfigError
 
 _KEEP = (
     "num_workers",

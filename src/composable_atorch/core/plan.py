@@ -6,12 +6,12 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import codec
-from .environment import Environment
-from .errors import ConfigError, RequirementError
-from .optim import PlanOptimizer, parameter_names, rebuild_optimizer
-from .resumable import can_resume, resumable
-from .transform import ApplyContext, TrainState, Transform, lookup
+from composable_atorch.core import codec
+from composable_atorch.core.transform import ApplyContext, TrainState, Transform, lookup
+from composable_atorch.environment import Environment
+from composable_atorch.errors import ConfigError, RequirementError
+from composable_atorch.runtime.optim import PlanOptimizer, parameter_names, rebuild_optimizer
+from composable_atorch.runtime.resumable import can_resume, resumable
 
 FORMAT = "composable_atorch.plan"
 VERSION = 1
@@ -61,12 +61,12 @@ class Plan:
         return len(self.steps)
 
     def __or__(self, other):
-        from .compose import compose
+        from composable_atorch.core.compose import compose
 
         return compose(self, other, strict=self.strict, env=self.env)
 
     def __ror__(self, other):
-        from .compose import compose
+        from composable_atorch.core.compose import compose
 
         return compose(other, self, strict=self.strict, env=self.env)
 
@@ -87,7 +87,7 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, env: Environment | None = None, strict: bool | None = None) -> Plan:
-        from .compose import compose
+        from composable_atorch.core.compose import compose
 
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise ConfigError("plan format", data.get("format") if isinstance(data, dict) else type(data).__name__, repr(FORMAT))

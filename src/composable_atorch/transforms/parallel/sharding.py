@@ -19,12 +19,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..contract import Conflict, Contract, Package, Stage, When
-from ..errors import ConfigError
-from ..optim import NAME_PREFIX_ATTR
-from ..transform import ApplyContext, TrainState, Transform
-from ._util import dtype_of, matches
-from .data_parallel import (
+from composable_atorch.core.contract import Conflict, Contract, Package, Stage, When
+from composable_atorch.core.transform import ApplyContext, TrainState, Transform
+from composable_atorch.errors import ConfigError
+from composable_atorch.runtime.optim import NAME_PREFIX_ATTR
+from composable_atorch.transforms._util import dtype_of, matches
+from composable_atorch.transforms.parallel.data_parallel import (
     DDP_VS_FSDP,
     DDP_VS_ZERO2,
     FSDP_VS_ZERO2,
@@ -259,7 +259,7 @@ class Fsdp(Transform):
 
     def resolve(self, env):
         if self.backend == "deepspeed":
-            from .deepspeed import DeepSpeedFsdp
+            from composable_atorch.transforms.parallel.deepspeed import DeepSpeedFsdp
 
             return DeepSpeedFsdp(**self.config()), "DeepSpeed engine (ZeRO-3) owns backward, gradient sync and step"
         return self, None
@@ -350,7 +350,7 @@ class Zero2(Transform):
 
     def resolve(self, env):
         if self.backend == "deepspeed":
-            from .deepspeed import DeepSpeedZero2
+            from composable_atorch.transforms.parallel.deepspeed import DeepSpeedZero2
 
             return DeepSpeedZero2(backend=self.backend), "DeepSpeed engine (ZeRO-2) owns backward, gradient sync and step"
         return self, None

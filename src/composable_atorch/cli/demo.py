@@ -19,13 +19,13 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from . import strategy
-from .auto import report
-from .auto.builtin import GPTTask
-from .auto.study import search
-from .auto.trial import train_plan
-from .environment import Environment
-from .errors import CompositionError
+from composable_atorch.auto import report
+from composable_atorch.auto.builtin import GPTTask
+from composable_atorch.auto.study import search
+from composable_atorch.auto.trial import train_plan
+from composable_atorch.core import strategy
+from composable_atorch.environment import Environment
+from composable_atorch.errors import CompositionError
 
 #: The demo's GPT: big enough that plans differ in speed and memory, small enough for 2 CPU cores.
 TASK = GPTTask(seq_len=128, d_model=128, n_layer=4, n_head=4, lr=3e-3, batch_size=16)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from . import strategy
-from .environment import Environment
-from .errors import CompositionError
+from composable_atorch.core import strategy
+from composable_atorch.environment import Environment
+from composable_atorch.errors import CompositionError
 
 
 def main(argv: list[str]) -> int:

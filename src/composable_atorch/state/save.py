@@ -47,8 +47,10 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from . import resumable as _resumable
-from .checkpoint_files import (
+from composable_atorch.errors import ConfigError
+from composable_atorch.runtime import resumable as _resumable
+from composable_atorch.runtime.optim import PlanOptimizer
+from composable_atorch.state.files import (
     FORMAT,
     META,
     VERSION,
@@ -61,8 +63,6 @@ from .checkpoint_files import (
     read_json,
     write_json,
 )
-from .errors import ConfigError
-from .optim import PlanOptimizer
 
 __all__ = ["Resumed", "latest_checkpoint", "load_state", "save_state"]
 

@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import ConfigError
+from composable_atorch.errors import ConfigError
 
 #: The dimension names the seed supports. ``zero`` is a ZeRO sharding subgroup of data parallelism.
 DIM_NAMES = ("data", "zero", "tensor", "pipeline")

@@ -23,12 +23,12 @@ from typing import Any
 
 import torch
 
-from . import strategy
-from .compose import compose
-from .environment import Environment
-from .errors import CompositionError, ConfigError
-from .optim import OptimizerHook
-from .plan import Plan
+from composable_atorch.core import strategy
+from composable_atorch.core.compose import compose
+from composable_atorch.core.plan import Plan
+from composable_atorch.environment import Environment
+from composable_atorch.errors import CompositionError, ConfigError
+from composable_atorch.runtime.optim import OptimizerHook
 
 AccelerateResult = namedtuple("AccelerateResult", ["model", "optim", "dataloader", "loss_func", "prepare_input", "args", "lr_scheduler"])
 AccelerateArgs = namedtuple("AccelerateArgs", ["use_optim_backward", "requires_set_gradient_accumulation_boundary"])
@@ -257,7 +257,7 @@ def _needs_boundary(optim) -> bool:
 
 
 def _workload(model, optim_maker, dataset, loss_func, prepare_input, model_input_format, dataloader_args):
-    from .auto.worker import Workload
+    from composable_atorch.auto.worker import Workload
 
     batch_size = dataloader_args.get("batch_size", 1)
     loader_kwargs = {k: v for k, v in dataloader_args.items() if k not in ("batch_size", "sampler", "batch_sampler")}
@@ -267,7 +267,7 @@ def _workload(model, optim_maker, dataset, loss_func, prepare_input, model_input
 
 
 def _dry_run(plan, model, optim_maker, dataset, loss_func, prepare_input, model_input_format, dataloader_args, opts) -> str | None:
-    from .auto.trial import TrialSettings, check_picklable, run_trial
+    from composable_atorch.auto.trial import TrialSettings, check_picklable, run_trial
 
     if optim_maker is None or dataset is None or loss_func is None:
         raise ConfigError("ignore_dryrun_on_load_strategy", False, "True unless optim_func, dataset and loss_func are given (a dry run trains)")
@@ -282,8 +282,8 @@ def _dry_run(plan, model, optim_maker, dataset, loss_func, prepare_input, model_
 
 def _search(model, optim_maker, dataset, loss_func, prepare_input, model_input_format, dataloader_args,
             excluded, included, loaded, settings, env, opts) -> tuple[str | None, str | None]:
-    from .auto import report
-    from .auto.study import search
+    from composable_atorch.auto import report
+    from composable_atorch.auto.study import search
 
     workload = _workload(model, optim_maker, dataset, loss_func, prepare_input, model_input_format, dataloader_args)
     n_trials = opts["n_trials"] if opts["n_trials"] is not None or opts["time_limit"] is not None else 12

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .errors import ConfigError
+from composable_atorch.errors import ConfigError
 
 _DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64)}
 

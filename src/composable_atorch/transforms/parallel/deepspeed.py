@@ -19,12 +19,12 @@ them back for the optimizer and saved state.
 
 from __future__ import annotations
 
-from ..contract import Conflict, Contract, Package, Stage
-from ..errors import ConfigError, RequirementError
-from ..optim import NAME_PREFIX_ATTR, OptimizerHook
-from ..transform import ApplyContext, TrainState
-from .data_parallel import IMPLIES_PARALLEL_MODE, Zero1, parallel_context
-from .sharding import Fsdp, Zero2
+from composable_atorch.core.contract import Conflict, Contract, Package, Stage
+from composable_atorch.core.transform import ApplyContext, TrainState
+from composable_atorch.errors import ConfigError, RequirementError
+from composable_atorch.runtime.optim import NAME_PREFIX_ATTR, OptimizerHook
+from composable_atorch.transforms.parallel.data_parallel import IMPLIES_PARALLEL_MODE, Zero1, parallel_context
+from composable_atorch.transforms.parallel.sharding import Fsdp, Zero2
 
 _ENGINE = "the DeepSpeed engine runs backward, gradient sync and the step itself"
 

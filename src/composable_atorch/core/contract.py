@@ -14,10 +14,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .environment import Environment
+from composable_atorch.environment import Environment
 
 if TYPE_CHECKING:
-    from .transform import Transform
+    from composable_atorch.core.transform import Transform
 
 
 class Stage(enum.IntEnum):
