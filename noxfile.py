@@ -16,6 +16,9 @@ def tests(session):
 def lint(session):
     session.install("ruff>=0.6")
     session.run("ruff", "check", "src", "tests", "benchmarks", "examples", "noxfile.py")
+    # the layering contract in pyproject.toml: imports only go down the layers
+    session.install(*CONSTRAINTS, "-e", ".", "import-linter>=2.1")
+    session.run("lint-imports")
 
 
 @nox.session(python="3.11")

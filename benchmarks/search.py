@@ -76,7 +76,8 @@ def replay(table, budget, sampler, seed, memory_limit, world):
     runner = TableRunner(table)
     start = time.monotonic()
     result = search(TASK.model, TASK.optimizer, TASK.dataset(), GPTTask.loss, n_trials=budget, memory_limit=memory_limit,
-                    sampler=sampler, seed=seed, baseline_first=sampler != "random", runner=runner, **common_kwargs(world))
+                    sampler=sampler, seed=seed, baseline_first=sampler != "random", runner=runner, preflight=False,
+                    **common_kwargs(world))
     found = result.best.result.samples_per_s if result.best else 0.0
     return {
         "found": found,

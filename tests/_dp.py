@@ -1,4 +1,4 @@
-"""Helpers for the data-parallel tests: one tiny GPT, fixed global batches, a training loop.
+"""Helpers for the data-parallel tests: the shared tiny GPT and loop (helpers.py) at their sizes.
 
 Every run starts from the same seed and sees the same global batches, so a world-2 run can be
 compared with one process (``reference``) and sharded runs with ddp.
@@ -12,20 +12,19 @@ import torch
 from torch.utils.data import DataLoader
 
 import composable_atorch as ca
-from composable_atorch.data import TextDataset
-from composable_atorch.models import GPT, GPTConfig
-from composable_atorch.models.gpt import lm_loss
+
+from helpers import text_loader, tiny_gpt
+from helpers import train as shared_train
 
 SEQ, BATCH, STEPS = 16, 8, 5
 
 
 def model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return GPT(GPTConfig(seq_len=SEQ, d_model=16, n_layer=2, n_head=2))
+    return tiny_gpt(0, seq_len=SEQ, d_model=16)
 
 
 def loader(batch: int = BATCH, shuffle: bool = False) -> DataLoader:
-    return DataLoader(TextDataset(SEQ, limit=64), batch_size=batch, shuffle=shuffle)
+    return text_loader(SEQ, batch=batch, limit=64, shuffle=shuffle)
 
 
 def full_params(m: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -38,37 +37,16 @@ def full_params(m: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def train(m, optim, data, steps: int = STEPS, *, on_grads=None) -> list[float]:
-    """The one loop every plan trains with; ``steps`` optimizer steps (micro-batches as needed)."""
-    losses, micro = [], getattr(optim, "accumulation_steps", 1)
-    it = iter(data)
-    for _ in range(steps * micro):
-        x, y = next(it)
-        loss = lm_loss(m(x), y)
-        if hasattr(optim, "backward"):
-            optim.backward(loss)
-        else:
-            loss.backward()
-        if on_grads is not None:
-            on_grads(m)
-        optim.step()
-        optim.zero_grad()
-        losses.append(loss.item())
-    return losses
+    """The one loop every plan trains with (helpers.train); ``steps`` optimizer steps."""
+    return shared_train(m, optim, data, steps, on_grads=on_grads, wrap=False)
 
 
 def reference(steps: int = STEPS, lr: float = 1e-3, clip: float | None = None):
     """One process, no plan, the same global batches: what data parallelism must reproduce."""
     m = model()
     opt = torch.optim.AdamW(m.parameters(), lr=lr)
-    losses = []
-    for _, (x, y) in zip(range(steps), loader()):
-        loss = lm_loss(m(x), y)
-        loss.backward()
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(m.parameters(), clip)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    clip_fn = None if clip is None else (lambda mod: torch.nn.utils.clip_grad_norm_(mod.parameters(), clip))
+    losses = shared_train(m, opt, loader(), steps, on_grads=clip_fn, wrap=False)
     return full_params(m), losses
 
 
@@ -77,9 +55,11 @@ def run_plan(*transforms, steps: int = STEPS, lr: float = 1e-3, batch: int = BAT
     m = model()
     opt = torch.optim.AdamW(m.parameters(), lr=lr)
     plan = ca.compose(*transforms)
-    m, opt, data = plan(m, opt, loader(batch))
+    applied = plan(m, opt, loader(batch))
+    m, opt, data = applied
     losses = train(m, opt, data, steps)
-    return {"params": full_params(m), "losses": losses, "finite": all(map(math.isfinite, losses)), "explain": plan.explain(), "plan": plan, "model": m, "optim": opt, "loader": data}
+    explain = plan.explain(applied=applied)
+    return {"params": full_params(m), "losses": losses, "finite": all(map(math.isfinite, losses)), "explain": explain, "plan": plan, "model": m, "optim": opt, "loader": data}
 
 
 def plain(value):

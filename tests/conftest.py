@@ -9,3 +9,32 @@ sys.path.insert(0, os.path.dirname(__file__))
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
+
+import pytest  # noqa: E402
+
+#: Tests in other engineers' files that the fast tier (-m "not slow and not dist") leaves out, with
+#: the measured reason (2 shared cores, 2026-11-23). Their owners may move the mark into the file;
+#: the entry here then does nothing more. An entry naming no collected test fails the run (below),
+#: so a renamed test cannot silently rejoin the fast tier.
+MARKS = {
+    "test_fp8.py::test_fp8_trains_20_steps_within_tolerance_of_bf16": ("slow", "45 s: 20 emulated fp8 steps"),
+    "test_fp8.py::test_fp8_under_bf16_autocast_trains_within_tolerance": ("slow", "23 s: emulated fp8 under autocast"),
+    "test_fp8.py::test_llama_fp8_without_lm_head_trains_20_steps_within_tolerance_of_bf16": ("slow", "18 s: emulated fp8"),
+    "test_checkpointing.py::test_a_crash_during_save_leaves_the_previous_checkpoint_loadable": ("dist", "spawns training processes (10 s)"),
+    "test_facade.py::test_dry_run_on_load_strategy_reports_success_and_failure": ("dist", "dry runs spawn trial processes"),
+    "test_facade.py::test_finetune_strategy_measures_the_loaded_plan_first_and_returns_a_measured_plan": ("dist", "trials spawn processes"),
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    found = set()
+    for item in items:
+        key = f"{os.path.basename(str(item.path))}::{item.originalname}"
+        if key in MARKS:
+            found.add(key)
+            item.add_marker(getattr(pytest.mark, MARKS[key][0]))
+    whole_run = not config.getoption("keyword") and not any(
+        "::" in str(a) for a in config.args) and all(os.path.isdir(a) or a.endswith("tests") for a in config.args)
+    missing = sorted(set(MARKS) - found)
+    if whole_run and missing:
+        raise pytest.UsageError(f"tests/conftest.py MARKS names tests that were not collected (renamed?): {missing}")

@@ -54,15 +54,17 @@ class SyntheticRunner:
                            peak_bytes=(10 if "checkpoint" in names else 30) * 2**20, wall_time=self.sleep)
 
 
+@pytest.mark.dist
 def test_study_at_world_2_records_crash_and_hang_and_leaves_no_process(tmp_path):
     pid_file = tmp_path / "pids"
     pid_file.touch()
-    # global batch 8 without data parallelism: accumulate(4) gives micro-batches of 2 -> hang
+    # global batch 8; at world 2 compose() implies data parallelism (4 per rank): accumulate(2) gives
+    # micro-batches of 2 -> hang
     model_fn, dataset = FaultyModelFn(str(pid_file), 2), TextDataset(16, limit=64)
     settings = TrialSettings(world_size=2, warmup_steps=1, measure_steps=2)
     runner = RecordingRunner(ProcessRunner(Workload(model_fn, adamw, dataset, lm_step, 8), settings))
     result = search(model_fn, adamw, dataset, lm_step, world_size=2, batch_size=8, excluded=all_but("amp", "accumulate"),
-                    trial_timeout=30, seed=0, progress=False, runner=runner)
+                    trial_timeout=30, seed=0, progress=False, runner=runner, preflight=False)  # no forward in this process
     valid = result.enumeration.valid
     assert len(valid) == 6  # amp {absent, bf16} x accumulate {absent, 2, 4}
     assert sorted(runner.plans) == sorted(valid)  # every valid plan ran exactly once, nothing else
@@ -72,11 +74,20 @@ def test_study_at_world_2_records_crash_and_hang_and_leaves_no_process(tmp_path)
         by_status.setdefault(r.status, []).append(r)
     crashed = [r for r in by_status["failed"] if "injected crash" in (r.reason or "")]
     hung = [r for r in by_status["failed"] if (r.reason or "").startswith("timeout")]
-    assert {tuple(r.steps) for r in crashed} == {("amp",), ("amp", "accumulate")}
+    # every plan the study ran syncs gradients (issue 9 bug 1): the data-parallel default is implied
+    assert all("ddp" in r.steps for r in result.measured)
+
+    def asked(r):
+        return tuple(s for s in r.steps if s not in ("parallel_mode", "ddp"))
+
+    assert {asked(r) for r in crashed} == {("amp",), ("amp", "accumulate")}
     assert len(crashed) == 3 and all("amp" in r.steps for r in crashed)
-    assert [r.steps for r in hung] == [("accumulate",)] and "hang" in hung[0].reason
+    assert [asked(r) for r in hung] == [("accumulate",)] and "hang" in hung[0].reason
+    assert "2 micro" in hung[0].plan_label
     ok = by_status["ok"]
     assert len(ok) == 2 and all(r.result.samples_per_s > 0 and r.result.peak_bytes > 0 for r in ok)
+    # each sample counted once across the two ranks: the global batch of 8 per step, never 16
+    assert all(r.result.samples_per_step == 8 for r in ok)
     assert result.best is not None and result.best.status == "ok"
     # nothing left behind: no child of ours, no rank, no grandchild the hanging rank started
     assert multiprocessing.active_children() == []

@@ -26,11 +26,14 @@ def tiny_gpt():
     return GPT(GPTConfig(seq_len=32, d_model=32, n_layer=2, n_head=2))
 
 
-def train(model, plan, steps=3):
-    """Losses and final weights after a few AdamW steps on fixed batches."""
+def train(model, plan, steps=3, applied=None):
+    """Losses and final weights after a few AdamW steps on fixed batches (``applied``: a list that gets plan(...)'s result)."""
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     if plan is not None:
-        model, optim, _ = plan(model, optim)
+        result = plan(model, optim)
+        model, optim, _ = result
+        if applied is not None:
+            applied.append(result)
     gen = torch.Generator().manual_seed(0)
     losses = []
     for _ in range(steps):
@@ -51,17 +54,18 @@ def compiled(module):
 def test_aot_eager_is_bitwise_equal_to_eager_and_keeps_names(per_block):
     _, ref_losses, ref_weights = train(tiny_gpt(), None)
     plan = ca.compose(ca.compile(backend="aot_eager", per_block=per_block))
-    model, losses, weights = train(tiny_gpt(), plan)
+    applied = []
+    model, losses, weights = train(tiny_gpt(), plan, applied=applied)
     assert list(weights) == list(ref_weights)  # no "_orig_mod." anywhere
     assert torch.equal(losses, ref_losses)
     for name, w in ref_weights.items():
         assert torch.equal(weights[name], w), name
     if per_block is False:
         assert compiled(model) and not any(compiled(b) for b in model.blocks)
-        assert "GPT compiled in place" in plan.explain()
+        assert "GPT compiled in place" in plan.explain(applied=applied[0])
     else:
         assert not compiled(model) and all(compiled(b) for b in model.blocks)
-        assert "2 block(s) compiled in place (Block; backend aot_eager)" in plan.explain()
+        assert "2 block(s) compiled in place (Block; backend aot_eager)" in plan.explain(applied=applied[0])
 
 
 def test_compile_after_checkpoint_is_still_bitwise_equal():
@@ -84,9 +88,10 @@ def test_repeated_blocks_are_detected():
 def test_no_blocks_compiles_the_whole_model_and_says_so():
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
     plan = ca.compose(ca.compile(backend="aot_eager"))
-    model, _, _ = plan(model)
+    applied = plan(model)
+    model, _, _ = applied
     assert compiled(model)
-    assert "no repeated blocks found in Sequential: compiling the whole model" in plan.explain()
+    assert "no repeated blocks found in Sequential: compiling the whole model" in plan.explain(applied=applied)
 
 
 @pytest.mark.parametrize(

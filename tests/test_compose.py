@@ -18,7 +18,7 @@ from composable_atorch.core.contract import (
     Package,
     Stage,
 )
-from composable_atorch.core.transform import _REGISTRY, Transform
+from composable_atorch.core.transform import Transform, registry_scope
 from composable_atorch.environment import Environment
 from composable_atorch.errors import (
     CompositionError,
@@ -74,6 +74,11 @@ def test_amp_half_conflict_only_for_different_dtypes():
 # Registered under names starting with "toy_" and removed after the module's tests.
 
 
+#: The toy transforms below register inside this scope; the module fixture closes it, restoring the registry.
+_TOY_SCOPE = registry_scope()
+_TOY_SCOPE.__enter__()
+
+
 @dataclass(frozen=True)
 class ToyGroup(Transform):
     name = "toy_group"
@@ -127,7 +132,8 @@ class ToyUsesGpu(Transform):
 @dataclass(frozen=True)
 class ToyNeedsWorld(Transform):
     name = "toy_world"
-    contract = Contract(stage=Stage.DATA_PARALLEL, requires=(MinWorldSize(minimum=2), Package(name="toypkg", extra="toy")))
+    # owns grad_sync like any data-parallel engine, so world 2 implies no default owner beside it
+    contract = Contract(stage=Stage.DATA_PARALLEL, owns=("grad_sync",), requires=(MinWorldSize(minimum=2), Package(name="toypkg", extra="toy")))
 
 
 @dataclass(frozen=True)
@@ -156,8 +162,7 @@ class ToyHater(Transform):
 @pytest.fixture(autouse=True, scope="module")
 def _unregister_toys():
     yield
-    for name in [n for n in _REGISTRY if n.startswith("toy_")]:
-        del _REGISTRY[name]
+    _TOY_SCOPE.__exit__(None, None, None)
 
 
 def test_implied_step_is_added_and_shown_and_strict_refuses():
@@ -190,7 +195,7 @@ def test_skip_when_environment_lacks_hardware_and_strict_errors():
     assert "skipped toy_gpu" in plan.explain()
     with pytest.raises(RequirementError, match="cuda"):
         ca.compose(ToyGpu(), env=CPU, strict=True)
-    h100 = Environment(world_size=16, device="cuda", compute_capability=(9, 0))
+    h100 = Environment(world_size=1, device="cuda", compute_capability=(9, 0))  # world 1: no data-parallel default implied
     assert ca.compose(ToyGpu(), env=h100).names == ("toy_gpu",)
     a100 = h100.with_(compute_capability=(8, 0))
     assert ca.compose(ToyGpu(), env=a100).names == ()

@@ -42,6 +42,15 @@ def deepspeed_cases(rank, world):
     r = run_plan(ca.zero2(backend="deepspeed"), ca.clip_grad(0.05))
     out["clip_config"] = r["model"].gradient_clipping()
     out["clip_hooks"] = [type(h).__name__ for h in r["optim"].hooks]
+    # half("bf16") maps onto DeepSpeed's bf16 mode (ATorch's DeepSpeed recipe): bf16 module, fp32 master partitions
+    r = run_plan(ca.zero2(backend="deepspeed"), ca.half("bf16"))
+    out["bf16_enabled"] = r["model"].bfloat16_enabled()
+    out["bf16_module_dtypes"] = sorted({str(p.dtype) for p in r["model"].module.parameters()})
+    out["bf16_master_dtypes"] = sorted({str(t.dtype) for t in r["optim"].single_partition_of_fp32_groups})
+    out["bf16_finite"] = r["finite"]
+    out["bf16_losses"] = r["losses"]
+    out["bf16_params"] = {n: p.detach().float().clone() for n, p in r["model"].module.named_parameters()}
+    out["bf16_explain"] = r["explain"]
     ref = run_plan(ca.ddp(), ca.clip_grad(0.05))
     out["clip_diff"] = max_diff(plain({n: p.detach() for n, p in r["model"].module.named_parameters()}), plain(ref["params"]))
     return plain(out)
@@ -82,3 +91,12 @@ def test_deepspeed_conflicts_are_typed_errors_before_work():
     assert "ddp" not in plan.names  # the engine owns gradient sync: parallel_mode does not add ddp
     assert ca.Plan.from_json(plan.to_json(), env=env) == plan
     assert ca.registry()["zero2"].from_seed({"use_ds_zero": True}).backend == "deepspeed"
+
+
+def test_deepspeed_with_half_bf16_trains_in_deepspeeds_bf16_mode(ds_results):
+    for r in ds_results:
+        assert r["bf16_enabled"] and r["bf16_module_dtypes"] == ["torch.bfloat16"]
+        assert r["bf16_master_dtypes"] == ["torch.float32"]
+        assert r["bf16_finite"]
+        assert "mapped onto DeepSpeed's bf16 mode" in r["bf16_explain"]
+    assert max_diff(ds_results[0]["bf16_params"], ds_results[1]["bf16_params"]) == 0

@@ -71,13 +71,14 @@ def test_torchao_swaps_exactly_the_selected_layers_and_explains_the_rest():
     names = [n for n, _ in model.named_parameters()]
     optim = torch.optim.AdamW(model.parameters())
     plan = ca.compose(ca.fp8(exclude=("lm_head",)), env=TORCHAO)
-    model, optim, _ = plan(model, optim)
+    applied = plan(model, optim)
+    model, optim, _ = applied
     swapped = sorted(n for n, m in model.named_modules() if isinstance(m, Float8Linear))
     assert swapped == ["layers.0.0", "layers.0.2", "layers.1.0", "layers.1.2"]
     assert {n: type(model.get_submodule(n)) for n in ("odd", "back", "lm_head")} == dict.fromkeys(("odd", "back", "lm_head"), nn.Linear)
     assert [n for n, _ in model.named_parameters()] == names
     assert {id(p) for g in optim.param_groups for p in g["params"]} == {id(p) for p in model.parameters()}
-    text = plan.explain()
+    text = plan.explain(applied=applied)
     assert "4 Linear -> torchao Float8Linear" in text
     assert "odd (weight 24x32: dims not both multiples of 16)" in text
     assert "lm_head (exclude: 'lm_head' in its name)" in text
@@ -139,7 +140,8 @@ def test_llama_fp8_without_lm_head_trains_20_steps_within_tolerance_of_bf16():
         model = transformers.LlamaForCausalLM(config)
         optim = torch.optim.AdamW(model.parameters(), lr=3e-3)
         plan = ca.compose(*transforms, env=TORCHAO)
-        model, optim, _ = plan(model, optim)
+        applied = plan(model, optim)
+        model, optim, _ = applied
         losses = []
         for step in range(20):
             x = data[(4 * step) % 80 : (4 * step) % 80 + 4]
@@ -148,14 +150,14 @@ def test_llama_fp8_without_lm_head_trains_20_steps_within_tolerance_of_bf16():
             optim.step()
             optim.zero_grad()
             losses.append(loss.item())
-        return model, plan, losses
+        return model, plan.explain(applied=applied), losses
 
     _, _, bf16 = run(ca.amp("bf16"))
-    model, plan, fp8 = run(ca.fp8(exclude=("lm_head",)))
+    model, explained, fp8 = run(ca.fp8(exclude=("lm_head",)))
     swapped = [n for n, m in model.named_modules() if isinstance(m, Float8Linear)]
     assert len(swapped) == 14 and all(n.startswith("model.layers.") for n in swapped)  # 2 layers x 7 projections
     assert type(model.lm_head) is nn.Linear
-    assert "lm_head (exclude: 'lm_head' in its name)" in plan.explain()
+    assert "lm_head (exclude: 'lm_head' in its name)" in explained
     assert fp8[-1] < fp8[0] - 1.5, fp8  # 5.55 -> 3.22 measured
     diff = max(abs(a - b) for a, b in zip(fp8, bf16))
     assert 0 < diff < LLAMA_BF16_TOL, (diff, fp8, bf16)

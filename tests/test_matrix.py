@@ -5,7 +5,7 @@ import pytest
 import composable_atorch as ca
 
 from _dist import run_world
-from matrix import all_cases, run_case, run_cases_in_group
+from matrix import all_cases, configs, order_violations, run_all_configs, run_cases_in_group
 
 CASES = all_cases()
 
@@ -24,13 +24,26 @@ def _check(result):
     assert name in result["explain"]
     assert result["roundtrip_equal"], f"{name}: JSON round-trip gave a different plan"
     if result["names_required"]:
-        assert result["names_kept"], f"{name}: parameter names changed"
+        assert result["names_kept"], f"{name} ({result['config']}): parameter names changed"
+        assert result["count_kept"], f"{name} ({result['config']}): parameter count changed {result['counts']}"
     assert result["optimizer_once"], f"{name}: optimizer does not hold each parameter exactly once"
 
 
 @pytest.mark.parametrize("name", sorted(n for n, c in CASES.items() if c.world == 1))
 def test_single_process_case(name):
-    _check(run_case(name))
+    results = run_all_configs(name)
+    for result in results:
+        _check(result)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_composition_is_order_independent(name):
+    assert order_violations(name) == []
+
+
+def test_transforms_with_several_configs_are_checked_in_each():
+    several = {n: len(configs(n)) for n in CASES if CASES[n].world == 1}
+    assert several["checkpoint"] >= 3 and several["accumulate"] >= 2, several  # candidates join the matrix
 
 
 WORLDS = sorted({c.world for c in CASES.values() if c.world > 1})

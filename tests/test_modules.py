@@ -15,7 +15,7 @@ import composable_atorch as ca
 from composable_atorch.environment import Environment
 from composable_atorch.errors import ConfigError
 from composable_atorch.models import GPT, GPTConfig
-from composable_atorch.models.gpt import CausalSelfAttention, lm_loss
+from composable_atorch.models.gpt import CausalSelfAttention, FlashCausalSelfAttention, SDPACausalSelfAttention, lm_loss
 from composable_atorch.transforms import modules
 
 TOL = 1e-5
@@ -38,8 +38,9 @@ def test_builtin_gpt_sdpa_matches_naive_attention():
     model = copy.deepcopy(naive)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
     plan = ca.compose(ca.module_replace())
-    fused, optim, _ = plan(model, optim)
-    assert [type(b.attn) for b in fused.blocks] == [modules.SDPACausalSelfAttention] * 2
+    applied = plan(model, optim)
+    fused, optim, _ = applied
+    assert [type(b.attn) for b in fused.blocks] == [SDPACausalSelfAttention] * 2
     assert [n for n, _ in fused.named_parameters()] == [n for n, _ in naive.named_parameters()]
     assert {id(p) for g in optim.param_groups for p in g["params"]} == {id(p) for p in fused.parameters()}
     x = torch.randint(0, 256, (4, 32))
@@ -48,9 +49,9 @@ def test_builtin_gpt_sdpa_matches_naive_attention():
     torch.testing.assert_close(logits, ref_logits, atol=TOL, rtol=0)
     for name, g in ref_grads.items():
         torch.testing.assert_close(grads[name], g, atol=TOL, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
-    text = plan.explain()
+    text = plan.explain(applied=applied)
     assert "gpt_sdpa: 2 x CausalSelfAttention -> SDPACausalSelfAttention" in text
-    assert "gpt_flash_attn: not used, needs the flash_attn package" in text
+    assert "gpt_flash_attn: not used, needs the package 'flash_attn'" in text
     assert "left alone: torch's LayerNorm" in text
 
 
@@ -117,12 +118,13 @@ def test_transformers_attention_switches_to_sdpa_within_tolerance(kind):
     assert eager.config._attn_implementation == "eager"
     model = copy.deepcopy(eager)
     plan = ca.compose(ca.module_replace())
-    model, _, _ = plan(model)
+    applied = plan(model)
+    model, _, _ = applied
     assert model.config._attn_implementation == "sdpa"
     assert [n for n, _ in model.named_parameters()] == [n for n, _ in eager.named_parameters()]
     x = torch.randint(3, 128, (2, 16))
     torch.testing.assert_close(main_output(model(x)), main_output(eager(x)), atol=TOL, rtol=0)
-    assert f"hf_sdpa: {type(model).__name__} attention eager -> sdpa via set_attn_implementation" in plan.explain()
+    assert f"hf_sdpa: {type(model).__name__} attention eager -> sdpa via set_attn_implementation" in plan.explain(applied=applied)
 
 
 @needs_hf
@@ -130,8 +132,8 @@ def test_transformers_default_sdpa_is_left_alone_and_said():
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=1, n_head=2, bos_token_id=0, eos_token_id=0))
     plan = ca.compose(ca.module_replace())
-    plan(model)
-    assert "already uses sdpa attention (transformers' default), left alone" in plan.explain()
+    applied = plan(model)
+    assert "already uses sdpa attention (transformers' default), left alone" in plan.explain(applied=applied)
 
 
 def train(model, plan, steps, x):
@@ -175,8 +177,8 @@ def test_llama_rmsnorm_pair_is_cuda_only_and_its_target_matches():
     x = torch.randn(2, 8, 32)
     torch.testing.assert_close(fused(x), norm(x), atol=1e-6, rtol=0)
     plan = ca.compose(ca.module_replace())
-    plan(hf_model("llama"))
-    assert "llama_rmsnorm_fused: not used, needs a CUDA device" in plan.explain()
+    applied = plan(hf_model("llama"))
+    assert "llama_rmsnorm_fused: not used, needs a cuda device (this environment is cpu), for torch's fused rms_norm" in plan.explain(applied=applied)
 
 
 # -- pairs, dtype filter, errors -----------------------------------------------------------------
@@ -233,13 +235,15 @@ modules.register_replace_pair("test_fast_scale_bf16", Scale, FastScale, supporte
 
 def test_pairs_are_filtered_by_the_plans_training_dtype():
     plan = ca.compose(ca.module_replace(pairs=("test_fast_scale_bf16",)))
-    model, _, _ = plan(Holder())
+    applied = plan(Holder())
+    model, _, _ = applied
     assert type(model.scale) is Scale
-    assert "test_fast_scale_bf16: not used, it supports bfloat16 and this plan trains in float32" in plan.explain()
+    assert "test_fast_scale_bf16: not used, it supports bfloat16 and this plan trains in float32" in plan.explain(applied=applied)
     plan = ca.compose(ca.module_replace(pairs=("test_fast_scale_bf16",)), ca.amp("bf16"))
-    model, _, _ = plan(Holder())
+    applied = plan(Holder())
+    model, _, _ = applied
     assert type(model.scale) is FastScale
-    assert "test_fast_scale_bf16: 1 x Scale -> FastScale (class swapped in place" in plan.explain()
+    assert "test_fast_scale_bf16: 1 x Scale -> FastScale (class swapped in place" in plan.explain(applied=applied)
 
 
 def test_seed_keyword_form_builds_target_from_source_and_keeps_names():
@@ -248,11 +252,12 @@ def test_seed_keyword_form_builds_target_from_source_and_keeps_names():
     w = model.scale.w
     optim = torch.optim.SGD(model.parameters(), lr=0.1)
     plan = ca.compose(ca.module_replace(pairs="test_built_scale"))
-    model, optim, _ = plan(model, optim)
+    applied = plan(model, optim)
+    model, optim, _ = applied
     assert type(model.scale) is BuiltScale and model.scale.w is w
     assert [n for n, _ in model.named_parameters()] == ["scale.w", "lin.weight", "lin.bias"]
     assert {id(p) for g in optim.param_groups for p in g["params"]} == {id(p) for p in model.parameters()}
-    assert "built as BuiltScale(module)" in plan.explain()
+    assert "built as BuiltScale(module)" in plan.explain(applied=applied)
 
 
 def test_target_that_renames_parameters_fails_before_the_model_changes():
@@ -279,7 +284,7 @@ def test_flash_pairs_are_chosen_only_on_capable_cuda():
     assert "flash_attn" in needs(Environment(device="cuda", compute_capability=(9, 0)))
     assert "8.0" in needs(Environment(device="cuda", compute_capability=(7, 5), packages={"flash_attn"}))
     assert needs(Environment(device="cuda", compute_capability=(8, 0), packages={"flash_attn"})) is None
-    assert issubclass(modules.FlashCausalSelfAttention, CausalSelfAttention)
+    assert issubclass(FlashCausalSelfAttention, CausalSelfAttention)
 
 
 def test_seed_forms_and_candidates():

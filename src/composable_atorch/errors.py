@@ -69,3 +69,13 @@ class ParameterMappingError(CompositionError):
             "Fix: build the optimizer over model.parameters() (or named groups of them) of the model you pass "
             "to the plan, and apply the plan before the first optimizer step."
         )
+
+
+class WorkloadError(CompositionError):
+    """The user's model, optimizer, data or loss fails on its own, before any plan is applied: no plan
+    can fix it, so the search stops at once. Names the part that failed, the error and the fix."""
+
+    def __init__(self, part: str, error: BaseException | str, hint: str):
+        self.part, self.hint = part, hint
+        self.error = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+        super().__init__(f"{part} fails with no plan applied ({self.error}); no plan can fix that. Fix: {hint}.")

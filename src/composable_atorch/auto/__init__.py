@@ -1,20 +1,28 @@
 """Auto mode: search the plans of the registered transforms for the fastest one that fits memory.
 
-    result = search(model_fn, optim_fn, dataset, loss_fn, world_size=2, batch_size=16,
-                    n_trials=8, memory_limit="200MiB", storage="runs/search.db", study_name="gpt")
+    workload = Workload(model_fn, optim_fn, dataset, loss_fn, batch_size=16)
+    result = search(workload, trial=TrialSettings(world_size=2),
+                    budget=Budget(n_trials=8, memory_limit="200MiB"),
+                    study=StudyOptions(storage="runs/search.db", study_name="gpt"))
     result.best_plan            # a Plan: apply it, or save it with strategy.dump
     report.write_all(result, "runs/search")
 
+:mod:`.policy` holds the settings, :mod:`.preflight` trains the workload once with no plan,
 :mod:`.space` builds the space from the registry, :mod:`.trial` measures one plan in fresh
 processes, :mod:`.study` runs the optuna study, :mod:`.report` writes what it found.
 """
 
+from composable_atorch.auto.policy import Budget, SpaceOptions, StudyOptions
+from composable_atorch.auto.preflight import preflight
 from composable_atorch.auto.space import SearchSpace, block_classes, plan_key
 from composable_atorch.auto.study import SearchResult, TrialRecord, search
 from composable_atorch.auto.trial import TrialResult, TrialSettings, run_trial, train_plan
 from composable_atorch.auto.worker import Workload
 
 __all__ = [
+    "Budget",
+    "SpaceOptions",
+    "StudyOptions",
     "SearchResult",
     "SearchSpace",
     "TrialRecord",
@@ -23,6 +31,7 @@ __all__ = [
     "Workload",
     "block_classes",
     "plan_key",
+    "preflight",
     "run_trial",
     "search",
     "train_plan",

@@ -4,56 +4,34 @@ Each proposal of the sampler is an assignment of the space (:mod:`.space`). comp
 invalid one before it costs anything (told to optuna as pruned and infeasible, so the sampler
 learns to avoid it); a plan already measured is answered from the study, not run again; a new
 plan runs in fresh worker processes (:mod:`.trial`). Throughput is the objective (maximized);
-``memory_limit`` is an optuna constraint (``trial.set_constraint``: over-budget plans are
+the memory budget is an optuna constraint (``trial.set_constraint``: over-budget plans are
 infeasible). Studies persist in sqlite and resume by name: earlier trials are kept and not re-run.
+Before the study the workload trains once with no plan (:mod:`.preflight`): an error no plan can
+fix stops the search at once. Settings come as policy values (:mod:`.policy`).
 """
 
 from __future__ import annotations
 
-import os
 import random
-import re
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
-from composable_atorch.auto.space import ABSENT, Enumeration, SearchSpace, block_classes
+from composable_atorch.auto.policy import Budget, SpaceOptions, StudyOptions, parse_bytes, storage_url
+from composable_atorch.auto.preflight import PreflightResult, preflight
+from composable_atorch.auto.space import ABSENT, Enumeration, Point, SearchSpace, block_classes
 from composable_atorch.auto.trial import TrialResult, TrialSettings, check_picklable, run_trial
 from composable_atorch.auto.worker import Workload
 from composable_atorch.core.plan import Plan
 from composable_atorch.environment import Environment
 from composable_atorch.errors import ConfigError
 
+__all__ = ["Budget", "SearchResult", "SpaceOptions", "StudyOptions", "TrialRecord", "parse_bytes", "search", "storage_url"]
+
 #: Consecutive proposals that are invalid or already measured before an untried neighbour of the
 #: best plan is enqueued (samplers on small categorical spaces keep proposing their favourite).
 MAX_REPEATS = 3
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
-
-
-def parse_bytes(value: Any, field_name: str = "memory_limit") -> int | None:
-    """``None``, a number of bytes, or a string such as ``"300MiB"`` / ``"2GB"``."""
-    if value is None:
-        return None
-    if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
-        return int(value)
-    if isinstance(value, str):
-        m = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", value)
-        if m and m.group(2).lower() in _UNITS:
-            return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    raise ConfigError(field_name, value, "a positive number of bytes or a string such as '300MiB' or '2GB'")
-
-
-def storage_url(storage: Any) -> str | None:
-    """optuna storage URL: a URL as given; a file path becomes a sqlite URL."""
-    if storage is None or (isinstance(storage, str) and "://" in storage):
-        return storage
-    if isinstance(storage, str | os.PathLike):
-        path = Path(storage).expanduser().resolve()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        return f"sqlite:///{path}"
-    raise ConfigError("storage", storage, "None, an optuna storage URL or a path to a sqlite file")
 
 
 @dataclass
@@ -105,6 +83,8 @@ class SearchResult:
     #: runner calls on plans not among the enumeration's valid plans (an independent check: zero)
     dry_runs_on_invalid: int = 0
     stopped_by: str = ""
+    #: the workload's one step with no plan before the study (None: skipped)
+    preflight: PreflightResult | None = None
 
     @property
     def measured(self) -> list[TrialRecord]:
@@ -133,8 +113,7 @@ class ProcessRunner:
         self.workload, self.settings = workload, settings
 
     def __call__(self, plan: Plan, *, timeout: float) -> TrialResult:
-        settings = TrialSettings(**{**self.settings.__dict__, "timeout": timeout})
-        return run_trial(plan.to_json(), self.workload, settings)
+        return run_trial(plan.to_json(), self.workload, replace(self.settings, timeout=timeout))
 
 
 def _example_model(model_fn):
@@ -148,192 +127,248 @@ def _example_model(model_fn):
         return model_fn()
 
 
+#: the keywords of the 0.x signature ``search(model_fn, optim_fn, dataset, loss_fn, **these)``
+#: and the policy each one belongs to
+LEGACY_KEYWORDS = {
+    "world_size": "trial", "warmup_steps": "trial", "measure_steps": "trial", "trial_timeout": "trial",
+    "n_trials": "budget", "time_limit": "budget", "memory_limit": "budget",
+    "excluded": "space", "included": "space", "start_from": "space", "allow_compile": "space", "customize": "space",
+    "storage": "study", "study_name": "study", "seed": "study", "sampler": "study", "n_startup_trials": "study",
+    "baseline_first": "study", "preflight": "study", "batch_size": "workload", "loader_kwargs": "workload",
+}
+
+
+def policies_from_keywords(model_fn, optim_fn, dataset, loss_fn, **kwargs):
+    """The 0.x call's four factories and keywords as ``(workload, trial, budget, space, study)``."""
+    unknown = sorted(set(kwargs) - set(LEGACY_KEYWORDS))
+    if unknown:
+        raise TypeError(f"search() got unexpected keyword argument(s) {unknown}; "
+                        "pass trial=, budget=, space= and study= policies (composable_atorch.auto.policy)")
+    if "world_size" not in kwargs or "batch_size" not in kwargs:
+        raise TypeError("search(model_fn, optim_fn, dataset, loss_fn, ...) needs world_size= and batch_size=; "
+                        "or pass a Workload: search(workload, trial=TrialSettings(world_size=...))")
+    batch_size = kwargs.pop("batch_size")
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        raise ConfigError("batch_size", batch_size, "the global batch size, an integer >= 1")
+    workload = Workload(model_fn, optim_fn, dataset, loss_fn, batch_size, dict(kwargs.pop("loader_kwargs", None) or {}),
+                        kwargs.get("seed") or 0)
+    groups: dict[str, dict] = {"trial": {}, "budget": {}, "space": {}, "study": {}}
+    for key, value in kwargs.items():
+        groups[LEGACY_KEYWORDS[key]]["timeout" if key == "trial_timeout" else key] = value
+    groups["trial"].setdefault("measure_steps", 5)
+    return (workload, TrialSettings(**groups["trial"]), Budget(**groups["budget"]), SpaceOptions(**groups["space"]),
+            StudyOptions(**groups["study"]))
+
+
 def search(
-    model_fn: Callable[[], Any],
-    optim_fn: Callable[..., Any],
-    dataset: Any,
-    loss_fn: Callable[[Any, Any], Any],
-    *,
-    world_size: int,
-    batch_size: int,
-    n_trials: int | None = None,
-    time_limit: float | None = None,
-    memory_limit: int | str | None = None,
-    excluded: Iterable[str] = (),
-    included: Iterable[str] = (),
-    storage: Any = None,
-    study_name: str | None = None,
-    seed: int | None = None,
-    sampler: Any = "tpe",
-    n_startup_trials: int = 4,
-    baseline_first: bool = True,
-    start_from: Plan | None = None,
-    allow_compile: bool = False,
-    customize: Callable[[Plan], Plan] | None = None,
-    trial_timeout: float = 120.0,
-    warmup_steps: int = 2,
-    measure_steps: int = 5,
-    loader_kwargs: dict | None = None,
+    workload: Workload | Callable[[], Any],
+    *args: Any,
+    trial: TrialSettings | None = None,
+    budget: Budget | None = None,
+    space: SpaceOptions | None = None,
+    study: StudyOptions | None = None,
     env: Environment | None = None,
     runner: Callable[..., TrialResult] | None = None,
     progress: bool = True,
+    **legacy: Any,
 ) -> SearchResult:
-    """Search the plans of the registered transforms for the fastest one that fits ``memory_limit``.
+    """Search the plans of the registered transforms for the fastest one that fits the memory budget.
 
-    ``model_fn()`` builds a fresh model, ``optim_fn(model)`` its optimizer (or an optimizer class),
-    ``loss_fn(model, batch)`` the loss of one batch; ``batch_size`` is the global batch. Each is
-    sent to fresh processes, so they must be importable or picklable. ``n_trials`` counts plans
-    measured by this call (default: every valid plan); ``time_limit`` (seconds) stops the study and
-    cuts the running trial. ``excluded`` / ``included`` drop or pin transform kinds. ``storage`` (a
-    sqlite path or URL) with ``study_name`` persists the study; calling again resumes it.
-    ``start_from`` (a plan) is measured first and its configs join the space (fine-tuning a
-    loaded strategy). ``allow_compile`` lets torch.compile offer candidates (a cold compile costs
-    minutes per trial on a small CPU). ``customize(plan) -> plan`` adjusts every composed plan before
-    it runs (the facade sets ``find_unused_parameters`` / the sampler class this way). ``runner(plan, timeout=...)`` replaces the process runner (benchmarks
-    replay measured tables with it).
+    ``workload`` (:class:`~composable_atorch.auto.worker.Workload`) is what every trial trains: its
+    factories are sent to fresh processes, so they must be importable or picklable. ``trial`` says
+    how one plan is measured (world size, steps, time limit), ``budget`` what the search may spend,
+    ``space`` which plans are searched, ``study`` how the optuna study runs (see :mod:`.policy`).
+    ``runner(plan, timeout=...)`` replaces the process runner (benchmarks replay measured tables
+    with it). ``env`` overrides the detected environment (its world size is ``trial.world_size``).
+
+    The 0.x call ``search(model_fn, optim_fn, dataset, loss_fn, world_size=..., batch_size=...,
+    n_trials=..., ...)`` still works: its keywords are sorted into the same policies
+    (:data:`LEGACY_KEYWORDS`).
     """
-    import optuna
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    if not isinstance(batch_size, int) or batch_size < 1:
-        raise ConfigError("batch_size", batch_size, "the global batch size, an integer >= 1")
-    if n_trials is not None and (not isinstance(n_trials, int) or n_trials < 1):
-        raise ConfigError("n_trials", n_trials, "None (every valid plan) or an integer >= 1")
-    if time_limit is not None and (not isinstance(time_limit, int | float) or time_limit <= 0):
-        raise ConfigError("time_limit", time_limit, "None or a positive number of seconds")
-    for name, value in (("excluded", excluded), ("included", included)):
-        if isinstance(value, str) or not all(isinstance(v, str) for v in value):
-            raise ConfigError(name, value, "a list of transform names, e.g. ['checkpoint']")
-    limit = parse_bytes(memory_limit)
-    settings = TrialSettings(world_size=world_size, warmup_steps=warmup_steps, measure_steps=measure_steps, timeout=trial_timeout)
-    workload = Workload(model_fn, optim_fn, dataset, loss_fn, batch_size, dict(loader_kwargs or {}), seed or 0)
+    if not isinstance(workload, Workload):
+        if len(args) != 3 or any(p is not None for p in (trial, budget, space, study)):
+            raise TypeError("search(workload, *, trial=, budget=, space=, study=) or the 0.x form "
+                            "search(model_fn, optim_fn, dataset, loss_fn, world_size=, batch_size=, ...)")
+        workload, trial, budget, space, study = policies_from_keywords(workload, *args, **legacy)
+    elif args or legacy:
+        raise TypeError(f"search(workload, ...) takes only policy keywords (trial=, budget=, space=, study=); got "
+                        f"{len(args)} more positional and {sorted(legacy)}")
+    trial, budget = trial or TrialSettings(), budget or Budget()
+    space, study = space or SpaceOptions(), study or StudyOptions()
+    checked = None
     if runner is None:
         check_picklable(workload)
-        runner = ProcessRunner(workload, settings)
-    url = storage_url(storage)
-    env = (env or Environment.detect()).with_(world_size=world_size)
-    from composable_atorch.core.transform import SearchContext
+        runner = ProcessRunner(workload, trial)
+    if study.preflight:
+        checked = preflight(workload)  # raises WorkloadError: no plan can fix the workload itself
+    env = (env or Environment.detect()).with_(world_size=trial.world_size)
+    loop = _Loop(workload, trial, budget, space, study, env, runner, progress)
+    result = loop.run()
+    result.preflight = checked
+    return result
 
-    context = SearchContext(
-        env=env, block_classes=block_classes(_example_model(model_fn)), batch_size=batch_size, allow_compile=allow_compile
-    )
-    space = SearchSpace(
-        context, excluded=excluded, included=included, extra=start_from.requested if start_from else (), customize=customize
-    )
-    enumeration = space.enumerate()
 
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    study = optuna.create_study(
-        direction="maximize", sampler=make_sampler(sampler, seed, n_startup_trials), storage=url,
-        study_name=study_name or ("composable_atorch-search" if url else None), load_if_exists=True,
-    )
-    study.set_user_attr("memory_limit", limit)
-    seen: dict[str, int] = {}
-    for t in study.trials:
-        rec = TrialRecord.from_frozen(t)
-        if rec.measured and not t.user_attrs.get("retryable") and t.user_attrs.get("plan_key"):
-            seen.setdefault(t.user_attrs["plan_key"], t.number)
-    untried = [k for k in enumeration.valid if k not in seen]
-    budget = len(untried) if n_trials is None else min(n_trials, len(untried))
-    rng = random.Random(seed)
+class _Loop:
+    """The ask/tell loop, one method per outcome of a proposal: invalid, duplicate, failed, measured."""
 
-    def enqueue(assignment: dict[str, str]) -> None:
-        study.enqueue_trial(assignment, skip_if_exists=False)
+    def __init__(self, workload, trial: TrialSettings, budget: Budget, space: SpaceOptions, study: StudyOptions,
+                 env: Environment, runner, progress: bool):
+        import optuna
 
-    first = [start_from] if start_from is not None else []
-    if baseline_first:
-        first.append(None)  # the plan with no transforms: the reference every other plan is against
-    for plan in first:
-        assignment = space.assignment_of(plan) if plan is not None else {k: ABSENT for k in space.kinds}
-        if assignment and all(label in space.options[k] for k, label in assignment.items()):
-            point = space.point(assignment)
-            if point.valid and point.key not in seen:
-                enqueue(assignment)
+        from composable_atorch.core.transform import SearchContext
 
-    console = Console(stderr=False, quiet=not progress)
-    counts = {"measured": 0, "invalid": 0, "duplicate": 0, "dry_invalid": 0}
-    repeats, stopped_by, start = 0, "", time.monotonic()
-    columns = (TextColumn("[bold]search"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[best]}"), TimeElapsedColumn())
-    with Progress(*columns, console=console, disable=not progress, transient=False) as bar:
-        task = bar.add_task("search", total=budget, best="")
-        while True:
-            if counts["measured"] >= budget:
-                stopped_by = "every valid plan measured" if n_trials is None or budget < n_trials else f"n_trials={n_trials}"
-                break
-            remaining = None if time_limit is None else time_limit - (time.monotonic() - start)
-            if remaining is not None and remaining <= 0:
-                stopped_by = f"time_limit={time_limit:g} s"
-                break
-            if repeats >= MAX_REPEATS:
-                enqueue(_neighbour(study, enumeration, seen, rng))
-                repeats = 0
-            trial = study.ask()
-            assignment = space.suggest(trial)
-            point = space.point(assignment)
-            trial.set_user_attr("assignment", assignment)
-            if not point.valid:
-                counts["invalid"] += 1
-                repeats += 1
-                trial.set_user_attr("status", "invalid")
-                trial.set_user_attr("reason", point.error)
-                trial.set_constraint("valid", 1.0)
-                study.tell(trial, state=optuna.trial.TrialState.PRUNED)
-                continue
-            key = point.key
-            trial.set_user_attr("plan_key", key)
-            trial.set_user_attr("steps", list(point.plan.names))
-            if key in seen:
-                counts["duplicate"] += 1
-                repeats += 1
-                trial.set_user_attr("status", "duplicate")
-                trial.set_user_attr("reason", f"same plan as trial {seen[key]}; not run again")
-                study.tell(trial, state=optuna.trial.TrialState.FAIL)
-                continue
-            repeats = 0
-            # an independent check on compose(): the plan must be one the enumeration found valid
-            counts["dry_invalid"] += key not in enumeration.valid
-            timeout = trial_timeout if remaining is None else max(1.0, min(trial_timeout, remaining))
-            result = runner(point.plan, timeout=timeout)
-            counts["measured"] += 1
-            trial.set_user_attr("plan_json", point.plan.to_json(indent=None))
-            trial.set_user_attr("result", {k: v for k, v in result.to_dict().items() if k != "losses"})
-            label = TrialRecord(trial.number, "", assignment).plan_label
-            if not result.ok:
-                cut = remaining is not None and timeout < trial_timeout and (result.reason or "").startswith("timeout")
-                trial.set_user_attr("status", "failed")
-                trial.set_user_attr("reason", ("stopped by the study's time limit; " if cut else "") + (result.reason or ""))
-                trial.set_user_attr("retryable", cut)
-                study.tell(trial, state=optuna.trial.TrialState.FAIL)
-                if not cut:
-                    seen[key] = trial.number
-                bar.console.print(f"  #{trial.number} {label}: [red]failed[/red] — {result.reason}")
-                bar.update(task, advance=1)
-                continue
-            seen[key] = trial.number
-            over = limit is not None and result.peak_bytes is not None and result.peak_bytes > limit
-            status = "infeasible" if over else "ok"
-            trial.set_user_attr("status", status)
-            if limit is not None:
-                trial.set_constraint("memory", (result.peak_bytes - limit) / limit if result.peak_bytes is not None else 0.0)
-                if over:
-                    trial.set_user_attr("reason", f"peak {result.peak_bytes / 2**20:.1f} MiB > budget {limit / 2**20:.1f} MiB")
-            study.tell(trial, result.samples_per_s)
-            mem = "" if result.peak_bytes is None else f", peak {result.peak_bytes / 2**20:.1f} MiB"
-            flag = " [yellow]over budget[/yellow]" if over else ""
-            bar.console.print(f"  #{trial.number} {label}: {result.samples_per_s:.1f} samples/s{mem}{flag}")
-            best = _best([TrialRecord.from_frozen(t) for t in study.trials])
-            bar.update(task, advance=1, best=f"best {best.result.samples_per_s:.1f} samples/s" if best else "")
+        self.trial_settings, self.budget, self.runner, self.progress, self.env = trial, budget, runner, progress, env
+        self.limit = budget.memory_bytes
+        context = SearchContext(env=env, block_classes=block_classes(_example_model(workload.model_fn)),
+                                batch_size=workload.batch_size, allow_compile=space.allow_compile)
+        start_from = space.start_from
+        self.space = SearchSpace(context, excluded=space.excluded, included=space.included,
+                                 extra=start_from.requested if start_from else (), customize=space.customize)
+        self.enumeration = self.space.enumerate()
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        url = study.url
+        self.study = optuna.create_study(
+            direction="maximize", sampler=make_sampler(study.sampler, study.seed, study.n_startup_trials), storage=url,
+            study_name=study.study_name or ("composable_atorch-search" if url else None), load_if_exists=True,
+        )
+        self.study.set_user_attr("memory_limit", self.limit)
+        self.seen: dict[str, int] = {}
+        for t in self.study.trials:
+            rec = TrialRecord.from_frozen(t)
+            if rec.measured and not t.user_attrs.get("retryable") and t.user_attrs.get("plan_key"):
+                self.seen.setdefault(t.user_attrs["plan_key"], t.number)
+        untried = [k for k in self.enumeration.valid if k not in self.seen]
+        n = budget.n_trials
+        self.target = len(untried) if n is None else min(n, len(untried))
+        self.rng = random.Random(study.seed)
+        self.counts = {"measured": 0, "invalid": 0, "duplicate": 0, "dry_invalid": 0}
+        self.repeats = 0
+        first = [start_from] if start_from is not None else []
+        if study.baseline_first:
+            first.append(None)  # the plan with no transforms: the reference every other plan is against
+        for plan in first:
+            self._enqueue_first(plan)
 
-    records = [TrialRecord.from_frozen(t) for t in study.trials]
-    best = _best(records)
-    best_plan = Plan.from_json(best.plan_json, env=env) if best else None
-    return SearchResult(
-        study=study, space=space, enumeration=enumeration, records=records, best=best, best_plan=best_plan,
-        memory_limit=limit, wall_time=time.monotonic() - start, measured_now=counts["measured"],
-        invalid_proposals=counts["invalid"], duplicate_proposals=counts["duplicate"],
-        dry_runs_on_invalid=counts["dry_invalid"], stopped_by=stopped_by,
-    )
+    def _enqueue_first(self, plan: Plan | None) -> None:
+        assignment = self.space.assignment_of(plan) if plan is not None else {k: ABSENT for k in self.space.kinds}
+        if assignment and all(label in self.space.options[k] for k, label in assignment.items()):
+            point = self.space.point(assignment)
+            if point.valid and point.key not in self.seen:
+                self.study.enqueue_trial(assignment, skip_if_exists=False)
+
+    # -- the loop ---------------------------------------------------------------------------
+    def _stop_reason(self, remaining: float | None) -> str | None:
+        n_trials, time_limit = self.budget.n_trials, self.budget.time_limit
+        if self.counts["measured"] >= self.target:
+            return "every valid plan measured" if n_trials is None or self.target < n_trials else f"n_trials={n_trials}"
+        if remaining is not None and remaining <= 0:
+            return f"time_limit={time_limit:g} s"
+        return None
+
+    def run(self) -> SearchResult:
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        console = Console(stderr=False, quiet=not self.progress)
+        columns = (TextColumn("[bold]search"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[best]}"), TimeElapsedColumn())
+        start, stopped_by = time.monotonic(), ""
+        with Progress(*columns, console=console, disable=not self.progress, transient=False) as bar:
+            self.bar, self.task = bar, bar.add_task("search", total=self.target, best="")
+            while True:
+                limit = self.budget.time_limit
+                remaining = None if limit is None else limit - (time.monotonic() - start)
+                stopped_by = self._stop_reason(remaining)
+                if stopped_by:
+                    break
+                self._step(remaining)
+        records = [TrialRecord.from_frozen(t) for t in self.study.trials]
+        best = _best(records)
+        c = self.counts
+        return SearchResult(
+            study=self.study, space=self.space, enumeration=self.enumeration, records=records, best=best,
+            best_plan=Plan.from_json(best.plan_json, env=self.env) if best else None, memory_limit=self.limit,
+            wall_time=time.monotonic() - start, measured_now=c["measured"], invalid_proposals=c["invalid"],
+            duplicate_proposals=c["duplicate"], dry_runs_on_invalid=c["dry_invalid"], stopped_by=stopped_by,
+        )
+
+    def _step(self, remaining: float | None) -> None:
+        """Ask for one proposal and tell optuna its outcome."""
+        if self.repeats >= MAX_REPEATS:
+            self.study.enqueue_trial(_neighbour(self.study, self.enumeration, self.seen, self.rng), skip_if_exists=False)
+            self.repeats = 0
+        trial = self.study.ask()
+        assignment = self.space.suggest(trial)
+        point = self.space.point(assignment)
+        trial.set_user_attr("assignment", assignment)
+        if not point.valid:
+            return self._tell_invalid(trial, point)
+        trial.set_user_attr("plan_key", point.key)
+        trial.set_user_attr("steps", list(point.plan.names))
+        if point.key in self.seen:
+            return self._tell_duplicate(trial, point)
+        self.repeats = 0
+        # an independent check on compose(): the plan must be one the enumeration found valid
+        self.counts["dry_invalid"] += point.key not in self.enumeration.valid
+        full = self.trial_settings.timeout
+        timeout = full if remaining is None else max(1.0, min(full, remaining))
+        result = self.runner(point.plan, timeout=timeout)
+        self.counts["measured"] += 1
+        trial.set_user_attr("plan_json", point.plan.to_json(indent=None))
+        trial.set_user_attr("result", {k: v for k, v in result.to_dict().items() if k not in ("losses", "sample_ids")})
+        label = TrialRecord(trial.number, "", assignment).plan_label
+        if not result.ok:
+            cut = remaining is not None and timeout < full and (result.reason or "").startswith("timeout")
+            return self._tell_failed(trial, point, result, label, cut)
+        return self._tell_measured(trial, point, result, label)
+
+    def _tell_invalid(self, trial, point: Point) -> None:
+        import optuna
+
+        self.counts["invalid"] += 1
+        self.repeats += 1
+        trial.set_user_attr("status", "invalid")
+        trial.set_user_attr("reason", point.error)
+        trial.set_constraint("valid", 1.0)
+        self.study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+
+    def _tell_duplicate(self, trial, point: Point) -> None:
+        import optuna
+
+        self.counts["duplicate"] += 1
+        self.repeats += 1
+        trial.set_user_attr("status", "duplicate")
+        trial.set_user_attr("reason", f"same plan as trial {self.seen[point.key]}; not run again")
+        self.study.tell(trial, state=optuna.trial.TrialState.FAIL)
+
+    def _tell_failed(self, trial, point: Point, result: TrialResult, label: str, cut: bool) -> None:
+        """A crash, OOM or hang; a trial cut by the study's own time limit may run again on resume."""
+        import optuna
+
+        trial.set_user_attr("status", "failed")
+        trial.set_user_attr("reason", ("stopped by the study's time limit; " if cut else "") + (result.reason or ""))
+        trial.set_user_attr("retryable", cut)
+        self.study.tell(trial, state=optuna.trial.TrialState.FAIL)
+        if not cut:
+            self.seen[point.key] = trial.number
+        self.bar.console.print(f"  #{trial.number} {label}: [red]failed[/red] — {result.reason}")
+        self.bar.update(self.task, advance=1)
+
+    def _tell_measured(self, trial, point: Point, result: TrialResult, label: str) -> None:
+        """A measured plan: its throughput, and over-budget memory as an infeasible constraint."""
+        self.seen[point.key] = trial.number
+        limit, peak = self.limit, result.peak_bytes
+        over = limit is not None and peak is not None and peak > limit
+        trial.set_user_attr("status", "infeasible" if over else "ok")
+        if limit is not None:
+            trial.set_constraint("memory", (peak - limit) / limit if peak is not None else 0.0)
+            if over:
+                trial.set_user_attr("reason", f"peak {peak / 2**20:.1f} MiB > budget {limit / 2**20:.1f} MiB")
+        self.study.tell(trial, result.samples_per_s)
+        mem = "" if peak is None else f", peak {peak / 2**20:.1f} MiB"
+        flag = " [yellow]over budget[/yellow]" if over else ""
+        self.bar.console.print(f"  #{trial.number} {label}: {result.samples_per_s:.1f} samples/s{mem}{flag}")
+        best = _best([TrialRecord.from_frozen(t) for t in self.study.trials])
+        self.bar.update(self.task, advance=1, best=f"best {best.result.samples_per_s:.1f} samples/s" if best else "")
 
 
 def _neighbour(study, enumeration: Enumeration, seen: dict[str, int], rng: random.Random) -> dict[str, str]:

@@ -3,8 +3,9 @@
 Each trial spawns ``world_size`` processes on a real process group (gloo on the CPU, NCCL on
 GPUs), trains ``warmup_steps`` optimizer steps, then times ``measure_steps`` between barriers, then
 measures the peak memory of one more step on every rank (see :mod:`.worker` for how). Throughput
-is the global batch times the optimizer steps over the time (samples/s; tokens/s where the batch
-holds token ids). A crash, an out-of-memory error or a hang is a failed trial with its reason;
+is the distinct samples of a step over the step's time (samples/s; tokens/s where the batch
+holds token ids), where a sample counts once however many ranks trained on it
+(:func:`samples_per_step`). A crash, an out-of-memory error or a hang is a failed trial with its reason;
 the parent kills every rank's process group on failure or timeout, so nothing is left behind.
 """
 
@@ -62,6 +63,8 @@ class TrialResult:
     memory_method: str | None = None
     wall_time: float = 0.0
     losses: list[float] = field(default_factory=list)
+    #: distinct samples per optimizer step across all ranks (each counted once)
+    samples_per_step: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -195,15 +198,34 @@ def run_trial(plan_json: str, workload: Workload, settings: TrialSettings) -> Tr
     # rank 0's median step (under data parallelism each step waits for the slowest rank) resists
     # the pauses of a shared machine better than the mean
     step_time = statistics.median(head["step_times"])
-    samples = workload.batch_size / step_time
+    per_step = samples_per_step(results, workload.batch_size)
+    samples = per_step / step_time
     tokens = samples * head["tokens_per_sample"] if head.get("tokens_per_sample") else None
     peaks = [r.get("peak_bytes") for r in results]
     known = [p for p in peaks if p is not None]
     return TrialResult(
         status="ok", samples_per_s=samples, tokens_per_s=tokens, step_time=step_time,
         peak_bytes=max(known) if known else None, peak_bytes_per_rank=peaks, memory_method=head.get("memory_method"),
-        wall_time=wall, losses=head.get("losses", []),
+        wall_time=wall, losses=head.get("losses", []), samples_per_step=per_step,
     )
+
+
+def samples_per_step(results: list[dict], global_batch: int) -> float:
+    """Distinct samples trained per optimizer step, each counted once across ranks.
+
+    Ranks that repeat each other's samples (a plan with no data parallelism, tensor-parallel peers)
+    add nothing; ranks on disjoint shards of the batch add theirs. Counted from what the ranks
+    report they consumed (one digest per sample, per measured step); when a batch has no tensor to
+    tell samples apart by, the global batch is assumed.
+    """
+    ids = [r.get("sample_ids") for r in results]
+    if not ids or any(i is None for i in ids):
+        return float(global_batch)
+    steps = min(len(i) for i in ids)
+    if steps == 0:
+        return float(global_batch)
+    distinct = sum(len(set().union(*(rank[s] for rank in ids))) for s in range(steps))
+    return distinct / steps
 
 
 def train_plan(plan_json: str, workload: Workload, *, world_size: int, steps: int, timeout: float,

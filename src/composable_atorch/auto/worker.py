@@ -127,14 +127,52 @@ def tokens_per_sample(batch) -> int | None:
     return None
 
 
-def train_step(model, optim, data: Iterator, loss_fn, device: str, before_micro=None) -> tuple[float, Any]:
-    """One optimizer step: as many micro-batches as the plan's accumulation asks for."""
+def sample_ids(batch) -> list[str] | None:
+    """One short digest per sample of the batch (its rows of every tensor with the batch's leading
+    dimension), so the parent can count each sample once across ranks; None if the batch holds no
+    tensor to tell samples apart by."""
+    import hashlib
+
+    import torch
+
+    leaves: list[torch.Tensor] = []
+
+    def walk(value):
+        if isinstance(value, torch.Tensor):
+            leaves.append(value)
+        elif isinstance(value, dict):
+            for k in sorted(value, key=str):
+                walk(value[k])
+        elif isinstance(value, list | tuple):
+            for v in value:
+                walk(v)
+
+    walk(batch)
+    leaves = [t for t in leaves if t.dim() >= 1]
+    if not leaves:
+        return None
+    n = leaves[0].shape[0]
+    rows = [t.detach().cpu().contiguous() for t in leaves if t.shape[0] == n]
+    out = []
+    for i in range(n):
+        h = hashlib.blake2b(digest_size=8)
+        for t in rows:
+            h.update(t[i].reshape(-1).view(torch.uint8).numpy().tobytes())
+        out.append(h.hexdigest())
+    return out
+
+
+def train_step(model, optim, data: Iterator, loss_fn, device: str, before_micro=None, seen: list | None = None) -> tuple[float, Any]:
+    """One optimizer step: as many micro-batches as the plan's accumulation asks for (each batch
+    this rank consumed is appended to ``seen`` when given)."""
     micro = int(getattr(optim, "accumulation_steps", 1))
     total, batch = 0.0, None
     for _ in range(micro):
         if before_micro is not None:
             before_micro()
         batch = to_device(next(data), device)
+        if seen is not None:
+            seen.append(batch)
         loss = loss_fn(model, batch)
         if isinstance(loss, list | tuple):
             loss = loss[0]
@@ -143,6 +181,14 @@ def train_step(model, optim, data: Iterator, loss_fn, device: str, before_micro=
         optim.zero_grad()
         total += float(loss.detach())
     return total / micro, batch
+
+
+def _batch_len(batch) -> int:
+    import torch
+
+    while isinstance(batch, list | tuple | dict) and batch:
+        batch = next(iter(batch.values())) if isinstance(batch, dict) else batch[0]
+    return int(batch.shape[0]) if isinstance(batch, torch.Tensor) and batch.dim() >= 1 else 1
 
 
 def peak_bytes_of_step(step: Callable[..., Any], model, optim, device: str) -> tuple[int, str]:
@@ -256,14 +302,19 @@ def _run(rank: int, spec: RankSpec, device: str, progress) -> dict:
         losses.append(loss)
     dist.barrier()
     start = time.perf_counter()
-    step_times = []
+    step_times, consumed = [], []
     for _ in range(spec.measure_steps):
         t0 = time.perf_counter()
-        loss, batch = train_step(model, optim, data, loss_fn, device)  # .item() inside: the step is done
+        consumed.append([])
+        loss, batch = train_step(model, optim, data, loss_fn, device, seen=consumed[-1])  # .item() inside: the step is done
         step_times.append(time.perf_counter() - t0)
         losses.append(loss)
     dist.barrier()
     elapsed = time.perf_counter() - start
+    # after the clock: what this rank trained on, sample by sample, per measured step
+    per_step = [[sample_ids(b) for b in step] for step in consumed]
+    ids = None if any(got is None for step in per_step for got in step) else [
+        [i for got in step for i in got] for step in per_step]
     peak, method = None, None
     if spec.measure_memory:
         def step(before_micro=None):
@@ -278,5 +329,7 @@ def _run(rank: int, spec: RankSpec, device: str, progress) -> dict:
         "peak_bytes": peak,
         "memory_method": method,
         "tokens_per_sample": tokens_per_sample(batch),
+        "sample_ids": ids,
+        "samples_consumed": sum(_batch_len(b) for step in consumed for b in step),
         "applied": plan.explain(),
     }

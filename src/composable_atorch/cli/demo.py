@@ -21,8 +21,9 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from composable_atorch.auto import report
 from composable_atorch.auto.builtin import GPTTask
+from composable_atorch.auto.policy import Budget, SpaceOptions, StudyOptions
 from composable_atorch.auto.study import search
-from composable_atorch.auto.trial import train_plan
+from composable_atorch.auto.trial import TrialSettings, train_plan
 from composable_atorch.core import strategy
 from composable_atorch.environment import Environment
 from composable_atorch.errors import CompositionError
@@ -73,9 +74,9 @@ def main(argv: list[str]) -> int:
                           f"global batch {TASK.batch_size}) at world {args.world_size}, memory budget {args.memory_limit} per rank; "
                           f"left out: {', '.join(DEMO_EXCLUDED)} (emulated on a CPU)")
             result = search(
-                TASK.model, TASK.optimizer, TASK.dataset(), GPTTask.loss, world_size=args.world_size, batch_size=TASK.batch_size,
-                n_trials=args.trials, time_limit=args.time_limit, memory_limit=args.memory_limit, excluded=DEMO_EXCLUDED,
-                seed=args.seed, env=env,
+                TASK.workload(args.seed), trial=TrialSettings(world_size=args.world_size, measure_steps=5), env=env,
+                budget=Budget(n_trials=args.trials, time_limit=args.time_limit, memory_limit=args.memory_limit),
+                space=SpaceOptions(excluded=DEMO_EXCLUDED), study=StudyOptions(seed=args.seed),
             )
             console.print(report.table(result))
             written = report.write_all(result, out)

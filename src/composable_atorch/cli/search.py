@@ -15,7 +15,9 @@ import sys
 
 from composable_atorch.auto import report
 from composable_atorch.auto.builtin import GPTTask
+from composable_atorch.auto.policy import Budget, SpaceOptions, StudyOptions
 from composable_atorch.auto.study import search
+from composable_atorch.auto.trial import TrialSettings
 from composable_atorch.auto.worker import Workload
 from composable_atorch.errors import CompositionError, ConfigError
 
@@ -69,11 +71,11 @@ def main(argv: list[str]) -> int:
         else:
             workload = GPTTask(seq_len=args.seq_len, d_model=args.d_model, n_layer=args.layers, batch_size=args.batch_size).workload(args.seed)
         result = search(
-            workload.model_fn, workload.optim_fn, workload.dataset, workload.loss_fn, world_size=args.world_size,
-            batch_size=workload.batch_size, loader_kwargs=workload.loader_kwargs, n_trials=args.trials,
-            time_limit=args.time_limit, memory_limit=args.memory_limit, excluded=_names(args.exclude),
-            included=_names(args.include), allow_compile=args.compile, storage=args.storage, study_name=args.study_name,
-            seed=args.seed, sampler=args.sampler, trial_timeout=args.trial_timeout,
+            workload,
+            trial=TrialSettings(world_size=args.world_size, measure_steps=5, timeout=args.trial_timeout),
+            budget=Budget(n_trials=args.trials, time_limit=args.time_limit, memory_limit=args.memory_limit),
+            space=SpaceOptions(excluded=_names(args.exclude), included=_names(args.include), allow_compile=args.compile),
+            study=StudyOptions(storage=args.storage, study_name=args.study_name, seed=args.seed, sampler=args.sampler),
         )
     except CompositionError as exc:
         print(f"error: {exc}", file=sys.stderr)

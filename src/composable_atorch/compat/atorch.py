@@ -18,7 +18,9 @@ import copy
 import dataclasses
 import json
 import os
+import types
 from collections import namedtuple
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -27,24 +29,56 @@ from composable_atorch.core import strategy
 from composable_atorch.core.compose import compose
 from composable_atorch.core.plan import Plan
 from composable_atorch.environment import Environment
-from composable_atorch.errors import CompositionError, ConfigError
+from composable_atorch.errors import CompositionError, ConfigError, WorkloadError
 from composable_atorch.runtime.optim import OptimizerHook
 
-AccelerateResult = namedtuple("AccelerateResult", ["model", "optim", "dataloader", "loss_func", "prepare_input", "args", "lr_scheduler"])
-AccelerateArgs = namedtuple("AccelerateArgs", ["use_optim_backward", "requires_set_gradient_accumulation_boundary"])
+#: ATorch's ``AutoAccelerateResult`` fields, in ATorch's order.
+AccelerateResult = namedtuple("AccelerateResult", ["model", "optim", "dataloader", "loss_func", "prepare_input", "lr_scheduler", "args"])
 
-#: kargs and their defaults: the seed's four, then the search budget (not in the seed).
+
+@dataclasses.dataclass(frozen=True)
+class AccelerateArgs(Mapping):
+    """``result.args``: read as ``args.use_optim_backward`` or, as ATorch's dict, ``args["use_optim_backward"]``."""
+
+    use_optim_backward: bool = False
+    requires_set_gradient_accumulation_boundary: bool = False
+
+    def __getitem__(self, key):
+        if key not in self.__dataclass_fields__:
+            raise KeyError(f"{key!r}: result.args has {sorted(self.__dataclass_fields__)}")
+        return getattr(self, key)
+
+    def __iter__(self):
+        return iter(self.__dataclass_fields__)
+
+    def __len__(self):
+        return len(self.__dataclass_fields__)
+
+
+#: kargs and their defaults: the seed's, ATorch's extra args, then the search budget (not in the seed).
 KARGS: dict[str, Any] = {
     "verbose": False,
     "time_limit": None,
     "find_unused_parameters": None,
-    "ignore_dryrun_on_load_strategy": True,
+    "ignore_dryrun_on_load_strategy": True,  # the seed's documented default (ATorch's code reads False)
+    # ATorch's AutoAccelerateExtraArgs and its meta-init keyword
+    "sample_batch": None,  # a batch standing in for the dataset in dry runs and the search
+    "batch_size": None,  # the global batch of those measurements (default: sample_batch's rows)
+    "expand_sample_batch": False,  # repeat sample_batch's rows up to batch_size
+    "sampler_seed": None,  # the distributed sampler's seed (ATorch: 0)
+    "meta_init_offload_name": None,  # accepted, no effect here (see NO_EFFECT)
+    # the search (not in ATorch)
     "n_trials": None,  # plans to measure in fully automatic mode; default 12 when there is no time_limit
     "memory_limit": None,  # peak bytes per rank (or "300MiB"); over-budget plans are infeasible
     "storage": None,  # sqlite path / optuna URL to persist and resume the study
     "study_name": None,
     "seed": 0,
     "trial_timeout": 120.0,
+}
+#: keywords ATorch reads that change nothing here, and why (explain() shows the note when one is given)
+NO_EFFECT = {
+    "meta_init_offload_name": "ATorch offloads meta-initialized weights under this name for its FSDP loader; "
+                              "here the model arrives built on the CPU and fsdp shards it in place, so there is nothing to offload",
 }
 MODEL_INPUT_FORMATS = (None, "unpack_sequence", "unpack_dict")
 
@@ -123,25 +157,215 @@ class Settings:
         return compose(*steps, env=plan.env, strict=plan.strict)
 
 
-def _check(model, optim_func, dataset, loss_func, model_input_format, excluded, included, load_strategy, lr_scheduler_cls, kargs):
-    unknown = sorted(set(kargs) - set(KARGS))
-    if unknown:
-        raise ConfigError(f"auto_accelerate keyword {unknown[0]!r}", kargs[unknown[0]], f"one of {sorted(KARGS)}")
-    if not isinstance(model, torch.nn.Module):
-        raise ConfigError("model", type(model).__name__, "a torch.nn.Module")
-    if model_input_format not in MODEL_INPUT_FORMATS:
-        raise ConfigError("model_input_format", model_input_format, "None, 'unpack_sequence' or 'unpack_dict'")
-    for name, value in (("excluded", excluded), ("included", included)):
-        if value is not None and (isinstance(value, str) or not all(isinstance(v, str) for v in value)):
-            raise ConfigError(name, value, "a list of optimization method names")
-    if optim_func is not None and not callable(optim_func):
-        raise ConfigError("optim_func", optim_func, "an optimizer class or a function (parameters, **optim_args) -> optimizer")
-    if lr_scheduler_cls is not None and optim_func is None:
-        raise ConfigError("lr_scheduler_cls", lr_scheduler_cls, "None when there is no optim_func (a scheduler needs an optimizer)")
-    if load_strategy is None:
-        missing = [n for n, v in (("optim_func", optim_func), ("dataset", dataset), ("loss_func", loss_func)) if v is None]
-        if missing:
-            raise ConfigError(missing[0], None, "given: fully automatic mode (no load_strategy) measures training steps, so it needs optim_func, dataset and loss_func")
+def _rows(batch) -> int:
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0] if batch.dim() else 0
+    if isinstance(batch, dict):
+        return min((_rows(v) for v in batch.values()), default=0)
+    if isinstance(batch, list | tuple):
+        return min((_rows(v) for v in batch), default=0)
+    return 0
+
+
+def _row(batch, i):
+    if isinstance(batch, torch.Tensor):
+        return batch[i]
+    if isinstance(batch, dict):
+        return {k: _row(v, i) for k, v in batch.items()}
+    return type(batch)(_row(v, i) for v in batch)
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleBatchDataset(torch.utils.data.Dataset):
+    """ATorch's ``sample_batch`` as a dataset of its rows (repeated cyclically up to ``size``), for
+    dry runs and the search when no dataset is given. The default collate stacks rows back into
+    the sample's structure."""
+
+    sample_batch: Any
+    size: int
+
+    def __len__(self):
+        return self.size
+
+    def __getitem__(self, i):
+        return _row(self.sample_batch, i % _rows(self.sample_batch))
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """One auto_accelerate call, checked: what the private steps (dry run, search, apply) read."""
+
+    model: Any
+    optim_func: Any = None
+    dataset: Any = None
+    loss_func: Any = None
+    prepare_input: Any = None
+    model_input_format: str | None = None
+    optim_args: Any = None
+    optim_param_func: Any = None
+    dataloader_args: Any = None
+    distributed_sampler_cls: Any = None
+    excluded: tuple = ()
+    included: tuple = ()
+    load_strategy: Any = None
+    lr_scheduler_cls: Any = None
+    lr_scheduler_args: Any = None
+    finetune_strategy: bool = False
+    save_strategy_to_file: Any = None
+    opts: Any = dataclasses.field(default_factory=lambda: dict(KARGS))
+
+    @classmethod
+    def of(cls, model, kargs: dict, **named) -> Request:
+        """Check the call (typed errors, before any work) and freeze it."""
+        unknown = sorted(set(kargs) - set(KARGS))
+        if unknown:
+            raise ConfigError(f"auto_accelerate keyword {unknown[0]!r}", kargs[unknown[0]],
+                              f"one of {sorted(KARGS)} (ATorch ignores unknown keywords; here a misspelling is an error)")
+        for name in ("excluded", "included"):
+            value = named.get(name)
+            if value is not None and (isinstance(value, str) or not all(isinstance(v, str) for v in value)):
+                raise ConfigError(name, value, "a list of optimization method names")
+            named[name] = tuple(value or ())
+        named["dataloader_args"] = dict(named.get("dataloader_args") or {})
+        request = cls(model=model, opts=types.MappingProxyType({**KARGS, **kargs}), **named)
+        request._check()
+        return request
+
+    def _check(self) -> None:
+        o = self.opts
+        if not isinstance(self.model, torch.nn.Module):
+            raise ConfigError("model", type(self.model).__name__, "a torch.nn.Module")
+        if self.model_input_format not in MODEL_INPUT_FORMATS:
+            raise ConfigError("model_input_format", self.model_input_format, "None, 'unpack_sequence' or 'unpack_dict'")
+        if self.optim_func is not None and not callable(self.optim_func):
+            raise ConfigError("optim_func", self.optim_func, "an optimizer class or a function (parameters, **optim_args) -> optimizer")
+        if self.lr_scheduler_cls is not None and self.optim_func is None:
+            raise ConfigError("lr_scheduler_cls", self.lr_scheduler_cls, "None when there is no optim_func (a scheduler needs an optimizer)")
+        b = o["batch_size"]
+        if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
+            raise ConfigError("batch_size", b, "None or the global batch size of sample_batch measurements, an integer >= 1")
+        if not isinstance(o["expand_sample_batch"], bool):
+            raise ConfigError("expand_sample_batch", o["expand_sample_batch"], "True or False")
+        seed = o["sampler_seed"]
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ConfigError("sampler_seed", seed, "None or an integer (the distributed sampler's seed)")
+        name = o["meta_init_offload_name"]
+        if name is not None and not isinstance(name, str):
+            raise ConfigError("meta_init_offload_name", name, "None or a string")
+        if o["sample_batch"] is not None:
+            rows = _rows(o["sample_batch"])
+            if rows < 1:
+                raise ConfigError("sample_batch", type(o["sample_batch"]).__name__,
+                                  "a batch: a tensor, or a list / tuple / dict of tensors, sharing a first (batch) dimension >= 1")
+            if b is not None and b > rows and not o["expand_sample_batch"]:
+                raise ConfigError("batch_size", b, f"at most sample_batch's {rows} rows, or pass expand_sample_batch=True to repeat them up to {b}")
+        if self.load_strategy is None:
+            missing = [n for n, v in (("optim_func", self.optim_func), ("loss_func", self.loss_func)) if v is None]
+            if self.dataset is None and o["sample_batch"] is None:
+                missing.append("dataset")
+            if missing:
+                raise ConfigError(missing[0], None, "given: fully automatic mode (no load_strategy) measures training steps, "
+                                  "so it needs optim_func, loss_func and a dataset (or sample_batch=)")
+
+    @property
+    def optim_maker(self) -> SeedOptimizer | None:
+        return None if self.optim_func is None else SeedOptimizer(self.optim_func, self.optim_args, self.optim_param_func)
+
+    @property
+    def settings(self) -> Settings:
+        return Settings(self.opts["find_unused_parameters"], self.distributed_sampler_cls)
+
+    @property
+    def can_train(self) -> bool:
+        return None not in (self.optim_func, self.loss_func) and (self.dataset is not None or self.opts["sample_batch"] is not None)
+
+    def workload(self):
+        """What a dry run or a trial trains: the dataset, or sample_batch's rows when there is none."""
+        from composable_atorch.auto.worker import Workload
+
+        args = self.dataloader_args
+        dataset, batch_size = self.dataset, args.get("batch_size", 1)
+        if dataset is None:
+            sample = self.opts["sample_batch"]
+            batch_size = self.opts["batch_size"] or _rows(sample)
+            dataset = SampleBatchDataset(sample, max(batch_size, _rows(sample)))
+        loader_kwargs = {k: v for k, v in args.items() if k not in ("batch_size", "sampler", "batch_sampler")}
+        loader_kwargs.setdefault("shuffle", False)
+        loader_kwargs.setdefault("drop_last", False)
+        return Workload(ModelCopy(self.model), self.optim_maker, dataset,
+                        SeedLoss(self.loss_func, self.prepare_input, self.model_input_format), batch_size, loader_kwargs)
+
+    def notes(self) -> tuple[str, ...]:
+        """What explain() adds for keywords accepted with no effect, or with an effect worth saying."""
+        o, out = self.opts, []
+        for key, why in NO_EFFECT.items():
+            if o[key] is not None:
+                out.append(f"auto_accelerate {key}={o[key]!r}: no effect here: {why}")
+        if o["sample_batch"] is not None and self.dataset is not None:
+            out.append("auto_accelerate sample_batch: no effect: a dataset is given, and dry runs and the search train on it")
+        if o["batch_size"] is not None and (self.dataset is not None or o["sample_batch"] is None):
+            out.append("auto_accelerate batch_size: no effect: it sizes sample_batch measurements only; "
+                       "the returned loader's global batch is dataloader_args['batch_size']")
+        return tuple(out)
+
+
+class AtorchStrategy(Plan):
+    """The returned ``best_strategy``: a Plan (reusable as ``load_strategy``, JSON via strategy.dump)
+    that also reads as ATorch's Strategy.
+
+    ``len(s)`` counts every step, the requested ones and those compose() implied (at world 2,
+    ``["parallel_mode"]`` gives parallel_mode plus the ddp it implies: length 2 where ATorch says 1).
+    Iterating gives :class:`StrategyEntry` triples ``(name, config, tunable)`` as ATorch's, each
+    with ``.implied_by`` (None for a requested step) so the difference shows; ``requested_names``
+    is what ATorch's ``len`` counts.
+    """
+
+    @classmethod
+    def of(cls, plan: Plan, notes: tuple[str, ...] = ()) -> AtorchStrategy:
+        out = cls(**{f.name: getattr(plan, f.name) for f in dataclasses.fields(plan)})
+        object.__setattr__(out, "facade_notes", tuple(notes))  # not part of equality or the JSON
+        return out
+
+    def __iter__(self):
+        for step in self.steps:
+            yield StrategyEntry.of(step)
+
+    @property
+    def requested_names(self) -> tuple[str, ...]:
+        return tuple(s.transform.name for s in self.steps if s.implied_by is None)
+
+    @property
+    def implied_names(self) -> tuple[str, ...]:
+        return tuple(s.transform.name for s in self.steps if s.implied_by is not None)
+
+    def opt_names(self) -> list[str]:
+        """ATorch's ``Strategy.opt_names()``: every step's name, implied ones included."""
+        return list(self.names)
+
+    def explain(self, applied=None) -> str:
+        text = super().explain(applied)
+        extra = getattr(self, "facade_notes", ())
+        return text + "".join(f"\n  note: {n}" for n in extra)
+
+
+class StrategyEntry(tuple):
+    """``(name, config, tunable)`` as ATorch's strategy items unpack, plus ``implied_by``."""
+
+    implied_by: str | None
+
+    @classmethod
+    def of(cls, step) -> StrategyEntry:
+        entry = super().__new__(cls, (step.transform.name, step.transform.config(), False))
+        entry.implied_by = step.implied_by
+        return entry
+
+    @property
+    def requested(self) -> bool:
+        return self.implied_by is None
+
+    def __repr__(self):
+        mark = "requested" if self.implied_by is None else f"implied by {self.implied_by}"
+        return f"({self[0]!r}, {self[1]!r}, {self[2]!r}; {mark})"
 
 
 def _ensure_process_group(env_world: int) -> None:
@@ -155,6 +379,13 @@ def _rank() -> int:
     import torch.distributed as dist
 
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
 
 
 def _broadcast(text: str | None) -> str:
@@ -189,55 +420,82 @@ def auto_accelerate(
 ):
     """Returns ``(status, result, best_strategy)`` as ATorch's auto_accelerate does (see the module doc).
 
-    ``result`` is ``AccelerateResult(model, optim, dataloader, loss_func, prepare_input, args,
-    lr_scheduler)``; ``best_strategy`` is the Plan (reusable as ``load_strategy``), saved as JSON
-    to ``save_strategy_to_file`` when given (never pickle).
+    ``result`` is ``AccelerateResult(model, optim, dataloader, loss_func, prepare_input,
+    lr_scheduler, args)`` in ATorch's order; ``result.loss_func`` returns a loss whose plain
+    ``.backward()`` goes through the plan's optimizer (loss scaling, accumulation), and
+    ``result.args`` reads as attributes or as ATorch's dict. ``best_strategy`` is an
+    :class:`AtorchStrategy` (a Plan, reusable as ``load_strategy``), saved as JSON to
+    ``save_strategy_to_file`` when given (never pickle).
     """
-    _check(model, optim_func, dataset, loss_func, model_input_format, excluded, included, load_strategy, lr_scheduler_cls, kargs)
-    opts = {**KARGS, **kargs}
+    req = Request.of(
+        model, kargs, optim_func=optim_func, dataset=dataset, loss_func=loss_func, prepare_input=prepare_input,
+        model_input_format=model_input_format, optim_args=optim_args, optim_param_func=optim_param_func,
+        dataloader_args=dataloader_args, distributed_sampler_cls=distributed_sampler_cls, excluded=excluded,
+        included=included, load_strategy=load_strategy, lr_scheduler_cls=lr_scheduler_cls,
+        lr_scheduler_args=lr_scheduler_args, finetune_strategy=finetune_strategy, save_strategy_to_file=save_strategy_to_file,
+    )
+    opts = req.opts
     env = Environment.detect()
     _ensure_process_group(env.world_size)
-    settings = Settings(opts["find_unused_parameters"], distributed_sampler_cls)
-    loaded = None if load_strategy is None else settings(strategy.load(load_strategy, env=env))  # typed errors on every rank
-    dataloader_args = dict(dataloader_args or {})
-    optim_maker = None if optim_func is None else SeedOptimizer(optim_func, optim_args, optim_param_func)
+    loaded = None if load_strategy is None else req.settings(strategy.load(load_strategy, env=env))  # typed errors on every rank
 
-    text, failure = None, None
-    if _rank() == 0:
-        try:
-            if loaded is not None and not finetune_strategy:
-                text = loaded.to_json()
-                if not opts["ignore_dryrun_on_load_strategy"]:
-                    failure = _dry_run(loaded, model, optim_maker, dataset, loss_func, prepare_input, model_input_format, dataloader_args, opts)
-            else:
-                text, failure = _search(model, optim_maker, dataset, loss_func, prepare_input, model_input_format, dataloader_args,
-                                        excluded, included, loaded, settings, env, opts)
-        except CompositionError as exc:
-            failure = f"{type(exc).__name__}: {exc}"
-        payload = json.dumps({"plan": None if failure else text, "failure": failure})
-    else:
-        payload = None
+    payload = _decide(req, loaded, env) if _rank() == 0 else None
     decided = json.loads(_broadcast(payload))
+    if decided.get("workload_error"):
+        raise WorkloadError(**decided["workload_error"])  # on every rank: the user's code fails with no plan
     if decided["failure"]:
         if opts["verbose"] and _rank() == 0:
             print(f"auto_accelerate: no plan: {decided['failure']}")
         return False, None, None
-    plan = Plan.from_json(decided["plan"], env=env)
-    if save_strategy_to_file and _rank() == 0:
-        strategy.dump(plan, save_strategy_to_file)
+    plan = AtorchStrategy.of(Plan.from_json(decided["plan"], env=env), req.notes())
+    if save_strategy_to_file:
+        if _rank() == 0:
+            strategy.dump(plan, save_strategy_to_file)
+        _barrier()  # every rank may read the file as soon as the call returns (ATorch writes it on each rank)
+    optim_maker = req.optim_maker
     optim = optim_maker(model) if optim_maker else None
-    loader = None
-    if dataset is not None:
-        loader = torch.utils.data.DataLoader(dataset, **dataloader_args)
+    loader = None if dataset is None else torch.utils.data.DataLoader(dataset, **req.dataloader_args)
     model, optim, loader = plan(model, optim, loader)
+    _seed_sampler(loader, opts["sampler_seed"], plan)
     if opts["verbose"] and _rank() == 0:
         print(plan.explain())
     scheduler = None
     if lr_scheduler_cls is not None:
         scheduler = lr_scheduler_cls(optim, **(lr_scheduler_args or {}))
     args = AccelerateArgs(use_optim_backward=_needs_optim_backward(optim), requires_set_gradient_accumulation_boundary=_needs_boundary(optim))
-    result = AccelerateResult(model, optim, loader, loss_func, prepare_input or default_prepare_input, args, scheduler)
+    wrap = getattr(optim, "loss_wrapper", None)
+    result_loss = wrap(loss_func) if callable(wrap) and loss_func is not None else loss_func
+    result = AccelerateResult(model, optim, loader, result_loss, prepare_input or default_prepare_input, scheduler, args)
     return True, result, plan
+
+
+def _decide(req: Request, loaded: Plan | None, env: Environment) -> str:
+    """Rank 0: the plan as JSON text, or why there is none (a JSON payload for every rank)."""
+    text, failure = None, None
+    try:
+        if loaded is not None and not req.finetune_strategy:
+            text = loaded.to_json()
+            if not req.opts["ignore_dryrun_on_load_strategy"]:
+                failure = _dry_run(req, loaded)
+        else:
+            text, failure = _search(req, loaded, env)
+    except WorkloadError as exc:
+        return json.dumps({"plan": None, "failure": str(exc), "workload_error": {"part": exc.part, "error": exc.error, "hint": exc.hint}})
+    except CompositionError as exc:
+        failure = f"{type(exc).__name__}: {exc}"
+    return json.dumps({"plan": None if failure else text, "failure": failure})
+
+
+def _seed_sampler(loader, seed: int | None, plan: AtorchStrategy) -> None:
+    """ATorch's ``sampler_seed``: the distributed sampler's shuffling seed."""
+    if seed is None:
+        return
+    sampler = getattr(loader, "sampler", None)
+    if isinstance(sampler, torch.utils.data.distributed.DistributedSampler) or hasattr(sampler, "seed"):
+        sampler.seed = seed
+        return
+    why = "there is no loader (no dataset)" if loader is None else "the loader has no distributed sampler (a single data shard)"
+    object.__setattr__(plan, "facade_notes", plan.facade_notes + (f"auto_accelerate sampler_seed={seed}: no effect: {why}",))
 
 
 def _needs_optim_backward(optim) -> bool:
@@ -256,45 +514,40 @@ def _needs_boundary(optim) -> bool:
     return any(getattr(h, "requires_boundary_calls", False) for h in getattr(optim, "hooks", ()))
 
 
-def _workload(model, optim_maker, dataset, loss_func, prepare_input, model_input_format, dataloader_args):
-    from composable_atorch.auto.worker import Workload
-
-    batch_size = dataloader_args.get("batch_size", 1)
-    loader_kwargs = {k: v for k, v in dataloader_args.items() if k not in ("batch_size", "sampler", "batch_sampler")}
-    loader_kwargs.setdefault("shuffle", False)
-    loader_kwargs.setdefault("drop_last", False)
-    return Workload(ModelCopy(model), optim_maker, dataset, SeedLoss(loss_func, prepare_input, model_input_format), batch_size, loader_kwargs)
-
-
-def _dry_run(plan, model, optim_maker, dataset, loss_func, prepare_input, model_input_format, dataloader_args, opts) -> str | None:
+def _dry_run(req: Request, plan: Plan) -> str | None:
     from composable_atorch.auto.trial import TrialSettings, check_picklable, run_trial
 
-    if optim_maker is None or dataset is None or loss_func is None:
-        raise ConfigError("ignore_dryrun_on_load_strategy", False, "True unless optim_func, dataset and loss_func are given (a dry run trains)")
-    workload = _workload(model, optim_maker, dataset, loss_func, prepare_input, model_input_format, dataloader_args)
+    if not req.can_train:
+        raise ConfigError("ignore_dryrun_on_load_strategy", False,
+                          "True unless optim_func, loss_func and a dataset (or sample_batch=) are given (a dry run trains)")
+    workload = req.workload()
     check_picklable(workload)
     world = int(os.environ.get("WORLD_SIZE", plan.env.world_size))
-    result = run_trial(plan.to_json(), workload, TrialSettings(world_size=world, timeout=opts["trial_timeout"], measure_memory=False))
-    if opts["verbose"]:
+    result = run_trial(plan.to_json(), workload, TrialSettings(world_size=world, timeout=req.opts["trial_timeout"], measure_memory=False))
+    if req.opts["verbose"]:
         print(f"auto_accelerate: dry run {result.status}" + (f": {result.reason}" if result.reason else f", {result.samples_per_s:.1f} samples/s"))
     return None if result.ok else f"dry run failed: {result.reason}"
 
 
-def _search(model, optim_maker, dataset, loss_func, prepare_input, model_input_format, dataloader_args,
-            excluded, included, loaded, settings, env, opts) -> tuple[str | None, str | None]:
+def _search(req: Request, loaded: Plan | None, env: Environment) -> tuple[str | None, str | None]:
     from composable_atorch.auto import report
+    from composable_atorch.auto.policy import Budget, SpaceOptions, StudyOptions
     from composable_atorch.auto.study import search
+    from composable_atorch.auto.trial import TrialSettings
 
-    workload = _workload(model, optim_maker, dataset, loss_func, prepare_input, model_input_format, dataloader_args)
-    n_trials = opts["n_trials"] if opts["n_trials"] is not None or opts["time_limit"] is not None else 12
+    o = req.opts
+    if not req.can_train:
+        raise ConfigError("optim_func", req.optim_func, "given, with loss_func and a dataset (or sample_batch=): the search trains")
+    n_trials = o["n_trials"] if o["n_trials"] is not None or o["time_limit"] is not None else 12
     result = search(
-        workload.model_fn, workload.optim_fn, workload.dataset, workload.loss_fn, world_size=env.world_size,
-        batch_size=workload.batch_size, loader_kwargs=workload.loader_kwargs, n_trials=n_trials,
-        time_limit=opts["time_limit"], memory_limit=opts["memory_limit"], excluded=tuple(excluded or ()),
-        included=tuple(included or ()), storage=opts["storage"], study_name=opts["study_name"], seed=opts["seed"],
-        start_from=loaded, customize=settings, trial_timeout=opts["trial_timeout"], progress=bool(opts["verbose"]), env=env,
+        req.workload(),
+        trial=TrialSettings(world_size=env.world_size, timeout=o["trial_timeout"], measure_steps=5),
+        budget=Budget(n_trials=n_trials, time_limit=o["time_limit"], memory_limit=o["memory_limit"]),
+        space=SpaceOptions(excluded=req.excluded, included=req.included, start_from=loaded, customize=req.settings),
+        study=StudyOptions(storage=o["storage"], study_name=o["study_name"], seed=o["seed"]),
+        env=env, progress=bool(o["verbose"]),
     )
-    if opts["verbose"]:
+    if o["verbose"]:
         print(report.text_table(result))
     if result.best_plan is None:
         return None, f"no plan trained within the budget ({len(result.measured)} measured; stopped by {result.stopped_by})"

@@ -12,7 +12,7 @@ import heapq
 import itertools
 
 from composable_atorch.core.contract import STAGE_REASONS
-from composable_atorch.core.transform import Transform, lookup
+from composable_atorch.core.transform import Transform, lookup, registry
 from composable_atorch.environment import Environment
 from composable_atorch.errors import ConfigError, ConflictError, RequirementError
 
@@ -123,6 +123,14 @@ def _admit(t: Transform, env: Environment, strict: bool, notes: list[str]) -> Tr
     return resolved
 
 
+def _default_owners(env: Environment):
+    """(transform class, DefaultOwner rule) for every registered default whose environment condition holds."""
+    for cls in sorted(registry().values(), key=lambda c: c.name):
+        for rule in cls.contract.defaults:
+            if rule.when.unmet(env, None) is None:
+                yield cls, rule
+
+
 def compose(*items, strict: bool = False, env: Environment | None = None):
     """Check and order transforms (or plans) into a :class:`~composable_atorch.core.plan.Plan`.
 
@@ -139,12 +147,27 @@ def compose(*items, strict: bool = False, env: Environment | None = None):
     # 1. requirements and environment-dependent resolution
     active = [t for t in (_admit(t, env, strict, notes) for t in requested) if t is not None]
 
-    # 2. implications, to a fixpoint
+    # 2. implications and environment defaults, to a fixpoint
     implied_by: dict[str, str] = {}
     changed = True
     while changed:
         changed = False
         present = set().union(*(_tags(t) for t in active)) if active else set()
+        for owner, rule in _default_owners(env):
+            if rule.role in present:
+                continue
+            if strict:
+                raise RequirementError("plan", f"an owner of {rule.role!r} ({rule.reason})", f"add {owner.name}(...) or another owner of {rule.role!r} yourself")
+            new = _admit(owner(), env, strict, notes)
+            if new is None:
+                raise RequirementError("plan", f"an owner of {rule.role!r} ({rule.reason}), and the default {owner.name} cannot run here", notes[-1])
+            active.append(new)
+            implied_by[new.name] = f"the environment ({rule.when.describe()})"
+            notes.append(f"implied {new.describe()} by the environment ({rule.when.describe()}): {rule.reason}")
+            changed = True
+            break
+        if changed:
+            continue
         for t in list(active):
             for imp in t.contract.implies:
                 if imp.name in present or present & set(imp.satisfied_by):

@@ -12,12 +12,9 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from composable_atorch.environment import Environment
-
-if TYPE_CHECKING:
-    from composable_atorch.core.transform import Transform
 
 
 class Stage(enum.IntEnum):
@@ -64,12 +61,17 @@ class Requirement:
 
     on_unmet: str = "error"
 
-    def unmet(self, env: Environment, transform: Transform) -> str | None:
-        """What is missing, or None when satisfied."""
+    def unmet(self, env: Environment, transform: Any) -> str | None:
+        """What is missing, or None when satisfied. ``transform`` is the (resolved) Transform being
+        checked, or None outside a plan."""
         raise NotImplementedError
 
     def fix(self) -> str:
         raise NotImplementedError
+
+    def describe(self) -> str:
+        """What is required, for explain() (e.g. "a cuda device")."""
+        return type(self).__name__
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,6 +82,9 @@ class MinWorldSize(Requirement):
         if env.world_size < self.minimum:
             return f"a world size of at least {self.minimum} (this environment has {env.world_size})"
         return None
+
+    def describe(self):
+        return f"world size >= {self.minimum}"
 
     def fix(self):
         return f"launch with at least {self.minimum} processes, e.g. `python -m composable_atorch launch --nproc {self.minimum} train.py`"
@@ -94,6 +99,9 @@ class DeviceKind(Requirement):
             return f"a {' or '.join(self.kinds)} device (this environment is {env.device})"
         return None
 
+    def describe(self):
+        return f"a {' or '.join(self.kinds)} device"
+
     def fix(self):
         return f"run on a {' or '.join(self.kinds)} machine, or drop this transform"
 
@@ -107,8 +115,11 @@ class MinComputeCapability(Requirement):
         cc = env.compute_capability
         if cc is None or tuple(cc) < (self.major, self.minor):
             have = "no GPU" if cc is None else f"sm{cc[0]}{cc[1]}"
-            return f"a GPU of compute capability >= {self.major}.{self.minor} (this environment has {have})"
+            return f"a CUDA GPU of compute capability >= {self.major}.{self.minor} (this environment has {have})"
         return None
+
+    def describe(self):
+        return f"compute capability >= {self.major}.{self.minor}"
 
     def fix(self):
         return f"use a GPU of compute capability {self.major}.{self.minor} or newer, or drop this transform"
@@ -121,6 +132,9 @@ class Package(Requirement):
 
     def unmet(self, env, transform):
         return None if env.has(self.name) else f"the package {self.name!r}"
+
+    def describe(self):
+        return f"package {self.name}"
 
     def fix(self):
         if self.extra:
@@ -146,6 +160,48 @@ class When(Requirement):
 
     def fix(self):
         return self.inner.fix() if self.inner else ""
+
+    def describe(self):
+        cond = getattr(self.predicate, "__doc__", None) or "some configs"
+        return f"{self.inner.describe() if self.inner else 'nothing'} (when {cond.strip().rstrip('.')})"
+
+
+@dataclass(frozen=True, kw_only=True)
+class AllOf(Requirement):
+    """Several requirements under one name: ``AllOf(name="transformer-engine", parts=(cuda, sm89, package))``.
+
+    Unmet when any part is; the message names the first missing part.
+    """
+
+    name: str = ""
+    parts: tuple[Requirement, ...] = ()
+
+    def _first_unmet(self, env, transform) -> tuple[Requirement, str] | None:
+        for part in self.parts:
+            missing = part.unmet(env, transform)
+            if missing is not None:
+                return part, missing
+        return None
+
+    def unmet(self, env, transform):
+        hit = self._first_unmet(env, transform)
+        return None if hit is None else (f"{hit[1]}, for {self.name}" if self.name else hit[1])
+
+    def fix(self):
+        return "; ".join(p.fix() for p in self.parts)
+
+    def describe(self):
+        inner = " + ".join(p.describe() for p in self.parts)
+        return f"{self.name} ({inner})" if self.name else inner
+
+
+def unmet(requirements, env: Environment, transform=None) -> str | None:
+    """The first unmet requirement's message among ``requirements``, or None."""
+    for req in requirements:
+        missing = req.unmet(env, transform)
+        if missing is not None:
+            return missing
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -190,6 +246,22 @@ class Implication:
 
 
 @dataclass(frozen=True)
+class DefaultOwner:
+    """The declaring transform is the default owner of ``role`` where the environment meets ``when``.
+
+    compose() reads it from every registered contract: a plan checked against such an environment
+    in which nothing owns (or is tagged with) ``role`` gets the declaring transform, in its
+    default config, with ``reason`` in explain(); ``strict=True`` raises instead. E.g. ddp is the
+    default owner of ``grad_sync`` at world size >= 2: a plan of only amp / checkpoint there is
+    not a distributed training plan (ranks would drift apart), so compose adds data parallelism.
+    """
+
+    role: str
+    when: Requirement
+    reason: str
+
+
+@dataclass(frozen=True)
 class Contract:
     stage: Stage
     requires: tuple[Requirement, ...] = ()
@@ -199,3 +271,11 @@ class Contract:
     implies: tuple[Implication, ...] = ()
     #: Short tags saying what the transform does; other contracts may name them in rules.
     roles: tuple[str, ...] = ()
+    #: Other transforms (by name) this one reads from the plan at apply time: ``ctx.find(name)``
+    #: raises for any name not listed here, and explain() shows them.
+    reads: tuple[str, ...] = ()
+    #: True when the step changes parameter names on purpose (a wrapper that prefixes them...);
+    #: otherwise the plan checks, after the step, that every parameter name is kept.
+    renames: bool = False
+    #: Roles this transform fills by default in some environments (see :class:`DefaultOwner`).
+    defaults: tuple[DefaultOwner, ...] = ()

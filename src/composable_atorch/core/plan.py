@@ -1,4 +1,10 @@
-"""Plan: ordered steps, each with the reason for its place; data for machines, text for people."""
+"""Plan: ordered steps, each with the reason for its place; data for machines, text for people.
+
+A plan is data: applying it changes nothing in it. ``plan.apply(...)`` returns the
+:class:`TrainState` it produced (with the report of what each step did); ``plan(...)`` returns an
+:class:`Applied` triple that unpacks as ``model, optim, loader`` and carries that state, so
+``plan.explain(applied=result)`` shows what was swapped while ``plan.explain()`` stays the same.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +15,8 @@ from typing import Any
 from composable_atorch.core import codec
 from composable_atorch.core.transform import ApplyContext, TrainState, Transform, lookup
 from composable_atorch.environment import Environment
-from composable_atorch.errors import ConfigError, RequirementError
-from composable_atorch.runtime.optim import PlanOptimizer, parameter_names, rebuild_optimizer
+from composable_atorch.errors import ConfigError, ParameterMappingError, RequirementError
+from composable_atorch.runtime.optim import PlanOptimizer, named_parameters, parameter_names, rebuild_optimizer
 from composable_atorch.runtime.resumable import can_resume, resumable
 
 FORMAT = "composable_atorch.plan"
@@ -37,8 +43,6 @@ class Plan:
     notes: tuple[str, ...] = ()
     env: Environment = field(default_factory=Environment)
     strict: bool = False
-    #: What the last application reported per transform (swapped modules...). Not part of equality.
-    report: dict[str, list[str]] = field(default_factory=dict, compare=False)
 
     # -- data -------------------------------------------------------------------------------
     @property
@@ -113,13 +117,21 @@ class Plan:
         return cls.from_dict(data, env=env, strict=strict)
 
     # -- people -----------------------------------------------------------------------------
-    def explain(self) -> str:
+    def explain(self, applied: Applied | TrainState | None = None) -> str:
+        """The plan for people; with ``applied`` (what ``plan(...)`` / ``plan.apply(...)`` returned)
+        also what each step did. The plan's own text never changes by applying it."""
         lines = [f"Plan with {len(self.steps)} step(s) for {self.env.describe()}" + (" [strict]" if self.strict else "")]
         for i, step in enumerate(self.steps, 1):
             t = step.transform
             implied = f"  (implied by {step.implied_by})" if step.implied_by else ""
             lines.append(f"  {i}. {t.describe()}{implied}")
             lines.extend(f"       - {r}" for r in step.reasons)
+            c = t.contract
+            active = [r.describe() for r in c.requires if r.unmet(self.env, t) is None and _applies(r, t)]
+            if active:
+                lines.append(f"       - requires: {'; '.join(active)}")
+            if c.reads:
+                lines.append(f"       - reads: {', '.join(c.reads)}")
         if not self.steps:
             lines.append("  (no steps: the plan returns the triple unchanged)")
         checked = ", ".join(self.names) or "nothing"
@@ -127,9 +139,10 @@ class Plan:
         if self.notes:
             lines.append("Notes:")
             lines.extend(f"  - {n}" for n in self.notes)
-        if self.report:
+        report = applied.state.report if isinstance(applied, Applied) else (applied.report if applied is not None else {})
+        if report:
             lines.append("Applied:")
-            for name, entries in self.report.items():
+            for name, entries in report.items():
                 lines.append(f"  {name}:")
                 lines.extend(f"    - {e}" for e in entries)
         return "\n".join(lines)
@@ -163,20 +176,54 @@ class Plan:
         self.check_runtime(runtime)
         state = TrainState(model=model, optim=optim, loader=loader, param_names=parameter_names(model, optim))
         ctx = ApplyContext(plan=self, env=self.env, strict=self.strict)
+        names = sorted(named_parameters(model))
         for step in self.steps:
-            state = step.transform.apply(state, ctx)
+            state = step.transform.apply(state, ctx.for_step(step.transform))
+            if not step.transform.contract.renames:
+                names = check_names_kept(step.transform.name, names, state.model)
             if state.optim is not None and isinstance(state.optim, torch.optim.Optimizer):
                 state.optim = rebuild_optimizer(state.optim, state.param_names, state.model)
-        self.report.clear()
-        self.report.update(state.report)
         return state
 
-    def __call__(self, model, optim=None, loader=None):
+    def __call__(self, model, optim=None, loader=None) -> Applied:
+        """Apply, and return ``(model, optim, loader)`` to train (an :class:`Applied`, which also holds the state)."""
         state = self.apply(model, optim, loader)
         wrapped = None if state.optim is None else PlanOptimizer(state.optim, state.hooks)
         # the returned loader tracks its data position, so save_state/load_state can resume it
         loader = resumable(state.loader) if can_resume(state.loader) else state.loader
-        return state.model, wrapped, loader
+        return Applied(state.model, wrapped, loader, state=state)
+
+
+class Applied(tuple):
+    """What ``plan(model, optim, loader)`` returns: unpacks as the triple; ``.state`` (and ``.report``)
+    say what each step did (pass it to ``plan.explain(applied=...)``)."""
+
+    state: TrainState
+
+    def __new__(cls, model, optim, loader, *, state: TrainState):
+        self = super().__new__(cls, (model, optim, loader))
+        self.state = state
+        return self
+
+    @property
+    def report(self) -> dict[str, list[str]]:
+        return self.state.report
+
+
+def _applies(req, transform) -> bool:
+    """False for a When(...) requirement whose condition does not hold for this config."""
+    predicate = getattr(req, "predicate", None)
+    return predicate is None or bool(predicate(transform))
+
+
+def check_names_kept(step: str, before: list[str], model) -> list[str]:
+    """torch's @contract habit: a step keeps every parameter name unless its contract says ``renames=True``."""
+    after = sorted(named_parameters(model))
+    if after != before:
+        lost, new = sorted(set(before) - set(after)), sorted(set(after) - set(before))
+        what = f"lose or rename parameters at step {step!r}, whose contract does not declare renames=True"
+        raise ParameterMappingError(what, [f"-{n}" for n in lost] + [f"+{n}" for n in new])
+    return after
 
 
 def build(name: str, config: dict[str, Any] | None = None) -> Transform:

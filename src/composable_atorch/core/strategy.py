@@ -25,7 +25,7 @@ from composable_atorch.environment import Environment
 from composable_atorch.errors import ConfigError
 
 # Seed names with no transform yet: looked up, they say so rather than "unknown".
-for _name in ("tensor_parallel", "pipeline_parallel", "mixed_parallel", "ds_3d_parallel"):
+for _name in ("ds_3d_parallel", "sequence_parallel"):
     register_planned(_name, "model parallelism is not built in this version")
 
 _PICKLE_REFUSED = "JSON (a plan written by strategy.dump); pickle is refused because unpickling runs arbitrary code"

@@ -4,18 +4,25 @@ A transform is a frozen dataclass (its config) with a class-level :class:`~.cont
 ``apply(state, ctx)`` maps a :class:`TrainState` — the user's ``(model, optim, loader)`` plus the
 process groups and optimizer hooks that travel with it — to a new one. Transforms read no global
 state and leave none behind; what one step tells a later one travels in the state or is read
-from the plan (``ctx.find("amp")``).
+from the plan (``ctx.find("amp")``), and only for names the reader's contract declares in
+``reads``.
+
+The registry maps names to classes. Registering a name that is taken is a ConfigError unless the
+class asks for it (``class MyAmp(Transform, replace=True)``); tests scope their registrations
+with :func:`registry_scope`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from composable_atorch.core.contract import Contract
 from composable_atorch.environment import Environment
-from composable_atorch.errors import UnknownTransformError
+from composable_atorch.errors import ConfigError, UnknownTransformError
 
 if TYPE_CHECKING:
     import torch
@@ -65,14 +72,33 @@ class SearchContext:
 
 @dataclass(frozen=True)
 class ApplyContext:
-    """Read-only view of the plan being applied: its environment and its other steps."""
+    """Read-only view of the plan being applied: its environment and its other steps.
+
+    ``reader`` is the transform being applied; it may read only the transforms its contract
+    declares in ``reads`` (None: an unchecked context, for tests of a helper on its own).
+    """
 
     plan: Plan
     env: Environment
     strict: bool = False
+    reader: Transform | None = None
+
+    def for_step(self, transform: Transform) -> ApplyContext:
+        return dataclasses.replace(self, reader=transform)
 
     def find(self, name: str) -> Transform | None:
-        """The transform of this kind in the plan, if any (e.g. fsdp reads amp's dtype)."""
+        """The transform of this kind in the plan, if any (e.g. fsdp reads amp's dtype).
+
+        ConfigError when the reader's contract does not declare ``name`` in ``reads``: what a
+        step depends on is data, so explain() and the search can see it.
+        """
+        if self.reader is not None and name not in self.reader.contract.reads:
+            declared = ", ".join(self.reader.contract.reads) or "nothing"
+            raise ConfigError(
+                f"{self.reader.name}.contract.reads",
+                name,
+                f"declare every transform a step reads in its contract, e.g. Contract(..., reads=({name!r},)) (declared: {declared})",
+            )
         return next((t for t in self.plan.transforms if t.name == name), None)
 
 
@@ -91,12 +117,10 @@ class Transform:
     #: Other names users may know this transform by (the seed's ``amp_native``...).
     aliases: ClassVar[tuple[str, ...]] = ()
 
-    def __init_subclass__(cls, **kwargs):
+    def __init_subclass__(cls, replace: bool = False, **kwargs):
         super().__init_subclass__(**kwargs)
         if cls.__dict__.get("name"):
-            _REGISTRY[cls.name] = cls
-            for alias in cls.aliases:
-                _ALIASES[alias] = cls.name
+            _register(cls, replace)
 
     # -- what subclasses implement ---------------------------------------------------------
     def apply(self, state: TrainState, ctx: ApplyContext) -> TrainState:
@@ -162,6 +186,44 @@ class Transform:
         from composable_atorch.core.compose import compose
 
         return compose(self)(model, optim, loader)
+
+
+def _same_class(a: type, b: type) -> bool:
+    """The same class defined again (a module reloaded), not a different one under a taken name."""
+    return a.__module__ == b.__module__ and a.__qualname__ == b.__qualname__
+
+
+def _register(cls: type[Transform], replace: bool) -> None:
+    taken = _REGISTRY.get(cls.name)
+    if taken is not None and not replace and not _same_class(taken, cls):
+        raise ConfigError(
+            f"transform name of {cls.__module__}.{cls.__qualname__}",
+            cls.name,
+            f"a name not taken (it is {taken.__module__}.{taken.__qualname__}); "
+            f"to replace it on purpose: class {cls.__name__}(..., replace=True)",
+        )
+    for alias in cls.aliases:
+        owner = _ALIASES.get(alias) or (alias if alias in _REGISTRY else None)
+        if owner is not None and owner != cls.name and not replace:
+            raise ConfigError(f"alias of transform {cls.name!r}", alias, f"an alias not taken (it names {owner!r}), or replace=True")
+    _REGISTRY[cls.name] = cls
+    for alias in cls.aliases:
+        _ALIASES[alias] = cls.name
+
+
+@contextlib.contextmanager
+def registry_scope() -> Iterator[None]:
+    """Registrations made inside are undone on exit (and any replaced built-in restored).
+
+    ``with registry_scope(): class Toy(Transform): name = "toy" ...`` — for tests and experiments.
+    """
+    saved = (dict(_REGISTRY), dict(_ALIASES), dict(_PLANNED))
+    try:
+        yield
+    finally:
+        for table, old in zip((_REGISTRY, _ALIASES, _PLANNED), saved, strict=True):
+            table.clear()
+            table.update(old)
 
 
 def registry() -> dict[str, type[Transform]]:

@@ -102,3 +102,40 @@ class GPT(nn.Module):
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Next-token cross-entropy over every position."""
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
+
+
+# ---------------------------------------------------------------------------------------------
+# Fused twins of the attention, registered as module_replace pairs (models sit above transforms,
+# so the model declares its own replacements; transforms never import models).
+# ---------------------------------------------------------------------------------------------
+
+
+class SDPACausalSelfAttention(CausalSelfAttention):
+    """The built-in GPT attention through torch's fused scaled-dot-product attention."""
+
+    def attend(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+
+
+class FlashCausalSelfAttention(CausalSelfAttention):
+    """The built-in GPT attention through flash-attn's kernel (CUDA, fp16/bf16 only)."""
+
+    def attend(self, q, k, v):
+        from flash_attn import flash_attn_func
+
+        # flash-attn takes (batch, seq, heads, head_dim); the model keeps (batch, heads, seq, head_dim)
+        out = flash_attn_func(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), dropout_p=self.dropout if self.training else 0.0, causal=True
+        )
+        return out.transpose(1, 2)
+
+
+def _register_attention_pairs() -> None:
+    from composable_atorch.transforms.modules import FLASH_ATTN, HALF_DTYPES, register_replace_pair
+
+    # for one source the first usable pair wins: flash before sdpa
+    register_replace_pair("gpt_flash_attn", CausalSelfAttention, FlashCausalSelfAttention, supported_dtypes=HALF_DTYPES, requires=(FLASH_ATTN,))
+    register_replace_pair("gpt_sdpa", CausalSelfAttention, SDPACausalSelfAttention)
+
+
+_register_attention_pairs()

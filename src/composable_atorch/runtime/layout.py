@@ -23,6 +23,14 @@ from composable_atorch.errors import ConfigError
 DIM_NAMES = ("data", "zero", "tensor", "pipeline")
 #: Dimensions over which different ranks see different samples (the batch is split over them).
 BATCH_DIMS = ("data", "zero")
+#: Other names ATorch's parallel groups use for the same dimensions.
+DIM_ALIASES = {"model": "tensor", "pipe": "pipeline"}
+#: Names ATorch knows whose feature is not built here: name -> what it is and what to use instead.
+DIM_NOT_BUILT = {
+    "sequence": "sequence parallelism (ATorch's Ulysses all-to-all over the sequence) is not built in this version; "
+                "use ('tensor', n) for tensor parallelism, or drop the dimension",
+    "expert": "expert parallelism (ATorch's MoE groups) is not built in this version; drop the dimension",
+}
 
 
 @dataclass(frozen=True)
@@ -101,8 +109,12 @@ def normalize_groups(groups: Any, field_name: str = "parallel_mode.groups") -> t
         if not (isinstance(item, list | tuple) and len(item) == 2):
             raise ConfigError(field_name, item, "(name, size) pairs such as ('tensor', 2)")
         name, size = item
+        if name in DIM_NOT_BUILT:
+            raise ConfigError(f"{field_name} name", name, f"a dimension that is built: {DIM_NOT_BUILT[name]}")
+        name = DIM_ALIASES.get(name, name) if isinstance(name, str) else name
         if name not in DIM_NAMES:
-            raise ConfigError(f"{field_name} name", name, f"one of {', '.join(DIM_NAMES)}")
+            aliases = ", ".join(f"{a} (= {c})" for a, c in DIM_ALIASES.items())
+            raise ConfigError(f"{field_name} name", name, f"one of {', '.join(DIM_NAMES)}, or ATorch's {aliases}")
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ConfigError(f"{field_name} size of {name!r}", size, "an integer >= 1")
         if name in (n for n, _ in out):

@@ -7,19 +7,22 @@ One training loop serves every plan::
 Transforms that need the loop (loss scaling, accumulation, clipping, skipping gradient sync, an
 engine such as DeepSpeed's) contribute an :class:`OptimizerHook`; the :class:`PlanOptimizer`
 runs the hooks in plan order. A plain ``loss.backward()`` stays correct where no hook scales the
-loss.
+loss; where one does, it is correct on a loss wrapped by ``optim.wrap_loss(loss)`` (or returned by a
+loss function wrapped by ``optim.loss_wrapper(loss_func)``, ATorch's ``result.loss_func``), and a
+step after an unwrapped one raises RequirementError instead of training wrongly.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from composable_atorch.errors import ParameterMappingError
+from composable_atorch.errors import ParameterMappingError, RequirementError
 
 #: Prefixes wrappers insert into parameter names; stripped to compare names across wrappers.
 WRAPPER_PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_fpw_module.")
@@ -114,6 +117,12 @@ class OptimizerHook:
     """
 
     accumulation_steps: int = 1
+    #: True for a hook whose ``scale_loss`` / ``backward`` must see every backward pass (loss
+    #: scaling, accumulation averaging): after a plain ``loss.backward()`` the step would be wrong
+    #: (unscaled by a scale never applied, or k times too large), so ``step()`` raises instead.
+    needs_loss_hook: bool = False
+    #: Set by a hook that skipped the last real optimizer step (inf/nan gradients).
+    last_step_skipped: bool = False
     #: True for a hook whose engine clips gradients itself (DeepSpeed's ``gradient_clipping``):
     #: clip_grad then adds no hook of its own, which would clip the engine's partitions locally.
     clips_gradients: bool = False
@@ -157,11 +166,50 @@ class OptimizerHook:
         pass
 
 
+class PlanLoss(torch.Tensor):
+    """A loss whose ``backward()`` runs the plan optimizer's ``backward`` (made by :meth:`PlanOptimizer.wrap_loss`).
+
+    So ATorch's loop ``loss = result.loss_func(input, output); loss.backward(); optim.step()``
+    scales, averages and syncs as ``optim.backward(loss)`` does. Arithmetic on it gives plain
+    tensors (``loss / 2`` is no longer hooked; a step after its plain backward raises if the plan
+    needed the hook).
+    """
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def backward(self, gradient=None, retain_graph=None, create_graph=False, inputs=None):
+        optim = getattr(self, "_composable_atorch_optimizer", None)
+        kwargs = {k: v for k, v in (("gradient", gradient), ("retain_graph", retain_graph), ("inputs", inputs)) if v is not None}
+        if create_graph:
+            kwargs["create_graph"] = True
+        if optim is None:
+            return torch.Tensor.backward(self, **kwargs)
+        return optim.backward(self, **kwargs)
+
+
 class PlanOptimizer(torch.optim.Optimizer):
     """The user's optimizer behind the plan's hooks. Quacks like the inner optimizer.
 
     It subclasses ``torch.optim.Optimizer`` (without re-initialising it) so LR schedulers accept
     it; ``param_groups``, ``state`` and ``defaults`` are the inner optimizer's own objects.
+
+    Two loops train every plan:
+
+    * ``optim.backward(loss); optim.step(); optim.zero_grad()``;
+    * ``loss = optim.wrap_loss(loss)`` (or a loss function wrapped by :meth:`loss_wrapper`), then
+      the plain ``loss.backward(); optim.step(); optim.zero_grad()``.
+
+    A bare ``loss.backward()`` on an unwrapped loss is fine where no hook needs the loss (bf16,
+    fp32, clipping); where one does (the fp16 grad scaler, accumulation) ``step()`` raises
+    RequirementError naming both fixes instead of stepping wrongly.
+
+    What ATorch code reads from its returned optimizer:
+
+    * ``optimizer`` — the wrapped torch optimizer (or engine's optimizer) the hooks drive;
+    * ``grad_scaler`` — the ``torch.amp.GradScaler`` of an fp16 plan, else None;
+    * ``step_was_skipped`` — True when the last real step was skipped (inf/nan gradients);
+    * ``unscale_()`` — unscale now, before clipping by hand (the step then does not unscale again);
+    * ``hooks`` — the plan's loop hooks in plan order (``hook(kind)`` filters them).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, hooks: list[OptimizerHook]):  # noqa: D107
@@ -172,6 +220,8 @@ class PlanOptimizer(torch.optim.Optimizer):
             self.accumulation_steps *= max(1, int(h.accumulation_steps))
         self.micro_step = 0  # micro-batches since the last real step
         self._forced_boundary: bool | None = None
+        self._hooked_backwards = 0  # backward passes through the hooks since the last real step
+        self._step_was_skipped = False
         for h in self.hooks:
             h.attach(self)
 
@@ -236,26 +286,107 @@ class PlanOptimizer(torch.optim.Optimizer):
         """Seed compatibility: force (True/False) or clear (None) the boundary decision."""
         self._forced_boundary = is_boundary
 
-    def backward(self, loss: torch.Tensor, **kwargs) -> None:
+    @property
+    def grad_scaler(self):
+        """The plan's ``torch.amp.GradScaler`` (fp16 loss scaling), or None (ATorch's ``optim.grad_scaler``)."""
+        return next((h.scaler for h in self.hooks if getattr(h, "scaler", None) is not None), None)
+
+    @property
+    def step_was_skipped(self) -> bool:
+        """True when the last real optimizer step was skipped for inf/nan gradients (ATorch's name)."""
+        return self._step_was_skipped
+
+    @property
+    def needs_loss_hook(self) -> bool:
+        """True when a plain ``loss.backward()`` on an unwrapped loss would train wrongly here."""
+        return any(h.needs_loss_hook for h in self.hooks)
+
+    def unscale_(self) -> None:
+        """Unscale the gradients now, e.g. before clipping them by hand (ATorch's ``optim.unscale_()``).
+
+        A no-op without a grad scaler; the next step does not unscale again.
+        """
+        for h in self.hooks:
+            unscale = getattr(h, "unscale", None)
+            if callable(unscale):
+                unscale(self.optimizer)
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss as the hooks would back-propagate it (scaled, averaged over micro-batches).
+
+        Counts as a hooked backward: ``optim.scale_loss(loss).backward()`` then steps correctly
+        where no hook needs its own backward context (prefer :meth:`backward` or :meth:`wrap_loss`).
+        """
         for h in self.hooks:
             loss = h.scale_loss(loss)
+        self._hooked_backwards += 1
+        return loss
+
+    def wrap_loss(self, loss):
+        """``loss`` (or the first element of a tuple/list of results) as a :class:`PlanLoss`:
+        its plain ``.backward()`` runs ``self.backward(loss)``."""
+        if isinstance(loss, list | tuple) and loss and isinstance(loss[0], torch.Tensor):
+            return type(loss)([self.wrap_loss(loss[0]), *loss[1:]]) if isinstance(loss, list) else (self.wrap_loss(loss[0]), *loss[1:])
+        if not isinstance(loss, torch.Tensor):
+            return loss
+        wrapped = loss.as_subclass(PlanLoss)
+        wrapped._composable_atorch_optimizer = self
+        return wrapped
+
+    def loss_wrapper(self, loss_func):
+        """``loss_func`` whose returned loss back-propagates through the plan (ATorch's wrapped ``loss_func``).
+
+        ``None`` stays None. Keeps the loss function's other return values (ATorch's loss
+        functions may return ``(loss, extra...)``).
+        """
+        if loss_func is None:
+            return None
+
+        @functools.wraps(loss_func)
+        def plan_loss_func(*args, **kwargs):
+            return self.wrap_loss(loss_func(*args, **kwargs))
+
+        return plan_loss_func
+
+    def backward(self, loss: torch.Tensor, **kwargs) -> None:
+        if isinstance(loss, PlanLoss):
+            loss = loss.as_subclass(torch.Tensor)  # a plain alias: its backward must not re-enter here
+        loss = self.scale_loss(loss)
         with contextlib.ExitStack() as stack:
             for h in self.hooks:
                 stack.enter_context(h.backward_context(self.is_boundary))
             if not any(h.backward(loss, **kwargs) for h in self.hooks):
                 loss.backward(**kwargs)
 
+    def _check_hooked(self) -> None:
+        needing = [type(h).__name__ for h in self.hooks if h.needs_loss_hook]
+        if not needing or self._hooked_backwards:
+            return
+        if not any(p.grad is not None for g in self.optimizer.param_groups for p in g["params"]):
+            return
+        raise RequirementError(
+            "the plan's optimizer",
+            f"every backward to go through it ({', '.join(needing)} scales or averages the loss); "
+            "this step follows a plain loss.backward() of an unwrapped loss, which would train wrongly",
+            "call optim.backward(loss) instead of loss.backward(), or wrap the loss first: "
+            "loss = optim.wrap_loss(loss) (or loss_func = optim.loss_wrapper(loss_func)), then loss.backward()",
+        )
+
     def step(self, closure=None):
         boundary = self.is_boundary
         self.micro_step = 0 if boundary else self.micro_step + 1
         if not boundary:
             return None
+        self._check_hooked()
+        self._hooked_backwards = 0
         for h in self.hooks:
+            h.last_step_skipped = False
             h.before_step(self.optimizer)
         if not any(h.run_step(self.optimizer, closure) for h in self.hooks):
             self.optimizer.step(closure) if closure is not None else self.optimizer.step()
         for h in self.hooks:
             h.after_step()
+        self._step_was_skipped = any(h.last_step_skipped for h in self.hooks)
         return None
 
     def zero_grad(self, set_to_none: bool = True) -> None:

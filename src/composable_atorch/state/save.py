@@ -170,12 +170,14 @@ def save_state(
     step: int,
     extra: dict[str, Any] | None = None,
     keep: int | None = None,
+    scheduler=None,
 ) -> Path:
-    """Save model, optimizer (with the plan's hook states), data position and RNG states.
+    """Save model, optimizer (with the plan's hook states), LR scheduler, data position and RNG states.
 
     Call it on every rank (it is collective when a process group exists), after ``optim.step()``
     of the step you count in ``step``. ``extra`` is any JSON dict (returned by load_state).
-    ``keep`` prunes all but the newest ``keep`` checkpoints. Returns the checkpoint's directory.
+    ``keep`` prunes all but the newest ``keep`` checkpoints. ``scheduler`` (a torch LR scheduler)
+    is saved as JSON and restored by ``load_state(..., scheduler=)``. Returns the checkpoint's directory.
     """
     if not isinstance(model, torch.nn.Module):
         raise ConfigError("model", type(model).__name__, "a torch.nn.Module")
@@ -186,6 +188,7 @@ def save_state(
     if extra is not None and not isinstance(extra, dict):
         raise ConfigError("save_state extra", type(extra).__name__, "a dict of JSON values, or None")
     extra = check_jsonable(dict(extra or {}), "save_state extra")
+    scheduler_state = _scheduler_state(scheduler)
     inner, hooks, micro_step = _split_optimizer(optim)
     hook_states = [check_jsonable(h.state_dict(), f"{type(h).__name__}.state_dict()") for h in hooks]
     if loader is not None and not _resumable.is_resumable(loader):
@@ -239,6 +242,7 @@ def save_state(
             "optimizer": None if inner is None else {**_optimizer_shape(inner, hooks), "has_state": has_optim_state},
             "micro_step": micro_step,
             "loader": position is not None,
+            "scheduler": scheduler_state,
         }
         write_json(partial / META, meta)
         publish(root, partial, step)
@@ -304,12 +308,16 @@ def _match_hooks(hooks: list, saved_names: list[str], saved_states: list) -> tup
     return pairs, lost
 
 
-def load_state(directory: str | os.PathLike, model: torch.nn.Module, optim=None, loader=None) -> Resumed:
+def load_state(
+    directory: str | os.PathLike, model: torch.nn.Module, optim=None, loader=None, *, scheduler=None, verbose: bool = True
+) -> Resumed:
     """Load what save_state wrote into ``model``, ``optim`` and ``loader``, in place.
 
     ``directory`` is the one given to save_state (its latest checkpoint is loaded) or one
     ``step-*`` checkpoint inside it. Call it on every rank, after applying the same plan as the
-    saving run (any world size). Everything is checked before anything is modified.
+    saving run (any world size). Everything is checked before anything is modified. ``scheduler``
+    gets the LR scheduler state saved with ``save_state(..., scheduler=)``. With ``verbose`` rank 0
+    prints the step it resumes at and how many batches of the pass the loader skips.
     """
     if not isinstance(model, torch.nn.Module):
         raise ConfigError("model", type(model).__name__, "a torch.nn.Module")
@@ -339,6 +347,10 @@ def load_state(directory: str | os.PathLike, model: torch.nn.Module, optim=None,
         )
     if loader is not None and not (_resumable.is_resumable(loader) or _resumable.can_resume(loader)):
         _resumable.resumable(loader)  # raises the ConfigError naming what is allowed
+    if scheduler is not None:
+        _scheduler_state(scheduler)  # the type check
+        if meta.get("scheduler") is None:
+            raise ConfigError(f"checkpoint {path}", "no LR scheduler state", "load_state(..., scheduler=None) for a checkpoint saved without one")
     if loader is not None and not meta["loader"]:
         raise ConfigError(f"checkpoint {path}", "no data position", "load_state(..., loader=None) for a checkpoint saved without a loader")
 
@@ -372,6 +384,10 @@ def load_state(directory: str | os.PathLike, model: torch.nn.Module, optim=None,
         hook.load_state_dict(hook_state)
     if isinstance(optim, PlanOptimizer):
         optim.micro_step = rank_state["micro_step"]
+    if scheduler is not None:
+        scheduler.load_state_dict(meta["scheduler"])
+    if verbose and rank == 0:
+        _say_resumed(path, meta, rank_state["loader"] if loader is not None else None)
     if loader is not None:
         rng = rank_state["rng"] if same_world else None
         _resumable.resumable(loader).resume_at(rank_state["loader"], rng=rng, replay=same_world)
@@ -391,3 +407,20 @@ def _restore_grads(model: torch.nn.Module, grads: dict[str, torch.Tensor], rank:
             p.grad = DTensor.from_local(grad, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
         else:
             p.grad = grad
+
+
+def _scheduler_state(scheduler) -> dict[str, Any] | None:
+    """An LR scheduler's state dict, checked JSON-able (lambdas are not saved by torch either)."""
+    if scheduler is None:
+        return None
+    if not (hasattr(scheduler, "state_dict") and hasattr(scheduler, "load_state_dict") and hasattr(scheduler, "optimizer")):
+        raise ConfigError("scheduler", type(scheduler).__name__, "a torch.optim.lr_scheduler scheduler, or None")
+    return check_jsonable(scheduler.state_dict(), f"{type(scheduler).__name__}.state_dict()")
+
+
+def _say_resumed(path: Path, meta: dict[str, Any], position: dict[str, Any] | None) -> None:
+    """One line for the user: which step, and how many batches the resumed pass skips."""
+    line = f"composable_atorch: resumed from {path.name} at step {meta['step']}"
+    if position is not None:
+        line += f"; skipping the {position['batches']} batch(es) of epoch {position['epoch']} already seen"
+    print(line, flush=True)

@@ -29,7 +29,16 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from composable_atorch.core.contract import Contract, Order, Stage
+from composable_atorch.core.contract import (
+    AllOf,
+    Contract,
+    DeviceKind,
+    MinComputeCapability,
+    Order,
+    Package,
+    Stage,
+    When,
+)
 from composable_atorch.core.transform import ApplyContext, TrainState, Transform
 from composable_atorch.environment import Environment
 from composable_atorch.errors import ConfigError
@@ -61,14 +70,30 @@ def _int(value, field: str, minimum: int) -> int:
     return value
 
 
+#: Hardware with fp8 tensor cores (torchao runs emulated anywhere else).
+FP8_HARDWARE = AllOf(name="fp8 tensor cores", parts=(MinComputeCapability(major=8, minor=9), DeviceKind(kinds=("cuda",))))
+#: What the transformer_engine backend needs, declared once: cuda + sm89 + the package importing.
+TRANSFORMER_ENGINE = AllOf(
+    name="transformer-engine",
+    parts=(*FP8_HARDWARE.parts, Package(name="transformer_engine", extra="fp8")),
+    on_unmet="skip",
+)
+TORCHAO = Package(name="torchao", extra="fp8", on_unmet="skip")
+
+
+def _uses_te(t) -> bool:
+    """backend='transformer_engine'"""
+    return getattr(t, "backend", None) == "transformer_engine"
+
+
+def _uses_torchao(t) -> bool:
+    """backend='torchao'"""
+    return getattr(t, "backend", None) == "torchao"
+
+
 def te_usable(env: Environment) -> str | None:
-    """What transformer-engine lacks here, or None when it can run."""
-    if env.device != "cuda" or env.compute_capability is None or tuple(env.compute_capability) < (8, 9):
-        have = env.device if env.compute_capability is None else f"sm{env.compute_capability[0]}{env.compute_capability[1]}"
-        return f"a CUDA GPU of compute capability >= 8.9 (this environment has {have})"
-    if not env.has("transformer_engine"):
-        return "the transformer_engine package with its torch part (it is absent, or `import transformer_engine` fails)"
-    return None
+    """What transformer-engine lacks here, or None when it can run (reads :data:`TRANSFORMER_ENGINE`)."""
+    return TRANSFORMER_ENGINE.unmet(env, None)
 
 
 def select_linears(model: nn.Module, include=None, exclude=None) -> tuple[list[str], list[tuple[str, str]]]:
@@ -109,6 +134,10 @@ class Fp8(Transform):
         stage=Stage.MODULE_REWRITE,
         orders=(Order("module_replace", "module_replace may rebuild modules (and their Linear layers); fp8 swaps the final ones"),),
         roles=("fp8",),
+        requires=(
+            When(predicate=_uses_te, inner=TRANSFORMER_ENGINE, on_unmet="skip"),
+            When(predicate=_uses_torchao, inner=TORCHAO, on_unmet="skip"),
+        ),
     )
 
     include: tuple[str, ...] | None = None
@@ -146,7 +175,7 @@ class Fp8(Transform):
         env = search.env
         if te_usable(env) is None:
             return (cls(backend="transformer_engine", exclude=("lm_head",)),)
-        if env.has("torchao"):
+        if TORCHAO.unmet(env, None) is None:
             return (cls(backend="torchao", exclude=("lm_head",)),)
         return ()
 
@@ -164,10 +193,10 @@ class Fp8(Transform):
             return dataclasses.replace(self, backend="transformer_engine"), "backend transformer_engine (CUDA sm89+)"
         if self.backend == "transformer_engine":
             return None, f"the transformer_engine backend needs {te_missing}"
-        if not env.has("torchao"):
+        if TORCHAO.unmet(env, self) is not None:
             why = "the torchao package" + ("" if self.backend == "torchao" else f", or for transformer_engine {te_missing}")
             return None, f"no fp8 backend can run: needs {why} (pip install 'composable_atorch[fp8]' -c constraints.txt)"
-        note = "backend torchao" + ("" if env.device == "cuda" and tuple(env.compute_capability or (0, 0)) >= (8, 9) else " (emulated on this device: fp8 numerics, no speed-up)")
+        note = "backend torchao" + ("" if FP8_HARDWARE.unmet(env, self) is None else " (emulated on this device: fp8 numerics, no speed-up)")
         if self.backend == "auto":
             note += f"; transformer_engine not used: needs {te_missing}"
         return dataclasses.replace(self, backend="torchao"), note
@@ -195,7 +224,7 @@ class Fp8(Transform):
     def _apply_torchao(self, state: TrainState, chosen: list[str], env: Environment) -> str:
         from torchao.float8 import CastConfig, Float8LinearConfig, convert_to_float8_training
 
-        emulate = env.device == "cuda" and tuple(env.compute_capability or (0, 0)) < (8, 9)
+        emulate = env.device == "cuda" and FP8_HARDWARE.unmet(env, self) is not None
         kwargs = {"emulate": emulate}
         if self.fp8_format == "E4M3":  # torchao's default is HYBRID: e5m2 for gradients
             kwargs["cast_config_grad_output"] = CastConfig(target_dtype=torch.float8_e4m3fn)

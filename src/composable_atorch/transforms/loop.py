@@ -18,10 +18,15 @@ from composable_atorch.runtime.optim import OptimizerHook
 
 
 class AccumulateHook(OptimizerHook):
-    """Average the loss over ``steps`` micro-batches; the optimizer steps on the last one."""
+    """Average the loss over ``steps`` micro-batches; the optimizer steps on the last one.
+
+    A plain ``loss.backward()`` would sum instead of average (``steps`` times too large a step):
+    ``needs_loss_hook``, so such a step raises rather than trains wrongly.
+    """
 
     def __init__(self, steps: int):
         self.accumulation_steps = steps
+        self.needs_loss_hook = steps > 1
 
     def scale_loss(self, loss):
         return loss / self.accumulation_steps

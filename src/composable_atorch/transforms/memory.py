@@ -4,7 +4,15 @@ torch's ``checkpoint_wrapper`` renames parameters (``._checkpoint_wrapped_module
 break optimizer rebinding and saved state dicts; the composable
 ``torch.distributed._composable.checkpoint`` works in place and keeps names, so it is the default.
 The reentrant variant (for models with ``@torch.jit.script`` parts, as the seed notes) wraps the
-block's forward in place, which also keeps names.
+block's forward in place, which also keeps names; keyword arguments (every Hugging Face decoder
+layer takes ``attention_mask=...``, ``position_embeddings=...``) are passed to torch's reentrant
+checkpoint positionally and rebuilt inside, as torch's ``checkpoint_wrapper`` packs them.
+
+ATorch's checkpoint config keys: ``wrap_class``, ``no_reentrant`` (default non-reentrant, as the
+seed documents), ``max_checkpoint_module_num`` (only the first N matching modules),
+``selective_offload`` (validated as ATorch does, no effect on a CPU: it moves saved activations
+from GPU memory to host memory, where they already are) and ``use_te_impl`` (no effect here:
+transformer-engine's checkpoint needs a CUDA GPU and its package).
 """
 
 from __future__ import annotations
@@ -25,6 +33,29 @@ def _target_name(t) -> str:
     return t.__name__ if isinstance(t, type) else t
 
 
+def _reentrant_forward(inner):
+    """``inner`` run under torch's reentrant checkpoint, keyword arguments included.
+
+    The reentrant checkpoint (an autograd.Function) takes positional arguments only: keyword
+    values travel positionally after the positional ones and the keys in the closure, so tensors
+    among them are tracked for the backward.
+    """
+
+    @functools.wraps(inner)
+    def forward(*args, **kwargs):
+        if not kwargs:
+            return torch_checkpoint.checkpoint(inner, *args, use_reentrant=True)
+        keys, n = tuple(kwargs), len(args)
+
+        def run(*flat):
+            return inner(*flat[:n], **dict(zip(keys, flat[n:], strict=True)))
+
+        return torch_checkpoint.checkpoint(run, *args, *kwargs.values(), use_reentrant=True)
+
+    forward._composable_atorch_reentrant = True
+    return forward
+
+
 @dataclass(frozen=True)
 class Checkpoint(Transform):
     """Recompute the activations of each matching block in the backward pass instead of storing them."""
@@ -34,6 +65,10 @@ class Checkpoint(Transform):
 
     targets: tuple = ()
     reentrant: bool = False
+    #: ATorch's ``max_checkpoint_module_num``: checkpoint only the first N matching modules (None: all).
+    max_modules: int | None = None
+    #: ATorch keys accepted with no effect on this machine kind (named in explain()).
+    inert: tuple[str, ...] = ()
 
     def __post_init__(self):
         targets = self.targets
@@ -47,6 +82,13 @@ class Checkpoint(Transform):
             raise ConfigError("checkpoint target", bad[0], "a module class, a class name or a module's qualified name")
         object.__setattr__(self, "targets", targets)
         object.__setattr__(self, "reentrant", bool(self.reentrant))
+        if self.max_modules is not None and (isinstance(self.max_modules, bool) or not isinstance(self.max_modules, int) or self.max_modules < 0):
+            raise ConfigError("checkpoint.max_modules (max_checkpoint_module_num)", self.max_modules, "None (every matching module) or an integer >= 0")
+        inert = tuple(sorted(set(self.inert)))
+        bad = [k for k in inert if k not in INERT_KEYS]
+        if bad:
+            raise ConfigError("checkpoint.inert", bad[0], f"one of {sorted(INERT_KEYS)}")
+        object.__setattr__(self, "inert", inert)
 
     @classmethod
     def candidates(cls, search):
@@ -61,10 +103,13 @@ class Checkpoint(Transform):
 
     def describe(self):
         kind = "reentrant" if self.reentrant else "non-reentrant"
-        return f"checkpoint({', '.join(_target_name(t) for t in self.targets)}; {kind})"
+        limit = "" if self.max_modules is None else f"; first {self.max_modules} only"
+        inert = "".join(f"; {k}: {INERT_KEYS[k]}" for k in self.inert)
+        return f"checkpoint({', '.join(_target_name(t) for t in self.targets)}; {kind}{limit}{inert})"
 
     def sort_key(self):
-        return (int(self.contract.stage), self.name, repr((tuple(_target_name(t) for t in self.targets), self.reentrant)))
+        key = (tuple(_target_name(t) for t in self.targets), self.reentrant, self.max_modules, self.inert)
+        return (int(self.contract.stage), self.name, repr(key))
 
     def apply(self, state: TrainState, ctx: ApplyContext) -> TrainState:
         found = outermost_matches(state.model, self.targets)
@@ -74,29 +119,70 @@ class Checkpoint(Transform):
                 tuple(_target_name(t) for t in self.targets),
                 f"classes or names of modules in {type(state.model).__name__} (none matched)",
             )
+        matched = len(found)
+        if self.max_modules is not None:
+            found = found[: self.max_modules]
         for _, module in found:
             if self.reentrant:
-                inner = module.forward
-                module.forward = functools.partial(torch_checkpoint.checkpoint, inner, use_reentrant=True)
+                if not getattr(module.forward, "_composable_atorch_reentrant", False):  # applied once per module
+                    module.forward = _reentrant_forward(module.forward)
             else:
                 composable_checkpoint(module)
+        if self.max_modules is not None:
+            state.note(self.name, f"max_checkpoint_module_num={self.max_modules}: {len(found)} of {matched} matching modules checkpointed")
+        for key in self.inert:
+            state.note(self.name, f"{key}: {INERT_KEYS[key]}")
+        if not found:
+            return state
         names = sorted({type(m).__name__ for _, m in found})
         state.note(self.name, f"{len(found)} module(s) checkpointed ({', '.join(names)}): {', '.join(q or '<root>' for q, _ in found[:6])}{' ...' if len(found) > 6 else ''}")
         return state
 
 
-def checkpoint(*targets, reentrant: bool = False) -> Checkpoint:
+#: ATorch checkpoint keys accepted with no effect here, and why (shown in explain()).
+INERT_KEYS = {
+    "use_te_impl": "no effect: transformer-engine's checkpoint needs a CUDA GPU and the transformer-engine package; torch's is used",
+    "selective_offload": "no effect on a CPU: it offloads saved activations from GPU memory to host memory, where they already are",
+}
+SEED_KEYS = ("wrap_class", "no_reentrant", "max_checkpoint_module_num", "selective_offload", "use_te_impl")
+
+
+def _from_seed_dict(cfg: dict) -> Checkpoint:
+    """ATorch's dict config, each key with ATorch's meaning (checkpoint_optimization.py)."""
+    unknown = sorted(set(cfg) - set(SEED_KEYS))
+    if unknown:
+        raise ConfigError(f"checkpoint config key {unknown[0]!r}", cfg[unknown[0]], ", ".join(repr(k) for k in SEED_KEYS))
+    if "wrap_class" not in cfg:
+        raise ConfigError("checkpoint config key 'wrap_class'", None, "the block classes or names to checkpoint, e.g. {'wrap_class': (Block,)}")
+    wrap = cfg["wrap_class"]
+    inert = []
+    offload = cfg.get("selective_offload")
+    no_reentrant = cfg.get("no_reentrant")
+    if offload is not None:
+        if no_reentrant is not None and not no_reentrant:  # ATorch raises too: selective offloading needs the non-reentrant checkpoint
+            raise ConfigError("checkpoint config 'no_reentrant'", False, "True (or absent) with 'selective_offload': it needs the non-reentrant checkpoint")
+        if not isinstance(offload, dict) or "offload_args" not in offload or "num_layers" not in offload:
+            raise ConfigError("checkpoint config 'selective_offload'", offload, "a dict with 'offload_args' and 'num_layers' (as ATorch)")
+        inert.append("selective_offload")
+    if cfg.get("use_te_impl"):
+        inert.append("use_te_impl")
+    limit = cfg.get("max_checkpoint_module_num")
+    return Checkpoint(
+        targets=wrap if isinstance(wrap, tuple | list) else (wrap,),
+        reentrant=no_reentrant is not None and not no_reentrant,
+        max_modules=limit,
+        inert=tuple(inert),
+    )
+
+
+def checkpoint(*targets, reentrant: bool = False, max_modules: int | None = None) -> Checkpoint:
     """``checkpoint(Block)``, ``checkpoint("Block", "mlp")``, or the seed's dict form.
 
-    The dict form is ``{"wrap_class": (Block,), "no_reentrant": False}``.
+    The dict form is ATorch's ``{"wrap_class": (Block,), "no_reentrant": False,
+    "max_checkpoint_module_num": 4, "selective_offload": {...}, "use_te_impl": False}``.
     """
     if len(targets) == 1 and isinstance(targets[0], dict):
-        cfg = dict(targets[0])
-        unknown = set(cfg) - {"wrap_class", "no_reentrant"}
-        if unknown:
-            raise ConfigError(f"checkpoint config key {sorted(unknown)[0]!r}", cfg[sorted(unknown)[0]], "'wrap_class', 'no_reentrant'")
-        wrap = cfg.get("wrap_class", ())
-        return Checkpoint(targets=wrap if isinstance(wrap, tuple | list) else (wrap,), reentrant=not cfg.get("no_reentrant", True))
+        return _from_seed_dict(dict(targets[0]))
     if len(targets) == 1 and isinstance(targets[0], tuple | list):
         targets = tuple(targets[0])
-    return Checkpoint(targets=tuple(targets), reentrant=reentrant)
+    return Checkpoint(targets=tuple(targets), reentrant=reentrant, max_modules=max_modules)

@@ -5,7 +5,8 @@ What it swaps, each as a named *replace pair* (the seed's ``register_replace_pai
 * the library's own GPT attention (written out naive on purpose) for a subclass calling
   ``F.scaled_dot_product_attention`` — on this CPU a fused flash kernel, ~4x faster at seq 512 —
   or flash-attn's kernel where flash-attn imports on a CUDA GPU of sm80+ and the plan trains in
-  fp16/bf16;
+  fp16/bf16 (those two pairs are registered by :mod:`composable_atorch.models.gpt`, which owns
+  the classes: transforms sit below models and never import them);
 * transformers models (GPT2, Llama, BERT, CLIP...): transformers 5 picks the attention kernel
   itself, so the pair flips ``model.set_attn_implementation(...)`` instead of swapping classes;
 * transformers' hand-written ``LlamaRMSNorm`` for torch's ``F.rms_norm``, on CUDA only: there torch
@@ -29,12 +30,20 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from composable_atorch.core.contract import Contract, Stage
+from composable_atorch.core.contract import (
+    AllOf,
+    Contract,
+    DeviceKind,
+    MinComputeCapability,
+    Package,
+    Requirement,
+    Stage,
+    unmet,
+)
 from composable_atorch.core.transform import ApplyContext, TrainState, Transform
 from composable_atorch.environment import Environment
 from composable_atorch.errors import ConfigError
-from composable_atorch.models.gpt import CausalSelfAttention
-from composable_atorch.transforms._util import dtype_of
+from composable_atorch.transforms.policy import PRECISION_READS, PrecisionPolicy
 
 ALL_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
 HALF_DTYPES = frozenset({torch.float16, torch.bfloat16})
@@ -43,26 +52,6 @@ HALF_DTYPES = frozenset({torch.float16, torch.bfloat16})
 # ---------------------------------------------------------------------------------------------
 # Built-in targets
 # ---------------------------------------------------------------------------------------------
-
-
-class SDPACausalSelfAttention(CausalSelfAttention):
-    """The built-in GPT attention through torch's fused scaled-dot-product attention."""
-
-    def attend(self, q, k, v):
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
-
-
-class FlashCausalSelfAttention(CausalSelfAttention):
-    """The built-in GPT attention through flash-attn's kernel (CUDA, fp16/bf16 only)."""
-
-    def attend(self, q, k, v):
-        from flash_attn import flash_attn_func
-
-        # flash-attn takes (batch, seq, heads, head_dim); the model keeps (batch, heads, seq, head_dim)
-        out = flash_attn_func(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), dropout_p=self.dropout if self.training else 0.0, causal=True
-        )
-        return out.transpose(1, 2)
 
 
 def _llama_rmsnorm() -> type | None:
@@ -89,16 +78,13 @@ def _fused_rmsnorm_class(source: type) -> type:
 # ---------------------------------------------------------------------------------------------
 
 
-def _needs_flash(env: Environment) -> str | None:
-    if not env.has("flash_attn"):
-        return "the flash_attn package (it did not import here)"
-    if env.device != "cuda" or env.compute_capability is None or tuple(env.compute_capability) < (8, 0):
-        return f"a CUDA GPU of compute capability >= 8.0 (this environment is {env.device})"
-    return None
-
-
-def _needs_cuda(env: Environment) -> str | None:
-    return None if env.device == "cuda" else f"a CUDA device, where torch's rms_norm is one fused kernel (this is {env.device}, where it measured no faster)"
+#: flash-attn's kernel: the package importing, on a CUDA GPU of sm80 or newer (declared once, as data).
+FLASH_ATTN = AllOf(
+    name="flash-attn",
+    parts=(Package(name="flash_attn"), MinComputeCapability(major=8, minor=0), DeviceKind(kinds=("cuda",))),
+)
+#: torch's rms_norm is one fused kernel on CUDA; on the CPU it measured no faster than the module's arithmetic.
+FUSED_RMS_NORM = AllOf(name="torch's fused rms_norm kernel (on the CPU it measured no faster)", parts=(DeviceKind(kinds=("cuda",)),))
 
 
 @dataclass(frozen=True)
@@ -110,16 +96,21 @@ class ReplacePair:
     adds no ``__init__`` is swapped in place by changing the instance's class (same parameters,
     same names); any other target is built as ``target(source_module)`` (ATorch's convention) and
     must keep the parameter names. ``switch`` instead names a transformers attention
-    implementation set through ``set_attn_implementation``. ``needs(env)`` says what the
-    environment lacks, or None.
+    implementation set through ``set_attn_implementation``. ``requires`` are declared
+    :class:`~composable_atorch.core.contract.Requirement` values (device, compute capability,
+    package); ``needs(env)`` says which is unmet, or None.
     """
 
     name: str
     source: type | Callable[[], type | None] | None = None
     target: type | Callable[[type], type] | None = None
     supported_dtypes: frozenset = ALL_DTYPES
-    needs: Callable[[Environment], str | None] | None = None
+    requires: tuple[Requirement, ...] = ()
     switch: str | None = None
+
+    def needs(self, env: Environment) -> str | None:
+        """What the environment lacks for this pair (the first unmet declared requirement), or None."""
+        return unmet(self.requires, env)
 
     def source_class(self) -> type | None:
         if isinstance(self.source, type) or self.source is None:
@@ -144,11 +135,9 @@ def _add(pair: ReplacePair) -> None:
 
 
 # Order matters: for one source, the first usable pair wins (flash before sdpa).
-_add(ReplacePair("gpt_flash_attn", CausalSelfAttention, FlashCausalSelfAttention, HALF_DTYPES, _needs_flash))
-_add(ReplacePair("gpt_sdpa", CausalSelfAttention, SDPACausalSelfAttention))
-_add(ReplacePair("hf_flash_attention_2", supported_dtypes=HALF_DTYPES, needs=_needs_flash, switch="flash_attention_2"))
+_add(ReplacePair("hf_flash_attention_2", supported_dtypes=HALF_DTYPES, requires=(FLASH_ATTN,), switch="flash_attention_2"))
 _add(ReplacePair("hf_sdpa", switch="sdpa"))
-_add(ReplacePair("llama_rmsnorm_fused", _llama_rmsnorm, _fused_rmsnorm_class, needs=_needs_cuda))
+_add(ReplacePair("llama_rmsnorm_fused", _llama_rmsnorm, _fused_rmsnorm_class, requires=(FUSED_RMS_NORM,)))
 
 
 def register_replace_pair(
@@ -158,11 +147,14 @@ def register_replace_pair(
     *,
     supported_dtypes=ALL_DTYPES,
     pair_cls: tuple[type, type] | None = None,
+    requires: tuple[Requirement, ...] = (),
 ) -> ReplacePair:
     """Register a user pair: ``register_replace_pair("mine", Src, Tgt, supported_dtypes={torch.bfloat16})``.
 
     The seed's keyword form ``register_replace_pair(name, supported_dtypes=..., pair_cls=(Src, Tgt))``
     works too. ``module_replace()`` then swaps every module of exactly class ``Src``.
+    ``requires`` declares what the environment must provide (e.g. :data:`FLASH_ATTN`); where it
+    does not, the pair is not used and explain() says why.
     """
     if pair_cls is not None:
         if source_cls is not None or target_cls is not None:
@@ -178,11 +170,24 @@ def register_replace_pair(
     dtypes = frozenset(supported_dtypes) if isinstance(supported_dtypes, set | frozenset | list | tuple) else None
     if not dtypes or not dtypes <= ALL_DTYPES:
         raise ConfigError("register_replace_pair supported_dtypes", supported_dtypes, "a non-empty set of torch.float32, torch.float16, torch.bfloat16")
-    pair = ReplacePair(name, source_cls, target_cls, dtypes)
+    requires = tuple(requires)
+    if not all(isinstance(r, Requirement) for r in requires):
+        raise ConfigError("register_replace_pair requires", requires, "Requirement values, e.g. (FLASH_ATTN,)")
+    pair = ReplacePair(name, source_cls, target_cls, dtypes, requires=requires)
     if name in _PAIRS and _PAIRS[name] != pair:
         raise ConfigError("register_replace_pair name", name, f"a name not already registered (taken: {', '.join(_PAIRS)})")
     _add(pair)
     return pair
+
+
+#: ATorch's pair names (atorch/auto/opt_lib/module_replace_optimization.py) -> our pairs, or None and why.
+ATORCH_PAIRS: dict[str, tuple[tuple[str, ...] | None, str]] = {
+    "HF_BertAttention_FA": (("hf_flash_attention_2",), "transformers' own flash-attention 2"),
+    "HF_CLIPAttention_FA": (("hf_flash_attention_2",), "transformers' own flash-attention 2"),
+    "HF_GPT2Attention_FA": (("hf_flash_attention_2",), "transformers' own flash-attention 2"),
+    "MultiheadAttention_FA": (None, "torch's nn.MultiheadAttention already calls scaled_dot_product_attention (fused flash kernel)"),
+    "LayerNorm_Apex": (None, "torch's nn.LayerNorm is already one fused kernel (aten native_layer_norm); apex is not used"),
+}
 
 
 def replace_pairs() -> dict[str, ReplacePair]:
@@ -196,12 +201,8 @@ def replace_pairs() -> dict[str, ReplacePair]:
 
 
 def training_dtype(ctx: ApplyContext) -> torch.dtype:
-    """The dtype the plan computes in: half's, else amp's autocast dtype, else float32."""
-    for name in ("half", "amp"):
-        t = ctx.find(name)
-        if t is not None:
-            return dtype_of(t.dtype)
-    return torch.float32
+    """The dtype the plan computes in (see :class:`~composable_atorch.transforms.policy.PrecisionPolicy`)."""
+    return PrecisionPolicy.of(ctx).compute_dtype
 
 
 def _dtype_label(dtypes) -> str:
@@ -236,7 +237,7 @@ class ModuleReplace(Transform):
     """
 
     name = "module_replace"
-    contract = Contract(stage=Stage.MODULE_REWRITE, roles=("module_replace",))
+    contract = Contract(stage=Stage.MODULE_REWRITE, roles=("module_replace",), reads=PRECISION_READS)
 
     pairs: tuple[str, ...] | None = None
 
@@ -248,6 +249,30 @@ class ModuleReplace(Transform):
         if unknown or not pairs:
             raise ConfigError("module_replace.pairs", unknown[0] if unknown else pairs, f"names of registered pairs: {', '.join(_PAIRS)}")
         object.__setattr__(self, "pairs", pairs)
+
+    @classmethod
+    def from_seed(cls, config=None):
+        """ATorch's config: None (every pair), or ``{pair_name: replace_config}``.
+
+        Pair names are ours or ATorch's (:data:`ATORCH_PAIRS` maps them); a replace_config may be
+        None or ATorch's default for the pair (targets here are built from the source module).
+        """
+        if config is None:
+            return cls()
+        if isinstance(config, dict) and "pairs" not in config:
+            names: list[str] = []
+            for key, value in config.items():
+                if value not in (None, {}, {"need_src_module": True}, {"init_from_attr": True}):
+                    raise ConfigError(f"module_replace config[{key!r}]", value, "None or ATorch's default (pairs here are built from the source module)")
+                if key in ATORCH_PAIRS:
+                    mapped, why = ATORCH_PAIRS[key]
+                    if mapped is None:
+                        raise ConfigError("module_replace pair", key, f"a pair with a meaning here ({why})")
+                    names.extend(n for n in mapped if n not in names)
+                elif key not in names:
+                    names.append(key)
+            return cls(pairs=tuple(names))
+        return super().from_seed(config)
 
     @classmethod
     def candidates(cls, search):

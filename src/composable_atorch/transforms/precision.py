@@ -14,17 +14,23 @@ import torch
 
 from composable_atorch.core.contract import Conflict, Contract, Stage
 from composable_atorch.core.transform import ApplyContext, TrainState, Transform
+from composable_atorch.errors import ConfigError
 from composable_atorch.runtime.optim import OptimizerHook
 from composable_atorch.transforms._util import cast_floats, dtype_name, dtype_of
 
 
 def _dtypes_differ(a, b) -> bool:
     """amp and half conflict only when they name different dtypes (bf16 weights under fp16 autocast...)."""
-    return a.dtype != b.dtype
+    return a.dtype != b.dtype and getattr(a, "enabled", True)
 
 
 class GradScalerHook(OptimizerHook):
-    """fp16 loss scaling: scale the loss, unscale before clipping, skip steps with inf/nan grads."""
+    """fp16 loss scaling: scale the loss, unscale before clipping, skip steps with inf/nan grads.
+
+    Every backward must scale (``optim.backward(loss)`` or a wrapped loss): ``needs_loss_hook``.
+    """
+
+    needs_loss_hook = True
 
     def __init__(self, device: str, shard_group=None):
         if shard_group is None:
@@ -37,19 +43,28 @@ class GradScalerHook(OptimizerHook):
 
             self.scaler = ShardedGradScaler(device, process_group=shard_group)
         self.skipped_steps = 0
+        self._unscaled = False
 
     def scale_loss(self, loss):
         return self.scaler.scale(loss)
 
+    def unscale(self, optimizer):
+        """Unscale now (ATorch's ``optim.unscale_()`` before manual clipping); the step then does not again."""
+        if not self._unscaled:
+            self.scaler.unscale_(optimizer)
+            self._unscaled = True
+
     def before_step(self, optimizer):
-        self.scaler.unscale_(optimizer)
+        self.unscale(optimizer)
 
     def run_step(self, optimizer, closure=None):
+        self._unscaled = False
         scale = self.scaler.get_scale()
         self.scaler.step(optimizer)
         self.scaler.update()
-        if self.scaler.get_scale() < scale:
-            self.skipped_steps += 1
+        # the scale only drops when the scaler found inf/nan and skipped the step (ATorch's test)
+        self.last_step_skipped = self.scaler.get_scale() < scale
+        self.skipped_steps += int(self.last_step_skipped)
         return True
 
     def state_dict(self):
@@ -91,6 +106,7 @@ class NonfiniteSkipHook(OptimizerHook):
         grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         if not _all_finite(grads, self.shard_group):
             self.skipped_steps += 1
+            self.last_step_skipped = True
             return True  # handled: by not stepping
         return False
 
@@ -126,14 +142,18 @@ class Amp(Transform):
 
     dtype: str = "bf16"
     skip_if_nonfinite: bool = False
+    #: ATorch's ``amp_native`` ``enabled`` key (in its default config): False makes the step a no-op.
+    enabled: bool = True
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", dtype_name(self.dtype, "amp.dtype"))
         object.__setattr__(self, "skip_if_nonfinite", bool(self.skip_if_nonfinite) or self.dtype == "fp16")
+        if not isinstance(self.enabled, bool):
+            raise ConfigError("amp.enabled", self.enabled, "True or False")
 
     @classmethod
     def from_seed(cls, config=None):
-        """Seed default is fp16; configs: ``"bf16"``, ``torch.bfloat16`` or ``{"dtype": ..., "skip_if_nonfinite": ...}``."""
+        """Seed default is fp16; configs: ``"bf16"``, ``torch.bfloat16`` or ``{"dtype": ..., "skip_if_nonfinite": ..., "enabled": ...}``."""
         if config is None:
             return cls(dtype="fp16")
         if isinstance(config, dict):
@@ -146,10 +166,15 @@ class Amp(Transform):
         return (cls(dtype="bf16"),)
 
     def describe(self):
+        if not self.enabled:
+            return f"amp({self.dtype}, enabled=False: no autocast, no scaler)"
         extra = ", grad scaler" if self.dtype == "fp16" else (", skip non-finite steps" if self.skip_if_nonfinite else "")
         return f"amp({self.dtype}{extra})"
 
     def apply(self, state: TrainState, ctx: ApplyContext) -> TrainState:
+        if not self.enabled:
+            state.note(self.name, "enabled=False (ATorch's amp_native key): the forward stays float32, no grad scaler")
+            return state
         model, device, dtype = state.model, ctx.env.device, dtype_of(self.dtype)
         if getattr(model.forward, "_composable_atorch_autocast", None) is not None:
             return state  # applied once per module (torch's @contract habit)
@@ -166,40 +191,130 @@ class Amp(Transform):
         state.note(self.name, f"autocast({device}, {self.dtype}) around {type(model).__name__}.forward; float outputs cast to float32")
         if self.dtype == "fp16":
             state.hooks.append(GradScalerHook(device, getattr(state.parallel, "grad_shard_group", None)))
-            state.note(self.name, "grad scaler: loss scaled in optim.backward(), inf/nan steps skipped")
+            state.note(self.name, "grad scaler: loss scaled in optim.backward() (or a loss wrapped by optim.wrap_loss / "
+                       "optim.loss_wrapper), inf/nan steps skipped; a step after an unwrapped loss.backward() raises")
         elif self.skip_if_nonfinite:
             state.hooks.append(NonfiniteSkipHook(getattr(state.parallel, "grad_shard_group", None)))
             state.note(self.name, "steps with inf/nan gradients skipped")
         return state
 
 
-def amp(dtype="bf16", *, skip_if_nonfinite: bool = False) -> Amp:
+def amp(dtype="bf16", *, skip_if_nonfinite: bool = False, enabled: bool = True) -> Amp:
     """Mixed precision by autocast: ``amp("bf16")``, ``amp("fp16")`` or ``amp(torch.bfloat16)``."""
-    return Amp(dtype=dtype, skip_if_nonfinite=skip_if_nonfinite)
+    return Amp(dtype=dtype, skip_if_nonfinite=skip_if_nonfinite, enabled=enabled)
 
 
 amp_native = amp
 
 
+def _master_weights(a, b) -> bool:
+    """half conflicts with sharded optimizers only with fp32 master weights."""
+    return bool(getattr(a, "master_weights", False))
+
+
+class MasterWeightsHook(OptimizerHook):
+    """fp32 master weights for a half-precision model (ATorch's BF16Optimizer behaviour).
+
+    The model's parameters stay in half precision; each keeps an fp32 copy here. At each real step
+    the half gradients are copied to the copies, and for the step only (clipping, unscaling and the
+    update included) the optimizer's param groups and state point at the fp32 copies; afterwards
+    the copies are written back (rounded) into the model and the groups point at the model's
+    parameters again. So outside a step the optimizer looks as the user built it (state dicts and
+    DCP map by the model's parameters) while its state and updates stay in float32.
+    """
+
+    def __init__(self):
+        self.masters: dict[int, torch.Tensor] = {}
+        self._versions: dict[int, int] = {}  # each parameter's version counter after our last write
+        self._swapped: list[tuple[dict, list]] = []
+
+    def _master(self, p):
+        """The fp32 copy of ``p``, made again from ``p`` when something else wrote ``p`` since our
+        last step (a checkpoint load, a user's in-place init): a stale copy would undo that write."""
+        m = self.masters.get(id(p))
+        if m is None or m.shape != p.shape or self._versions.get(id(p)) != p._version:
+            m = self.masters[id(p)] = p.detach().clone().float()
+            self._versions[id(p)] = p._version
+        return m
+
+    def before_step(self, optimizer):
+        self._swapped = []
+        for group in optimizer.param_groups:
+            params = group["params"]
+            masters = []
+            for p in params:
+                m = self._master(p)
+                m.grad = None if p.grad is None else p.grad.detach().float()
+                st = optimizer.state.pop(p, None)
+                if st is not None:
+                    # state loaded by Optimizer.load_state_dict was cast to the half dtype: back to fp32
+                    optimizer.state[m] = {k: v.float() if k != "step" and torch.is_tensor(v) and v.is_floating_point() else v
+                                          for k, v in st.items()}
+                masters.append(m)
+            group["params"] = masters
+            self._swapped.append((group, params))
+
+    def after_step(self):
+        swapped, self._swapped = self._swapped, []
+        state = self._owner.optimizer.state
+        for group, params in swapped:
+            for p, m in zip(params, group["params"], strict=True):
+                with torch.no_grad():
+                    p.copy_(m)  # rounded to the model's dtype
+                self._versions[id(p)] = p._version
+                m.grad = None
+                if m in state:  # the state goes back to the model's parameter (fp32 tensors)
+                    state[p] = state.pop(m)
+            group["params"] = params
+
+    def attach(self, optimizer):
+        self._owner = optimizer
+
+    # state_dict: nothing (the default). Checkpoints hold JSON hook state; the fp32 copies are made
+    # again from the loaded model weights (their bits below the half dtype are not saved).
+
+
 @dataclass(frozen=True)
 class Half(Transform):
-    """Train in half precision: weights cast to bf16/fp16, float inputs cast, float outputs to fp32."""
+    """Train in half precision: weights cast to bf16/fp16, float inputs cast, float outputs to fp32.
+
+    ``master_weights=True`` keeps an fp32 copy of every parameter the optimizer steps on
+    (:class:`MasterWeightsHook`, ATorch's BF16Optimizer): the model computes in half precision,
+    the updates accumulate in float32, so small updates are not rounded away.
+    """
 
     name = "half"
-    contract = Contract(stage=Stage.HALF_CAST, roles=("half_precision",))
+    contract = Contract(
+        stage=Stage.HALF_CAST,
+        conflicts=(
+            Conflict(
+                "optimizer_state_sharding",
+                "half's fp32 master weights swap the optimizer's parameters at each step, which a sharded "
+                "optimizer (zero1 / zero2 / fsdp / DeepSpeed) does not see: the update would be lost",
+                "drop master_weights and use amp(dtype) with the sharding transform (its fp32 shards are the master weights)",
+                when=_master_weights,
+            ),
+        ),
+        roles=("half_precision",),
+    )
 
     dtype: str = "bf16"
+    master_weights: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", dtype_name(self.dtype, "half.dtype"))
+        if not isinstance(self.master_weights, bool):
+            raise ConfigError("half.master_weights", self.master_weights, "True or False")
 
     @classmethod
     def from_seed(cls, config=None):
-        """Seed default is fp16; config ``"bf16"`` or ``"fp16"``."""
+        """Seed default is fp16; config ``"bf16"``, ``"fp16"`` or ``{"dtype": ..., "master_weights": ...}``."""
+        if isinstance(config, dict):
+            return super().from_seed({"dtype": "fp16", **config})
         return cls(dtype="fp16" if config is None else config)
 
     def describe(self):
-        return f"half({self.dtype})"
+        return f"half({self.dtype}{', fp32 master weights' if self.master_weights else ''})"
 
     def apply(self, state: TrainState, ctx: ApplyContext) -> TrainState:
         dtype = dtype_of(self.dtype)
@@ -208,9 +323,12 @@ class Half(Transform):
         model.register_forward_hook(lambda m, args, out: cast_floats(out, torch.float32))
         state.model = model
         state.note(self.name, f"parameters and buffers cast to {self.dtype}; float inputs cast to {self.dtype}, float outputs to float32")
+        if self.master_weights:
+            state.hooks.append(MasterWeightsHook())
+            state.note(self.name, "fp32 master weights: the optimizer steps on float32 copies, copied back after each step")
         return state
 
 
-def half(dtype="bf16") -> Half:
-    """Half-precision training: ``half("bf16")`` or ``half("fp16")``."""
-    return Half(dtype=dtype)
+def half(dtype="bf16", *, master_weights: bool = False) -> Half:
+    """Half-precision training: ``half("bf16")``, ``half("fp16")``, ``half("bf16", master_weights=True)``."""
+    return Half(dtype=dtype, master_weights=master_weights)

@@ -14,46 +14,34 @@ launched one.
 
 from __future__ import annotations
 
-import contextlib
-import inspect
 from dataclasses import dataclass, replace
 
 import torch
-import torch.distributed as dist
 
-from composable_atorch.core.contract import Conflict, Contract, Implication, Package, Stage, When
+from composable_atorch.core.contract import Conflict, Contract, DefaultOwner, Implication, MinWorldSize, Stage
 from composable_atorch.core.transform import ApplyContext, TrainState, Transform
-from composable_atorch.errors import ConfigError, RequirementError
+from composable_atorch.errors import ConfigError
 from composable_atorch.runtime.layout import ParallelContext, make_context, normalize_groups, plan_layout
 from composable_atorch.runtime.loader import loader_batch_size, rebuild_loader
-from composable_atorch.runtime.optim import OptimizerHook
-
-# -- the conflicts between gradient-sync owners, written once ----------------------------------
-DDP_VS_FSDP = "fsdp reduce-scatters gradients itself; DDP would all-reduce them a second time"
-DDP_VS_ZERO2 = "zero2 reduce-scatters gradients itself; DDP would all-reduce them a second time"
-FSDP_VS_ZERO2 = "zero2 is sharding with reshard_after_forward=False; both would wrap and shard the same parameters"
-SHARDED_STATE = "already shards the optimizer state"
-ZERO_DIM_UNUSED = "the 'zero' dimension (ZeRO sharding subgroups) is laid out but not used by data-parallel transforms yet"
-
-
-def _has_zero_dim(_mine, pm) -> bool:
-    return any(n == "zero" and s > 1 for n, s in pm.groups)
-
-
-ZERO_DIM_CONFLICT = Conflict(
-    "parallel_mode", ZERO_DIM_UNUSED, "use ('data', n) in parallel_mode for plain data parallelism", when=_has_zero_dim
+from composable_atorch.transforms.parallel.common import (  # noqa: F401 - some re-exported for older imports
+    DDP_VS_FSDP,
+    DDP_VS_ZERO2,
+    FAIRSCALE,
+    GRAD_SYNC,
+    IMPLIES_PARALLEL_MODE,
+    OPTIMIZER_STATE_SHARDING,
+    SHARDED_STATE,
+    ZERO_DIM_CONFLICT,
+    ZERO_OPTION_DEFAULTS,
+    GradSyncHook,
+    HasBackends,
+    IgnoredGradSyncHook,
+    KeepGradBuffersHook,
+    options_label,
+    parallel_context,
+    sharded_optimizer,
+    zero_options,
 )
-IMPLIES_PARALLEL_MODE = Implication(
-    "parallel_mode", "data parallelism needs the data-parallel process group and the distributed sampler parallel_mode makes"
-)
-
-
-def parallel_context(state: TrainState, who: str) -> ParallelContext:
-    """The context parallel_mode left in the state; RequirementError if the plan had none."""
-    if not isinstance(state.parallel, ParallelContext):
-        raise RequirementError(who, "parallel_mode earlier in the plan", f"compose {who} with parallel_mode(...) (compose() adds it unless strict)")
-    return state.parallel
-
 
 # ---------------------------------------------------------------------------------------------
 # parallel_mode
@@ -101,7 +89,7 @@ class ParallelMode(Transform):
             Implication(
                 "ddp",
                 "ranks see different samples, so some transform must synchronize gradients (the seed's parallel_mode means DDP)",
-                satisfied_by=("grad_sync",),
+                satisfied_by=(GRAD_SYNC,),
             ),
         ),
     )
@@ -165,67 +153,6 @@ def parallel_mode(groups=(("data", 1),), rank_order=None, *, distributed_sampler
 
 
 # ---------------------------------------------------------------------------------------------
-# skipping gradient sync inside an accumulation window
-# ---------------------------------------------------------------------------------------------
-
-
-class GradSyncHook(OptimizerHook):
-    """Skip the gradient all-reduce / reduce-scatter on micro-batches that do not end a step.
-
-    DDP decides at forward time whether the coming backward synchronizes, so a forward pre-hook
-    reads the plan optimizer's ``is_boundary``; FSDP2 decides in its post-backward, which the
-    backward context covers too. ``model`` is anything with ``set_requires_gradient_sync`` (a
-    replicated or fully-sharded module).
-    """
-
-    def __init__(self, model: torch.nn.Module, no_sync=None):
-        self.model = model
-        self._no_sync = no_sync  # a context-manager factory for engines that decide in backward
-        self._optimizer = None
-        if no_sync is None:
-            model.register_forward_pre_hook(self._before_forward, prepend=True)
-
-    def attach(self, optimizer):
-        self._optimizer = optimizer
-
-    def _before_forward(self, module, args):
-        if self._optimizer is not None and torch.is_grad_enabled():
-            module.set_requires_gradient_sync(self._optimizer.is_boundary)
-
-    def backward_context(self, is_boundary: bool):
-        if self._no_sync is not None:
-            return contextlib.nullcontext() if is_boundary else self._no_sync()
-        if self._optimizer is not None:
-            self.model.set_requires_gradient_sync(is_boundary)
-        return contextlib.nullcontext()
-
-
-class IgnoredGradSyncHook(OptimizerHook):
-    """Average the gradients of parameters FSDP was told to ignore (it neither shards nor reduces them)."""
-
-    def __init__(self, params: list[torch.nn.Parameter], group, size: int):
-        self.params, self.group, self.size = params, group, size
-
-    def before_step(self, optimizer):
-        for p in self.params:
-            if p.grad is not None:
-                dist.all_reduce(p.grad, group=self.group)
-                p.grad.div_(self.size)
-
-
-class KeepGradBuffersHook(OptimizerHook):
-    """Zero gradients in place instead of setting them to None.
-
-    fairscale's ShardedDataParallel loses reductions when gradients are None at the next backward
-    (measured: 6e-3 off DDP after 5 AdamW steps; bitwise equal when zeroed in place).
-    """
-
-    def zero_grad(self, optimizer, set_to_none):
-        optimizer.zero_grad(set_to_none=False)
-        return True
-
-
-# ---------------------------------------------------------------------------------------------
 # ddp
 # ---------------------------------------------------------------------------------------------
 
@@ -237,9 +164,17 @@ class Ddp(Transform):
     name = "ddp"
     contract = Contract(
         stage=Stage.DATA_PARALLEL,
-        owns=("grad_sync",),
+        owns=(GRAD_SYNC,),
         roles=("data_parallel",),
         implies=(IMPLIES_PARALLEL_MODE,),
+        defaults=(
+            DefaultOwner(
+                GRAD_SYNC,
+                MinWorldSize(minimum=2),
+                "with more than one process and nothing synchronizing gradients, every rank would train its own model "
+                "(ATorch's default: parallel_mode + DDP)",
+            ),
+        ),
         conflicts=(
             Conflict("fsdp", DDP_VS_FSDP, "drop ddp: fsdp synchronizes gradients itself"),
             Conflict("zero2", DDP_VS_ZERO2, "drop ddp: zero2 synchronizes gradients itself"),
@@ -271,6 +206,19 @@ class Ddp(Transform):
         if not pc.distributed:
             state.note(self.name, "no process group: a single process has no gradients to synchronize, model left as it is")
             return state
+        # -- model parallelism (issue 10): a data dimension of 1 has nothing to synchronize --
+        if pc.data_size == 1:
+            state.note(self.name, f"data dimension of 1 ({pc.layout.describe()}): no gradients to synchronize, model left as it is")
+            return state
+        if any(hasattr(p, "placements") for p in state.model.parameters()):
+            # replicate/DDP does not take tensor-parallel DTensor parameters (mixed Tensor/DTensor at forward)
+            from composable_atorch.transforms.parallel.pipeline import DataGradSync, broadcast_local
+
+            broadcast_local(state.model, pc.data_group())
+            state.hooks.append(DataGradSync(state.model, pc.data_group(), pc.data_size))
+            state.note(self.name, f"tensor-parallel (DTensor) parameters: gradients all-reduced over the data group of {pc.data_size} before each step (DDP's replicate does not take DTensors)")
+            return state
+        # -- end model parallelism --
         kwargs = {
             "process_group": pc.data_group(),
             "find_unused_parameters": self.find_unused_parameters,
@@ -299,30 +247,8 @@ def ddp(find_unused_parameters: bool = False, *, bucket_cap_mb=None, broadcast_b
 ZERO1_BACKENDS = ("torch", "fairscale", "deepspeed")
 
 
-def _is_fairscale(t) -> bool:
-    return getattr(t, "backend", None) == "fairscale"
-
-
-def sharded_optimizer(optim: torch.optim.Optimizer, backend: str, group):
-    """torch's ZeroRedundancyOptimizer or fairscale's OSS over the same param groups and hyperparameters."""
-    if any(len(s) for s in optim.state.values()):
-        raise ConfigError("optimizer state", "already stepped", "an optimizer that has not stepped yet (apply the plan first)")
-    groups = [dict(g) for g in optim.param_groups]
-    # only the defaults the constructor takes (AdamW's hold 'decoupled_weight_decay'); each group
-    # carries all of its hyperparameters anyway
-    accepted = inspect.signature(type(optim).__init__).parameters
-    defaults = {k: v for k, v in optim.defaults.items() if k in accepted}
-    if backend == "fairscale":
-        from fairscale.optim import OSS
-
-        return OSS(groups, optim=type(optim), group=group, **defaults)
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    return ZeroRedundancyOptimizer(groups, optimizer_class=type(optim), process_group=group, **defaults)
-
-
 @dataclass(frozen=True)
-class Zero1(Transform):
+class Zero1(HasBackends, Transform):
     """Shard the optimizer state over the data-parallel ranks; gradients are all-reduced (by ddp).
 
     ``backend``: ``"torch"`` (ZeroRedundancyOptimizer, default), ``"fairscale"`` (OSS) or
@@ -332,9 +258,9 @@ class Zero1(Transform):
     name = "zero1"
     contract = Contract(
         stage=Stage.OPTIMIZER,
-        owns=("optimizer_state_sharding",),
+        owns=(OPTIMIZER_STATE_SHARDING,),
         roles=("zero",),
-        requires=(When(predicate=_is_fairscale, inner=Package(name="fairscale", extra="fairscale")),),
+        requires=(FAIRSCALE,),
         implies=(IMPLIES_PARALLEL_MODE,),
         conflicts=(
             Conflict("fsdp", f"fsdp {SHARDED_STATE}", "drop zero1"),
@@ -343,10 +269,13 @@ class Zero1(Transform):
     )
 
     backend: str = "torch"
+    #: ATorch's zero keys (cpu_offload, static_loss_scale, bucket sizes...; see common.ZERO_OPTION_DEFAULTS)
+    options: tuple = ()
 
     def __post_init__(self):
         if self.backend not in ZERO1_BACKENDS:
             raise ConfigError("zero1.backend", self.backend, ", ".join(map(repr, ZERO1_BACKENDS)))
+        object.__setattr__(self, "options", zero_options(self.options, "zero1", self.backend))
 
     @classmethod
     def from_seed(cls, config=None):
@@ -357,23 +286,17 @@ class Zero1(Transform):
             config = dict(config)
             if config.pop("use_ds_zero", False):
                 config["backend"] = "deepspeed"
-            return super().from_seed(config)
+            options = {k: config.pop(k) for k in list(config) if k in ZERO_OPTION_DEFAULTS}
+            return super().from_seed({**config, "options": tuple(options.items())} if options else config)
         return cls(backend=config)
 
     @classmethod
     def candidates(cls, search):
         return (cls(),) if search.env.world_size >= 2 else ()
 
-    def resolve(self, env):
-        if self.backend == "deepspeed":
-            from composable_atorch.transforms.parallel.deepspeed import DeepSpeedZero1
-
-            return DeepSpeedZero1(backend=self.backend), "DeepSpeed engine (ZeRO-1) owns backward, gradient sync and step"
-        return self, None
-
     def describe(self):
         impl = {"torch": "ZeroRedundancyOptimizer", "fairscale": "fairscale OSS"}[self.backend]
-        return f"zero1(optimizer state sharded, {impl})"
+        return f"zero1(optimizer state sharded, {impl}{options_label(self.options)})"
 
     def apply(self, state: TrainState, ctx: ApplyContext) -> TrainState:
         pc = parallel_context(state, self.name)
@@ -386,5 +309,6 @@ class Zero1(Transform):
         return state
 
 
-def zero1(backend: str = "torch") -> Zero1:
-    return Zero1(backend=backend)
+def zero1(backend: str = "torch", **options) -> Zero1:
+    """``zero1(backend="deepspeed", cpu_offload=True)``: options are ATorch's zero keys."""
+    return Zero1(backend=backend, options=tuple(options.items()))

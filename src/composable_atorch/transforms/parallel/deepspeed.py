@@ -23,8 +23,16 @@ from composable_atorch.core.contract import Conflict, Contract, Package, Stage
 from composable_atorch.core.transform import ApplyContext, TrainState
 from composable_atorch.errors import ConfigError, RequirementError
 from composable_atorch.runtime.optim import NAME_PREFIX_ATTR, OptimizerHook
-from composable_atorch.transforms.parallel.data_parallel import IMPLIES_PARALLEL_MODE, Zero1, parallel_context
+from composable_atorch.transforms.parallel.common import (
+    GRAD_SYNC,
+    IMPLIES_PARALLEL_MODE,
+    OPTIMIZER_STATE_SHARDING,
+    options_label,
+    parallel_context,
+)
+from composable_atorch.transforms.parallel.data_parallel import Zero1
 from composable_atorch.transforms.parallel.sharding import Fsdp, Zero2
+from composable_atorch.transforms.policy import PRECISION_READS, PrecisionPolicy
 
 _ENGINE = "the DeepSpeed engine runs backward, gradient sync and the step itself"
 
@@ -36,14 +44,15 @@ def _fp16(_mine, amp) -> bool:
 def deepspeed_contract() -> Contract:
     return Contract(
         stage=Stage.DATA_PARALLEL,
-        owns=("grad_sync", "optimizer_state_sharding"),
+        owns=(GRAD_SYNC, OPTIMIZER_STATE_SHARDING),
         roles=("deepspeed_engine", "data_parallel", "zero"),
+        reads=("clip_grad", *PRECISION_READS),
+        renames=False,
         requires=(Package(name="deepspeed", extra="deepspeed"),),
         implies=(IMPLIES_PARALLEL_MODE,),
         conflicts=(
             Conflict("ddp", f"{_ENGINE}; DDP would all-reduce a second time", "drop ddp"),
             Conflict("accumulate", f"{_ENGINE}, accumulating with its own gradient_accumulation_steps, not wired to accumulate here", "drop accumulate, or use a torch backend (zero2(backend='fsdp'))"),
-            Conflict("half", "DeepSpeed keeps fp32 master weights in its own bf16/fp16 mode; a half-cast model bypasses it", "drop half (amp('bf16') works with DeepSpeed)"),
             Conflict("amp", "fp16 loss scaling must happen inside the engine, which partitions the gradients", "use amp('bf16'), or a torch backend for fp16", when=_fp16),
         ),
     )
@@ -71,9 +80,15 @@ class DeepSpeedHook(OptimizerHook):
         return True
 
 
-def engine_config(stage: int, per_rank_batch: int, data_size: int, clip: float | None) -> dict:
-    """The DeepSpeed config for one ZeRO stage, fp32, with the loader's batch (strong scaling)."""
-    return {
+def engine_config(stage: int, per_rank_batch: int, data_size: int, clip: float | None, half: str | None = None) -> dict:
+    """The DeepSpeed config for one ZeRO stage with the loader's batch (strong scaling).
+
+    ``half`` (``"bf16"`` / ``"fp16"``, from a ``half`` step in the plan) turns on DeepSpeed's own
+    half-precision mode: the engine keeps fp32 master weights in its optimizer partitions and
+    trains the module in ``half`` (ATorch's DeepSpeed recipe: ``half`` + ZeRO). fp16 uses
+    DeepSpeed's dynamic loss scaling.
+    """
+    config = {
         "train_micro_batch_size_per_gpu": per_rank_batch,
         "train_batch_size": per_rank_batch * data_size,
         "gradient_accumulation_steps": 1,
@@ -83,9 +98,39 @@ def engine_config(stage: int, per_rank_batch: int, data_size: int, clip: float |
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
     }
+    if half == "bf16":
+        config["bf16"] = {"enabled": True}
+    elif half == "fp16":
+        config["fp16"] = {"enabled": True, "loss_scale": 0}
+    return config
 
 
-def apply_engine(stage: int, who: str, state: TrainState, ctx: ApplyContext) -> TrainState:
+def apply_options(config: dict, options: dict, clip_transform: float | None, who: str) -> list[str]:
+    """ATorch's zero keys onto the DeepSpeed config (in place); returns explain() lines."""
+    notes = []
+    zero = config["zero_optimization"]
+    if options.get("cpu_offload"):
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
+        notes.append("cpu_offload: optimizer state offloaded to the CPU (offload_optimizer)")
+    for key in ("allgather_bucket_size", "reduce_bucket_size"):
+        if key in options:
+            zero[key] = int(options[key])
+            notes.append(f"{key}={int(options[key])}")
+    if "clip_grad" in options:
+        if clip_transform is not None and float(options["clip_grad"]) != float(clip_transform):
+            raise ConfigError(f"{who}.clip_grad", options["clip_grad"], f"the same max_norm as clip_grad({clip_transform:g}) in the plan, or leave one out")
+        config["gradient_clipping"] = float(options["clip_grad"])
+        notes.append(f"clip_grad={float(options['clip_grad']):g} (gradient_clipping)")
+    if "static_loss_scale" in options:
+        if "fp16" in config:
+            config["fp16"]["loss_scale"] = float(options["static_loss_scale"])
+            notes.append(f"static loss scale {float(options['static_loss_scale']):g} (fp16)")
+        else:
+            notes.append(f"static_loss_scale={options['static_loss_scale']!r} read; DeepSpeed scales the loss only in fp16, so it has no effect here")
+    return notes
+
+
+def apply_engine(stage: int, who: str, state: TrainState, ctx: ApplyContext, options: dict | None = None) -> TrainState:
     import deepspeed
     import torch.distributed as dist
 
@@ -98,39 +143,49 @@ def apply_engine(stage: int, who: str, state: TrainState, ctx: ApplyContext) -> 
         raise ConfigError("optim", None, "a torch optimizer: the DeepSpeed engine steps it")
     per_rank = state.loader.batch_size if state.loader is not None and state.loader.batch_size else 1
     clip = ctx.find("clip_grad")
-    config = engine_config(stage, per_rank, pc.data_size, clip.max_norm if clip is not None else None)
+    policy = PrecisionPolicy.of(ctx)
+    half = policy.name if policy.source == "half" else None
+    config = engine_config(stage, per_rank, pc.data_size, clip.max_norm if clip is not None else None, half)
+    option_notes = apply_options(config, dict(options or {}), clip.max_norm if clip is not None else None, who)
     engine, ds_optim, _, _ = deepspeed.initialize(model=state.model, optimizer=state.optim, config=config, dist_init_required=False)
     setattr(engine, NAME_PREFIX_ATTR, "module.")
     state.model, state.optim = engine, ds_optim
-    state.hooks.append(DeepSpeedHook(engine, clips_gradients=clip is not None))
+    state.hooks.append(DeepSpeedHook(engine, clips_gradients=bool(config["gradient_clipping"])))
     state.note(who, f"DeepSpeed ZeRO-{stage} engine over {pc.data_size} ranks, micro-batch {per_rank}, {type(ds_optim).__name__} around the user's optimizer")
+    if half is not None:
+        state.note(who, f"half({half}) mapped onto DeepSpeed's {half} mode: the engine trains in {half} with fp32 master weights in its optimizer")
+    for line in option_notes:
+        state.note(who, line)
     if clip is not None:
         state.note(who, f"clip_grad's max_norm {clip.max_norm:g} passed to the engine (gradient_clipping)")
     return state
 
 
-class DeepSpeedZero1(Zero1):
+class DeepSpeedZero1(Zero1, backend="deepspeed"):
     contract = deepspeed_contract()
+    resolve_note = "DeepSpeed engine (ZeRO-1) owns backward, gradient sync and step"
 
     def describe(self):
-        return "zero1(DeepSpeed ZeRO-1 engine)"
+        return f"zero1(DeepSpeed ZeRO-1 engine{options_label(self.options)})"
 
     def apply(self, state, ctx):
-        return apply_engine(1, self.name, state, ctx)
+        return apply_engine(1, self.name, state, ctx, dict(self.options))
 
 
-class DeepSpeedZero2(Zero2):
+class DeepSpeedZero2(Zero2, backend="deepspeed"):
     contract = deepspeed_contract()
+    resolve_note = "DeepSpeed engine (ZeRO-2) owns backward, gradient sync and step"
 
     def describe(self):
-        return "zero2(DeepSpeed ZeRO-2 engine)"
+        return f"zero2(DeepSpeed ZeRO-2 engine{options_label(self.options)})"
 
     def apply(self, state, ctx):
-        return apply_engine(2, self.name, state, ctx)
+        return apply_engine(2, self.name, state, ctx, dict(self.options))
 
 
-class DeepSpeedFsdp(Fsdp):
+class DeepSpeedFsdp(Fsdp, backend="deepspeed"):
     contract = deepspeed_contract()
+    resolve_note = "DeepSpeed engine (ZeRO-3) owns backward, gradient sync and step"
 
     def describe(self):
         return "fsdp(DeepSpeed ZeRO-3 engine)"
@@ -138,4 +193,4 @@ class DeepSpeedFsdp(Fsdp):
     def apply(self, state, ctx):
         if self.wrap or self.min_params or self.ignored:
             state.note(self.name, "wrap / min_params / ignored are FSDP2 options; ZeRO-3 partitions every parameter")
-        return apply_engine(3, self.name, state, ctx)
+        return apply_engine(3, self.name, state, ctx, {"cpu_offload": True} if self.cpu_offload else {})

@@ -19,31 +19,86 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from composable_atorch.core.contract import Conflict, Contract, Package, Stage, When
+from composable_atorch.core.contract import Conflict, Contract, Stage
 from composable_atorch.core.transform import ApplyContext, TrainState, Transform
 from composable_atorch.errors import ConfigError
 from composable_atorch.runtime.optim import NAME_PREFIX_ATTR
-from composable_atorch.transforms._util import dtype_of, matches
-from composable_atorch.transforms.parallel.data_parallel import (
+from composable_atorch.transforms._util import matches
+from composable_atorch.transforms.parallel.common import (
     DDP_VS_FSDP,
     DDP_VS_ZERO2,
+    FAIRSCALE,
     FSDP_VS_ZERO2,
+    GRAD_SYNC,
     IMPLIES_PARALLEL_MODE,
+    OPTIMIZER_STATE_SHARDING,
     SHARDED_STATE,
     ZERO_DIM_CONFLICT,
+    ZERO_OPTION_DEFAULTS,
     GradSyncHook,
+    HasBackends,
     IgnoredGradSyncHook,
     KeepGradBuffersHook,
-    _is_fairscale,
+    options_label,
     parallel_context,
     sharded_optimizer,
+    zero_options,
 )
+from composable_atorch.transforms.policy import PRECISION_READS, PrecisionPolicy
 
 #: fully_shard keywords the transform sets itself; the rest may pass through ``fsdp_kwargs``.
 _OWN_KWARGS = {"module", "mesh", "reshard_after_forward", "mp_policy", "offload_policy", "ignored_params"}
 #: The seed's FSDP1 options that FSDP2 makes moot (always original params, rate-limited all-gathers,
 #: module states synced here before sharding). Accepted from seed configs and shown in explain().
 FSDP1_OPTIONS = ("forward_prefetch", "limit_all_gathers", "sync_module_states", "use_orig_params", "backward_prefetch")
+
+
+#: FSDP1 arguments ATorch forwards that have no FSDP2 meaning: refused, each with why.
+FSDP1_REFUSED = {
+    "mixed_precision": "FSDP1's MixedPrecision is amp / half here: add amp('bf16') (FSDP2 all-gathers in its dtype) or half('bf16')",
+    "param_init_fn": "FSDP2 has no param_init_fn: materialize the model (e.g. from the meta device) before applying the plan",
+    "ignored_states": "pass atorch_ignored_cls (module classes) instead: parameters are not known when the plan is built",
+    "ignored_modules": "pass atorch_ignored_cls (module classes or names) instead of module instances",
+    "process_group": "parallel_mode makes the process groups and the device mesh fsdp shards over",
+    "device_id": "FSDP2 shards on the device mesh's device; move the model there before the plan",
+    "intra_load": "ATorch's meta-model loader is not supported: load weights before applying the plan",
+    "parse_fsdp": "ATorch's ParseFSDP debugging wrapper is not supported",
+    "parse_cb": "ATorch's ParseFSDP debugging wrapper is not supported",
+}
+
+
+def _from_auto_wrap_policy(policy) -> dict:
+    """FSDP1's ``auto_wrap_policy`` as fsdp fields: transformer (classes) or size-based (min params)."""
+    import functools
+
+    cls_set = getattr(policy, "_module_classes", None)  # torch's ModuleWrapPolicy
+    if cls_set is not None:
+        return {"wrap": tuple(cls_set)}
+    if isinstance(policy, functools.partial):
+        kw = policy.keywords or {}
+        if "transformer_layer_cls" in kw:
+            return {"wrap": tuple(kw["transformer_layer_cls"])}
+        if "module_classes" in kw:
+            return {"wrap": tuple(kw["module_classes"])}
+        if "min_num_params" in kw:
+            return {"min_params": int(kw["min_num_params"])}
+    raise ConfigError(
+        "fsdp auto_wrap_policy",
+        policy,
+        "functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={...}), ModuleWrapPolicy({...}) or "
+        "functools.partial(size_based_auto_wrap_policy, min_num_params=n) (FSDP2 wraps by class or by size)",
+    )
+
+
+def _from_sharding_strategy(value) -> bool:
+    """FSDP1's ShardingStrategy as ``reshard_after_forward``."""
+    name = getattr(value, "name", value)
+    if name == "FULL_SHARD":
+        return True
+    if name == "SHARD_GRAD_OP":
+        return False
+    why = {"NO_SHARD": "use ddp() for unsharded data parallelism", "HYBRID_SHARD": "hybrid sharding needs a 2-D mesh, not supported yet"}
+    raise ConfigError("fsdp sharding_strategy", value, f"FULL_SHARD or SHARD_GRAD_OP ({why.get(name, 'FSDP1 strategies map onto reshard_after_forward')})")
 
 
 def _targets(value, field: str) -> tuple:
@@ -104,7 +159,9 @@ def broadcast_module_states(model: nn.Module, group) -> None:
     """Make every rank start from data-rank 0's parameters and buffers."""
     with torch.no_grad():
         for t in [*model.parameters(), *model.buffers()]:
-            dist.broadcast(t.data, group=group, group_src=0)
+            # model parallelism (issue 10): a tensor-parallel DTensor broadcasts its local shard
+            local = t._local_tensor if hasattr(t, "_local_tensor") else t.data
+            dist.broadcast(local, group=group, group_src=0)
 
 
 @dataclass(frozen=True)
@@ -120,7 +177,7 @@ class ShardSpec:
     fsdp_kwargs: tuple = ()
 
 
-def shard(spec: ShardSpec, who: str, state: TrainState, ctx: ApplyContext) -> TrainState:
+def shard(spec: ShardSpec, who: str, state: TrainState, ctx: ApplyContext, *, sync_at_start: bool = True) -> TrainState:
     """Apply FSDP2 as ``spec`` says; the shared body of fsdp and zero2(backend="fsdp")."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
@@ -134,13 +191,15 @@ def shard(spec: ShardSpec, who: str, state: TrainState, ctx: ApplyContext) -> Tr
     kwargs = dict(spec.fsdp_kwargs)
     kwargs["reshard_after_forward"] = spec.reshard_after_forward
     kwargs["ignored_params"] = ignored_params or None
-    amp = ctx.find("amp")
-    if amp is not None and ctx.find("half") is None:
-        dtype = dtype_of(amp.dtype)
-        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-        state.note(who, f"mixed precision from amp: parameters all-gathered in {amp.dtype}, gradients reduced in float32")
+    policy = PrecisionPolicy.of(ctx)
+    if policy.autocast:  # amp without half: parameters stay float32 and are all-gathered in amp's dtype
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=policy.compute_dtype, reduce_dtype=torch.float32)
+        state.note(who, f"mixed precision from amp: parameters all-gathered in {policy.name}, gradients reduced in float32")
     kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if spec.cpu_offload else OffloadPolicy()
-    broadcast_module_states(model, group)
+    if sync_at_start:
+        broadcast_module_states(model, group)
+    else:
+        state.note(who, "sync_models_at_startup=False: rank 0's weights are not broadcast (every rank must start from the same weights)")
     targets = wrap_targets(model, spec.wrap, spec.min_params, ignored_modules, spec.wrap_trainable_outmost)
     for module in targets:
         fully_shard(module, mesh=mesh, **kwargs)
@@ -179,7 +238,7 @@ FSDP_BACKENDS = ("torch", "deepspeed")
 
 
 @dataclass(frozen=True)
-class Fsdp(Transform):
+class Fsdp(HasBackends, Transform):
     """Fully sharded data parallelism (ZeRO-3): parameters, gradients and optimizer state sharded.
 
     ``wrap`` (classes or names) or ``min_params`` (size-based) choose the blocks sharded as their
@@ -190,8 +249,9 @@ class Fsdp(Transform):
     name = "fsdp"
     contract = Contract(
         stage=Stage.DATA_PARALLEL,
-        owns=("grad_sync", "optimizer_state_sharding"),
+        owns=(GRAD_SYNC, OPTIMIZER_STATE_SHARDING),
         roles=("sharding", "data_parallel"),
+        reads=PRECISION_READS,
         implies=(IMPLIES_PARALLEL_MODE,),
         conflicts=(
             Conflict("ddp", DDP_VS_FSDP, "drop ddp: fsdp synchronizes gradients itself"),
@@ -235,6 +295,21 @@ class Fsdp(Transform):
         if not isinstance(config, dict):
             raise ConfigError("fsdp config", config, "a dict such as {'atorch_wrap_cls': (Block,)}")
         cfg = dict(config)
+        for key, why in FSDP1_REFUSED.items():
+            if key in cfg and not (key == "device_id" and cfg[key] in (None, "cpu")):
+                raise ConfigError(f"fsdp config key {key!r}", cfg[key], f"not given: it has no FSDP2 meaning here ({why})")
+            cfg.pop(key, None)
+        if "auto_wrap_policy" in cfg:
+            if "atorch_wrap_cls" in cfg or "atorch_size_based_min_num_params" in cfg:
+                raise ConfigError("fsdp auto_wrap_policy", cfg["auto_wrap_policy"], "absent when atorch_wrap_cls or atorch_size_based_min_num_params is given")
+            mapped = _from_auto_wrap_policy(cfg.pop("auto_wrap_policy"))
+            cfg["atorch_wrap_cls" if "wrap" in mapped else "atorch_size_based_min_num_params"] = next(iter(mapped.values()))
+        if "sharding_strategy" in cfg:
+            cfg["reshard_after_forward"] = _from_sharding_strategy(cfg.pop("sharding_strategy"))
+        if isinstance(cfg.get("wrap_trainable_outmost"), str):
+            if cfg["wrap_trainable_outmost"] == "NO_SHARD":
+                raise ConfigError("fsdp wrap_trainable_outmost", "NO_SHARD", "True: FSDP2 shards the root group (NO_SHARD is deprecated)")
+            cfg["wrap_trainable_outmost"] = True
         renames = {
             "atorch_wrap_cls": "wrap",
             "atorch_size_based_min_num_params": "min_params",
@@ -256,13 +331,6 @@ class Fsdp(Transform):
         if search.env.world_size < 2:
             return ()
         return tuple(cls(wrap=(b,)) for b in search.block_classes)
-
-    def resolve(self, env):
-        if self.backend == "deepspeed":
-            from composable_atorch.transforms.parallel.deepspeed import DeepSpeedFsdp
-
-            return DeepSpeedFsdp(**self.config()), "DeepSpeed engine (ZeRO-3) owns backward, gradient sync and step"
-        return self, None
 
     def describe(self):
         how = f"wrap {', '.join(map(_tname, self.wrap))}" if self.wrap else (f"wrap blocks of >= {self.min_params} params" if self.min_params else "root only")
@@ -296,7 +364,7 @@ ZERO2_BACKENDS = ("fsdp", "fairscale", "deepspeed")
 
 
 @dataclass(frozen=True)
-class Zero2(Transform):
+class Zero2(HasBackends, Transform):
     """ZeRO-2: gradients and optimizer state sharded, parameters whole during compute.
 
     ``backend``: ``"fsdp"`` (FSDP2 with ``reshard_after_forward=False``, default), ``"fairscale"``
@@ -307,9 +375,10 @@ class Zero2(Transform):
     name = "zero2"
     contract = Contract(
         stage=Stage.DATA_PARALLEL,
-        owns=("grad_sync", "optimizer_state_sharding"),
+        owns=(GRAD_SYNC, OPTIMIZER_STATE_SHARDING),
         roles=("sharding", "data_parallel", "zero"),
-        requires=(When(predicate=_is_fairscale, inner=Package(name="fairscale", extra="fairscale")),),
+        reads=PRECISION_READS,
+        requires=(FAIRSCALE,),
         implies=(IMPLIES_PARALLEL_MODE,),
         conflicts=(
             Conflict("ddp", DDP_VS_ZERO2, "drop ddp: zero2 synchronizes gradients itself"),
@@ -321,10 +390,13 @@ class Zero2(Transform):
 
     backend: str = "fsdp"
     wrap: tuple = ()
+    #: ATorch's zero keys (cpu_offload, static_loss_scale, sync_models_at_startup...; see common.ZERO_OPTION_DEFAULTS)
+    options: tuple = ()
 
     def __post_init__(self):
         if self.backend not in ZERO2_BACKENDS:
             raise ConfigError("zero2.backend", self.backend, ", ".join(map(repr, ZERO2_BACKENDS)))
+        object.__setattr__(self, "options", zero_options(self.options, "zero2", self.backend))
         object.__setattr__(self, "wrap", _targets(self.wrap, "zero2.wrap"))
         if self.wrap and self.backend != "fsdp":
             raise ConfigError("zero2.wrap", self.wrap, "() unless backend='fsdp' (only FSDP wraps blocks)")
@@ -339,31 +411,29 @@ class Zero2(Transform):
         cfg = dict(config)
         backend = "deepspeed" if cfg.pop("use_ds_zero", False) else ("fairscale" if cfg.pop("not_use_fsdp", False) else cfg.pop("backend", "fsdp"))
         wrap = cfg.pop("atorch_wrap_cls", cfg.pop("wrap", ()))
+        options = tuple((k, cfg.pop(k)) for k in list(cfg) if k in ZERO_OPTION_DEFAULTS)
         unknown = sorted(set(cfg) - set(FSDP1_OPTIONS))
         if unknown:
-            raise ConfigError(f"zero2 config key {unknown[0]!r}", cfg[unknown[0]], "use_ds_zero, not_use_fsdp, atorch_wrap_cls, or FSDP1 options")
-        return cls(backend=backend, wrap=wrap)
+            raise ConfigError(
+                f"zero2 config key {unknown[0]!r}", cfg[unknown[0]], f"use_ds_zero, not_use_fsdp, atorch_wrap_cls, {', '.join(ZERO_OPTION_DEFAULTS)}, or FSDP1 options"
+            )
+        return cls(backend=backend, wrap=wrap, options=options)
 
     @classmethod
     def candidates(cls, search):
         return (cls(),) if search.env.world_size >= 2 else ()
 
-    def resolve(self, env):
-        if self.backend == "deepspeed":
-            from composable_atorch.transforms.parallel.deepspeed import DeepSpeedZero2
-
-            return DeepSpeedZero2(backend=self.backend), "DeepSpeed engine (ZeRO-2) owns backward, gradient sync and step"
-        return self, None
-
     def describe(self):
         if self.backend == "fairscale":
-            return "zero2(fairscale OSS + ShardedDataParallel)"
+            return f"zero2(fairscale OSS + ShardedDataParallel{options_label(self.options)})"
         wrap = f"; wrap {', '.join(map(_tname, self.wrap))}" if self.wrap else ""
-        return f"zero2(FSDP2, reshard_after_forward=False{wrap})"
+        return f"zero2(FSDP2, reshard_after_forward=False{wrap}{options_label(self.options)})"
 
     def apply(self, state: TrainState, ctx: ApplyContext) -> TrainState:
+        opts = dict(self.options)
         if self.backend == "fsdp":
-            return shard(ShardSpec(wrap=self.wrap, reshard_after_forward=False), self.name, state, ctx)
+            spec = ShardSpec(wrap=self.wrap, reshard_after_forward=False, cpu_offload=bool(opts.get("cpu_offload", False)))
+            return shard(spec, self.name, state, ctx, sync_at_start=opts.get("sync_models_at_startup", True))
         return self._fairscale(state)
 
     def _fairscale(self, state: TrainState) -> TrainState:
@@ -375,7 +445,8 @@ class Zero2(Transform):
             return state
         group = pc.data_group()
         state.optim = sharded_optimizer(state.optim, "fairscale", group)
-        wrapped = ShardedDataParallel(state.model, state.optim, process_group=group)
+        sync = dict(self.options).get("sync_models_at_startup", True)
+        wrapped = ShardedDataParallel(state.model, state.optim, process_group=group, sync_models_at_startup=sync)
         setattr(wrapped, NAME_PREFIX_ATTR, "module.")
         state.model = wrapped
         pc.grad_shard_group = group  # amp's scaler and clip_grad reduce their checks over it
@@ -385,5 +456,6 @@ class Zero2(Transform):
         return state
 
 
-def zero2(backend: str = "fsdp", *, wrap=()) -> Zero2:
-    return Zero2(backend=backend, wrap=wrap)
+def zero2(backend: str = "fsdp", *, wrap=(), **options) -> Zero2:
+    """``zero2()`` (FSDP2), ``zero2("deepspeed", cpu_offload=True)``: options are ATorch's zero keys."""
+    return Zero2(backend=backend, wrap=wrap, options=tuple(options.items()))

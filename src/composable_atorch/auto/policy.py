@@ -1,0 +1,120 @@
+"""The search's settings as a few policy values (as ``fully_shard`` takes ``mp_policy=``), each checked
+when it is made, with the field, value and what is allowed in the error.
+
+    search(workload, trial=TrialSettings(world_size=2), budget=Budget(n_trials=8, memory_limit="40MiB"),
+           space=SpaceOptions(excluded=("fp8",)), study=StudyOptions(storage="runs/s.db", study_name="gpt"))
+
+* :class:`Budget` — how much the search may spend: plans measured, seconds, memory per rank.
+* :class:`SpaceOptions` — which plans are searched.
+* :class:`StudyOptions` — the optuna study: persistence, sampler, seed, what runs first.
+* :class:`~composable_atorch.auto.trial.TrialSettings` — how one plan is measured (world size,
+  steps, time limit).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from composable_atorch.errors import ConfigError
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_bytes(value: Any, field_name: str = "memory_limit") -> int | None:
+    """``None``, a number of bytes, or a string such as ``"300MiB"`` / ``"2GB"``."""
+    if value is None:
+        return None
+    if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
+        return int(value)
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", value)
+        if m and m.group(2).lower() in _UNITS:
+            return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    raise ConfigError(field_name, value, "a positive number of bytes or a string such as '300MiB' or '2GB'")
+
+
+def storage_url(storage: Any) -> str | None:
+    """optuna storage URL: a URL as given; a file path becomes a sqlite URL."""
+    if storage is None or (isinstance(storage, str) and "://" in storage):
+        return storage
+    if isinstance(storage, str | os.PathLike):
+        path = Path(storage).expanduser().resolve()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return f"sqlite:///{path}"
+    raise ConfigError("storage", storage, "None, an optuna storage URL or a path to a sqlite file")
+
+
+def _names(field_name: str, value: Any) -> tuple[str, ...]:
+    if isinstance(value, str) or not all(isinstance(v, str) for v in value):
+        raise ConfigError(field_name, value, "a list of transform names, e.g. ['checkpoint']")
+    return tuple(value)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What the search may spend. ``n_trials``: plans measured by this call (None: every valid plan);
+    ``time_limit``: seconds for the whole search (it cuts the running trial); ``memory_limit``: peak
+    bytes per rank (or "300MiB"), over-budget plans are infeasible."""
+
+    n_trials: int | None = None
+    time_limit: float | None = None
+    memory_limit: int | str | None = None
+
+    def __post_init__(self):
+        if self.n_trials is not None and (not isinstance(self.n_trials, int) or isinstance(self.n_trials, bool) or self.n_trials < 1):
+            raise ConfigError("n_trials", self.n_trials, "None (every valid plan) or an integer >= 1")
+        if self.time_limit is not None and (not isinstance(self.time_limit, int | float) or self.time_limit <= 0):
+            raise ConfigError("time_limit", self.time_limit, "None or a positive number of seconds")
+        parse_bytes(self.memory_limit)
+
+    @property
+    def memory_bytes(self) -> int | None:
+        return parse_bytes(self.memory_limit)
+
+
+@dataclass(frozen=True)
+class SpaceOptions:
+    """Which plans are searched. ``excluded`` / ``included`` drop or pin transform kinds;
+    ``start_from`` (a plan) is measured first and its configs join the space (fine-tuning a loaded
+    strategy); ``allow_compile`` lets torch.compile offer candidates (a cold compile costs minutes
+    per trial on a small CPU); ``customize(plan) -> plan`` adjusts every composed plan before it runs
+    (the facade sets ``find_unused_parameters`` / the sampler class this way)."""
+
+    excluded: tuple[str, ...] = ()
+    included: tuple[str, ...] = ()
+    start_from: Any = None  # a Plan
+    allow_compile: bool = False
+    customize: Callable[[Any], Any] | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "excluded", _names("excluded", self.excluded))
+        object.__setattr__(self, "included", _names("included", self.included))
+
+
+@dataclass(frozen=True)
+class StudyOptions:
+    """The optuna study. ``storage`` (a sqlite path or URL) with ``study_name`` persists it; calling
+    again resumes it. ``sampler``: "tpe", "gp", "random" or an optuna sampler. ``baseline_first``
+    measures the plan with no requested transforms first. ``preflight`` trains the workload once in
+    this process, with no plan, before the study, and stops at once on an error no plan can fix."""
+
+    storage: Any = None
+    study_name: str | None = None
+    seed: int | None = None
+    sampler: Any = "tpe"
+    n_startup_trials: int = 4
+    baseline_first: bool = True
+    preflight: bool = True
+
+    def __post_init__(self):
+        if not isinstance(self.n_startup_trials, int) or self.n_startup_trials < 0:
+            raise ConfigError("n_startup_trials", self.n_startup_trials, "an integer >= 0")
+
+    @property
+    def url(self) -> str | None:
+        return storage_url(self.storage)

@@ -1,0 +1,51 @@
+"""The seed's ``init_distributed(backend)`` and ``create_parallel_group(groups)`` on the same layout.
+
+    init_distributed("gloo")                                   # from torchrun's environment
+    pc = create_parallel_group(([("tensor", 2), ("data", 2)], None))
+    pc.mesh["tensor"], pc.data_group()
+
+``create_parallel_group`` returns the :class:`~composable_atorch.runtime.layout.ParallelContext`
+(the device mesh with dimensions named from the groups) instead of filling module globals; pass
+the same groups to ``parallel_mode`` and a plan builds the same mesh.
+"""
+
+from __future__ import annotations
+
+import os
+
+from composable_atorch.errors import ConfigError
+from composable_atorch.runtime.layout import ParallelContext, make_context, plan_layout
+
+BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl")
+
+
+def init_distributed(backend: str = "gloo", *, timeout_s: float | None = None) -> bool:
+    """Initialize the default process group from torchrun's environment; True if it exists now.
+
+    Already initialized: nothing happens. No ``WORLD_SIZE`` in the environment (not launched):
+    a single process, returns False.
+    """
+    import datetime
+
+    import torch.distributed as dist
+
+    if backend not in BACKENDS:
+        raise ConfigError("init_distributed backend", backend, ", ".join(BACKENDS))
+    if dist.is_initialized():
+        return True
+    if "WORLD_SIZE" not in os.environ:
+        return False
+    kwargs = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
+    dist.init_process_group(backend, **kwargs)
+    return True
+
+
+def create_parallel_group(groups, device: str = "cpu") -> ParallelContext:
+    """The seed's ``(groups, rank_order)`` (or just ``groups``) -> the context with its device mesh."""
+    import torch.distributed as dist
+
+    rank_order = None
+    if isinstance(groups, tuple) and len(groups) == 2 and (groups[1] is None or isinstance(groups[1], list | tuple)) and isinstance(groups[0], list | tuple) and groups[0] and isinstance(groups[0][0], list | tuple):
+        groups, rank_order = groups
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return make_context(plan_layout(groups, world, rank_order), device)

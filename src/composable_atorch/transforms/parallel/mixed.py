@@ -1,0 +1,157 @@
+"""``mixed_parallel``: the seed's tensor x pipeline x data parallelism in one step.
+
+The degrees come from ``parallel_mode`` (``[("tensor", 2), ("pipeline", 2), ("data", 2)]``), as in
+the seed, or from ``mixed_parallel(tensor=2, pipeline=2)`` itself (the data size absorbs the rest of
+the world; the step then lays out the mesh and splits the loader itself, which is how the auto
+search proposes parallel degrees: one candidate per factorization of the world size).
+Either way:
+tensor parallelism where the tensor size is > 1 (:class:`TensorParallel` with ``tp_plan``),
+pipeline stages where the pipeline size is > 1 (:class:`PipelineParallel`), and gradients
+averaged over the data dimension (this step owns gradient sync, as the seed's mixed_parallel does).
+Use ``tensor_parallel | pipeline_parallel | fsdp`` to choose each engine yourself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from composable_atorch.core.contract import Conflict, Contract, Stage
+from composable_atorch.core.transform import ApplyContext, TrainState, Transform
+from composable_atorch.errors import ConfigError, RequirementError
+from composable_atorch.runtime.layout import ParallelContext, make_context, plan_layout
+from composable_atorch.runtime.loader import is_shuffled, loader_batch_size, rebuild_loader
+from composable_atorch.runtime.optim import rebuild_optimizer
+from composable_atorch.transforms.parallel.common import GRAD_SYNC, parallel_context
+from composable_atorch.transforms.parallel.pipeline import DataGradSync, PipelineParallel, broadcast_local
+from composable_atorch.transforms.parallel.tensor import TensorParallel, normalize_plan
+
+MIXED_APPLIES = "mixed_parallel applies it itself over parallel_mode's dimensions"
+
+
+def factorizations(world: int) -> list[tuple[int, int, int]]:
+    """Every ``(tensor, pipeline, data)`` with ``tensor * pipeline * data == world``."""
+    return [(t, p, world // (t * p)) for t in range(1, world + 1) if world % t == 0 for p in range(1, world // t + 1) if (world // t) % p == 0]
+
+
+def _degrees_differ(mine, pm) -> bool:
+    if mine.tensor is None and mine.pipeline is None:
+        return False
+    groups = dict(pm.groups)
+    return any(d is not None and groups.get(n, 1) != d for n, d in (("tensor", mine.tensor), ("pipeline", mine.pipeline)))
+
+
+def _split_loader(loader, pc: ParallelContext):
+    """The loader with a DistributedSampler over the data dimension and the per-rank batch."""
+    from torch.utils.data.distributed import DistributedSampler
+
+    batch, parts = loader_batch_size(loader), pc.data_size
+    if batch % parts:
+        raise ConfigError("loader batch_size", batch, f"a multiple of the data size {parts} (the loader's batch is the global batch)")
+    sampler = DistributedSampler(loader.dataset, num_replicas=parts, rank=pc.data_rank, shuffle=is_shuffled(loader), drop_last=bool(loader.drop_last))
+    return rebuild_loader(loader, batch_size=batch // parts, sampler=sampler)
+
+
+@dataclass(frozen=True)
+class MixedParallel(Transform):
+    """Tensor x pipeline x data parallelism with degrees from ``parallel_mode``; train with ``train_step``."""
+
+    name = "mixed_parallel"
+    contract = Contract(
+        stage=Stage.TENSOR_PARALLEL,
+        owns=(GRAD_SYNC,),
+        roles=("model_parallel", "process_groups"),
+        renames=True,  # with a pipeline each rank keeps its stage's parameters only
+        conflicts=(
+            Conflict(
+                "parallel_mode",
+                "mixed_parallel's degrees differ from parallel_mode's groups",
+                "give the degrees once: in parallel_mode's groups, or as mixed_parallel(tensor=..., pipeline=...)",
+                when=_degrees_differ,
+            ),
+            Conflict("tensor_parallel", MIXED_APPLIES, "drop tensor_parallel (or drop mixed_parallel and compose the engines yourself)"),
+            Conflict("pipeline_parallel", MIXED_APPLIES, "drop pipeline_parallel (or drop mixed_parallel and compose the engines yourself)"),
+        ),
+    )
+
+    tp_plan: Any = "auto"
+    microbatches: int = 2
+    schedule: str = "1F1B"
+    #: degrees, or None to read them from parallel_mode
+    tensor: int | None = None
+    pipeline: int | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "tp_plan", normalize_plan(self.tp_plan))
+        PipelineParallel(microbatches=self.microbatches, schedule=self.schedule)  # validates both
+        for field in ("tensor", "pipeline"):
+            v = getattr(self, field)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ConfigError(f"mixed_parallel.{field}", v, "an integer >= 1, or None to read it from parallel_mode")
+
+    @classmethod
+    def candidates(cls, search):
+        """One per factorization of the world into tensor x data with some tensor parallelism.
+
+        Pipeline degrees are left out for now: the trial worker trains with ``loss_fn(model, batch)``,
+        which a pipeline stage refuses (it needs :func:`composable_atorch.train_step`), so every such
+        trial would fail. ``factorizations`` already yields them for when the worker can.
+        """
+        world = search.env.world_size
+        return tuple(cls(tensor=t, pipeline=p) for t, p, _ in factorizations(world) if t > 1 and p == 1)
+
+    def resolve(self, env):
+        if self.tensor is not None or self.pipeline is not None:
+            fixed = (self.tensor or 1) * (self.pipeline or 1)
+            if env.world_size % fixed:
+                raise ConfigError("mixed_parallel degrees", f"tensor {self.tensor} x pipeline {self.pipeline}", f"a product dividing the world size {env.world_size}")
+        return self, None
+
+    def describe(self):
+        if self.tensor is None and self.pipeline is None:
+            where = "tensor x pipeline x data from parallel_mode"
+        else:
+            where = f"tensor {self.tensor or 1} x pipeline {self.pipeline or 1} x data (the rest)"
+        return f"mixed_parallel({where}; {self.schedule}, {self.microbatches} microbatches)"
+
+    def _context(self, state: TrainState, ctx: ApplyContext) -> ParallelContext:
+        if isinstance(state.parallel, ParallelContext):
+            return parallel_context(state, self.name)
+        if self.tensor is None and self.pipeline is None:
+            raise RequirementError(self.name, "parallel degrees", "compose it with parallel_mode([('tensor', t), ('pipeline', p), ('data', d)]) or give mixed_parallel(tensor=t, pipeline=p)")
+        groups = [("tensor", self.tensor or 1), ("pipeline", self.pipeline or 1), ("data", 1)]
+        pc = make_context(plan_layout(groups, ctx.env.world_size), ctx.env.device)
+        state.parallel = pc
+        if state.loader is not None and pc.data_size > 1:
+            state.loader = _split_loader(state.loader, pc)
+        state.note(self.name, f"layout {pc.layout.describe()}; device mesh {pc.layout.mesh_dim_names}; loader split over the data dim of {pc.data_size}")
+        return pc
+
+    def apply(self, state: TrainState, ctx: ApplyContext) -> TrainState:
+        pc = self._context(state, ctx)
+        sizes = {n: pc.layout.size(n) for n in ("tensor", "pipeline", "data")}
+        tp = TensorParallel(plan=self.tp_plan)
+        pp = PipelineParallel(microbatches=self.microbatches, schedule=self.schedule)
+        # every check before any change
+        if sizes["tensor"] > 1:
+            tp.placements(state.model, sizes["tensor"])
+        if sizes["pipeline"] > 1:
+            pp.cuts(state.model, sizes["pipeline"])
+        if sizes["tensor"] > 1:
+            state = tp.apply(state, ctx)
+            if state.optim is not None:  # over the DTensor parameters, before the pipeline picks its stage's
+                state.optim = rebuild_optimizer(state.optim, state.param_names, state.model)
+        if sizes["pipeline"] > 1:
+            state = pp.apply(state, ctx)  # averages its stage's gradients over the data dim
+        elif pc.distributed and pc.data_size > 1:
+            group = pc.data_group()
+            broadcast_local(state.model, group)
+            state.hooks.append(DataGradSync(state.model, group, pc.data_size))
+            state.note(self.name, f"gradients averaged over the data dim of {pc.data_size} before each step")
+        state.note(self.name, " x ".join(f"{n} {s}" for n, s in sizes.items()))
+        return state
+
+
+def mixed_parallel(tp_plan: Any = "auto", *, microbatches: int = 2, schedule: str = "1F1B", tensor: int | None = None, pipeline: int | None = None) -> MixedParallel:
+    """``mixed_parallel()`` with ``parallel_mode([("tensor", 2), ("pipeline", 2), ("data", 2)])``, or ``mixed_parallel(tensor=2, pipeline=2)``."""
+    return MixedParallel(tp_plan=tp_plan, microbatches=microbatches, schedule=schedule, tensor=tensor, pipeline=pipeline)

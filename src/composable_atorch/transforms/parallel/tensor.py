@@ -1,0 +1,539 @@
+"""Tensor parallelism on torch's DTensor ``parallelize_module``: ``tensor_parallel`` and :class:`TPInfo`.
+
+Linear (and HF GPT-2 ``Conv1D``) weights are sharded over the ``tensor`` dimension of the mesh
+``parallel_mode`` built: column-parallel layers keep 1/degree of their output features, row-parallel
+ones 1/degree of their input features and all-reduce their output (Megatron's split, as torch's
+``ColwiseParallel`` / ``RowwiseParallel``). Attention modules are told their heads per rank
+("shrink"). Parameter names are kept; parameters become DTensors.
+
+The plan is one of
+
+* ``"auto"``: HF models whose config ships ``base_model_tp_plan`` (Llama...) use it; the
+  built-in GPT and models with the usual projection names (q/k/v/o, q_proj..., fc1/fc2,
+  gate/up/down_proj) are planned by name; anything else is a :class:`TensorParallelPlanError`
+  naming the Linear layers it could not place and showing the manual form;
+* a :class:`TPInfo` (the seed's manual form);
+* a mapping ``{"blocks.*.attn.q": "colwise", ...}`` (HF's form).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import types
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from composable_atorch.core.contract import Conflict, Contract, Implication, Stage
+from composable_atorch.core.transform import ApplyContext, TrainState, Transform
+from composable_atorch.errors import ConfigError
+from composable_atorch.transforms.parallel.common import parallel_context
+
+KINDS = ("col", "row", "vocab", "replic_drop", "parallel_drop", "shrink")
+_HF_KINDS = {"colwise": "col", "rowwise": "row", "colwise_rep": "col", "rowwise_rep": "row", "vocab": "vocab", "embedding": "vocab"}
+
+
+class TensorParallelPlanError(ConfigError):
+    """The planner could not place layers, or a layer cannot be split as asked."""
+
+    def __init__(self, problem: str, names, manual: str = ""):
+        self.problem, self.names = problem, list(names)
+        shown = ", ".join(self.names[:10]) + (" ..." if len(self.names) > 10 else "")
+        hint = f" Pass a manual plan, e.g. {manual}" if manual else ""
+        super().__init__("tensor_parallel.plan", shown, f"{problem}.{hint}")
+
+
+MANUAL_FORM = (
+    "tensor_parallel(TPInfo().shard_col({'attn.c_attn': {'stride': 3}}, 'mlp.c_fc').shard_row('attn.c_proj', 'mlp.c_proj')"
+    ".shrink({'.attn': {'embed_dim', 'split_size', 'num_heads'}}))"
+)
+
+
+class TPInfo:
+    """The seed's manual tensor-parallel description; every method returns ``self`` (chainable).
+
+    Arguments are module-name suffixes (``"mlp.c_fc"``, ``fnmatch`` wildcards allowed) or
+    ``{suffix: {init kwargs}}``; the one kwarg read is ``stride`` (a fused projection such as
+    GPT-2's qkv ``c_attn``: each rank keeps its slice of each of the ``stride`` parts).
+    """
+
+    def __init__(self):
+        self.entries: list[tuple[str, str, tuple]] = []
+
+    def _add(self, kind, specs, values_are_attrs=False):
+        for spec in specs:
+            items = spec.items() if isinstance(spec, dict) else [(spec, {})]
+            for suffix, kw in items:
+                if not isinstance(suffix, str) or not suffix:
+                    raise ConfigError(f"TPInfo.{kind} suffix", suffix, "a module-name suffix such as 'mlp.c_fc'")
+                if values_are_attrs:
+                    value = tuple(sorted(kw))
+                else:
+                    if not isinstance(kw, dict):
+                        raise ConfigError(f"TPInfo.{kind}[{suffix!r}]", kw, "a dict of init kwargs such as {'stride': 3}")
+                    value = tuple(sorted(kw.items()))
+                self.entries.append((kind, suffix, value))
+        return self
+
+    def shard_col(self, *specs):
+        return self._add("col", specs)
+
+    def shard_row(self, *specs):
+        return self._add("row", specs)
+
+    def shard_vocab(self, *specs):
+        return self._add("vocab", specs)
+
+    def replic_drop(self, *specs):
+        return self._add("replic_drop", specs)
+
+    def parallel_drop(self, *specs):
+        return self._add("parallel_drop", specs)
+
+    def shrink(self, *specs):
+        """``{".attn": {"embed_dim", "num_heads"}}``: these attributes are divided by the degree."""
+        return self._add("shrink", specs, values_are_attrs=True)
+
+    @property
+    def is_vocab_parallelled(self) -> bool:
+        return any(k == "vocab" for k, _, _ in self.entries)
+
+
+def normalize_plan(plan: Any):
+    """``"auto"``, or a sorted tuple of ``(kind, suffix, args)`` entries (data: hashable, JSON-able)."""
+    if plan == "auto":
+        return "auto"
+    if isinstance(plan, TPInfo):
+        entries = plan.entries
+    elif isinstance(plan, dict):
+        entries = []
+        for pattern, style in plan.items():
+            kind = _HF_KINDS.get(style, style if style in KINDS else None)
+            if kind is None:
+                raise ConfigError(f"tensor_parallel.plan[{pattern!r}]", style, f"one of {sorted(_HF_KINDS)} or {KINDS}")
+            entries.append((kind, pattern, ()))
+    elif isinstance(plan, tuple | list):
+        entries = []
+        for e in plan:
+            if not (isinstance(e, tuple | list) and len(e) == 3 and e[0] in KINDS and isinstance(e[1], str)):
+                raise ConfigError("tensor_parallel.plan entry", e, f"(kind, suffix, args) with kind in {KINDS}")
+            entries.append((e[0], e[1], tuple(tuple(x) if isinstance(x, list) else x for x in e[2])))
+    else:
+        raise ConfigError("tensor_parallel.plan", plan, "'auto', a TPInfo, or a mapping {'blocks.*.attn.q': 'colwise', ...}")
+    if not entries:
+        raise ConfigError("tensor_parallel.plan", plan, "at least one layer to shard")
+    return tuple(sorted(entries))
+
+
+def _match(qualname: str, pattern: str) -> bool:
+    p = pattern.lstrip(".")
+    return fnmatch.fnmatchcase(qualname, p) or fnmatch.fnmatchcase(qualname, "*." + p)
+
+
+# ---------------------------------------------------------------------------------------------
+# the auto planner
+# ---------------------------------------------------------------------------------------------
+
+#: (column-parallel names, row-parallel name) of the projection groups the planner knows.
+_GROUPS = (
+    (("q", "k", "v"), "o"),
+    (("q_proj", "k_proj", "v_proj"), "o_proj"),
+    (("fc1",), "fc2"),
+    (("gate_proj", "up_proj"), "down_proj"),
+    (("c_fc",), "c_proj"),
+    (("w1", "w3"), "w2"),
+)
+#: head-count attributes divided by the degree when present on an attention module
+_HEAD_ATTRS = ("n_head", "num_heads", "num_key_value_heads", "n_kv_head")
+
+
+def _is_linear(m) -> bool:
+    return isinstance(m, nn.Linear) or _is_conv1d(m)
+
+
+def _is_conv1d(m) -> bool:
+    return type(m).__name__ == "Conv1D" and hasattr(m, "nf") and getattr(m, "weight", None) is not None and m.weight.dim() == 2
+
+
+def auto_plan(model: nn.Module) -> tuple:
+    """The plan for ``model``, or TensorParallelPlanError naming the Linear layers it could not place."""
+    entries: list[tuple[str, str, tuple]] = []
+    hf = getattr(getattr(model, "config", None), "base_model_tp_plan", None)
+    if hf:
+        for pattern, style in hf.items():
+            kind = _HF_KINDS.get(style)
+            if kind in ("col", "row"):
+                entries.append((kind, pattern, ()))
+        for name, m in model.named_modules():
+            if any(hasattr(m, a) for a in _HEAD_ATTRS) and any(isinstance(c, nn.Linear) for c in m.children()):
+                entries.append(("shrink", name, tuple(a for a in _HEAD_ATTRS if hasattr(m, a))))
+        return tuple(sorted(entries))
+    placed: set[str] = set()
+    for name, m in model.named_modules():
+        children = dict(m.named_children())
+        for cols, row in _GROUPS:
+            if row in children and all(c in children for c in cols) and all(isinstance(children[c], nn.Linear) for c in (*cols, row)):
+                for c in cols:
+                    entries.append(("col", f"{name}.{c}" if name else c, ()))
+                entries.append(("row", f"{name}.{row}" if name else row, ()))
+                placed.update(f"{name}.{c}" if name else c for c in (*cols, row))
+                heads = tuple(a for a in _HEAD_ATTRS if hasattr(m, a))
+                if heads:
+                    entries.append(("shrink", name, heads))
+    if not placed:
+        linears = [n for n, m in model.named_modules() if _is_linear(m)]
+        raise TensorParallelPlanError(
+            f"the auto planner found no projection pair it knows ({', '.join('/'.join(c) + '+' + r for c, r in _GROUPS)}) "
+            f"and could not place these {len(linears)} Linear layer(s)",
+            linears or ["(no Linear layers)"],
+            MANUAL_FORM,
+        )
+    return tuple(sorted(entries))
+
+
+# ---------------------------------------------------------------------------------------------
+# styles
+# ---------------------------------------------------------------------------------------------
+
+
+def _stride_perm(n: int, stride: int, degree: int) -> torch.Tensor:
+    """Order the ``n`` output features so that rank r's contiguous shard is [part0_r, part1_r, ...]."""
+    part, chunk = n // stride, n // stride // degree
+    return torch.tensor([s * part + r * chunk + i for r in range(degree) for s in range(stride) for i in range(chunk)])
+
+
+def _blocks_of(model: nn.Module, targets: list[str]) -> list[str]:
+    """The ModuleList elements (transformer blocks) holding the sharded layers, in model order."""
+    lists = {n for n, m in model.named_modules() if isinstance(m, nn.ModuleList)}
+    found = set()
+    for t in targets:
+        parts = t.split(".")
+        for i in range(len(parts) - 1, 0, -1):
+            if ".".join(parts[:i - 1]) in lists and i >= 2 and parts[i - 1].isdigit():
+                found.add(".".join(parts[:i]))
+                break
+    return [n for n, _ in model.named_modules() if n in found]
+
+
+def _sequence_entry_exit(first: nn.Module, last: nn.Module, mesh, degree: int) -> None:
+    """Split the residual stream over the sequence entering ``first``; gather it leaving ``last``."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    def enter(module, args, kwargs):
+        if args:
+            x, rest = args[0], args[1:]
+        else:
+            key = next(iter(kwargs))
+            x = kwargs[key]
+        if x.size(1) % degree:
+            raise ConfigError("sequence length (sequence_parallel)", x.size(1), f"a multiple of the tensor degree {degree}")
+        local = DTensor.from_local(x, mesh, [Replicate()], run_check=False).redistribute(mesh, [Shard(1)]).to_local()
+        if args:
+            return (local, *rest), kwargs
+        return args, {**kwargs, key: local}
+
+    def leave(module, args, output):
+        def gather(t):
+            return DTensor.from_local(t, mesh, [Shard(1)], run_check=False).redistribute(mesh, [Replicate()]).to_local()
+
+        if isinstance(output, tuple):
+            return (gather(output[0]), *output[1:])
+        return gather(output)
+
+    first.register_forward_pre_hook(enter, with_kwargs=True)
+    last.register_forward_hook(leave)
+
+
+def _conv1d_style(kind: str, sequence_parallel: bool = False):
+    """Column/row parallel for HF's Conv1D (weight stored transposed: ``(in, out)``)."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    base = ColwiseParallel if kind == "col" else RowwiseParallel
+
+    class Conv1DParallel(base):
+        def _apply(self, module, device_mesh):
+            from torch.distributed.tensor import distribute_module
+
+            wdim, bias_pl = (1, Shard(0)) if kind == "col" else (0, Replicate())
+
+            def partition(name, mod, mesh):
+                mod.register_parameter("weight", nn.Parameter(distribute_tensor(mod.weight, mesh, [Shard(wdim)])))
+                if mod.bias is not None:
+                    mod.register_parameter("bias", nn.Parameter(distribute_tensor(mod.bias, mesh, [bias_pl])))
+
+            if kind == "row":
+                self.desired_input_layouts = (Shard(-1),)
+            # Conv1D computes x @ W + b == linear(x, W.T, b): run it as that on the DTensors
+            module.forward = types.MethodType(lambda self_, x: F.linear(x, self_.weight.t(), self_.bias), module)
+            return distribute_module(
+                module,
+                device_mesh,
+                partition,
+                partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+                partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+            )
+
+    if not sequence_parallel:
+        return Conv1DParallel()
+    return Conv1DParallel(input_layouts=Shard(1)) if kind == "col" else Conv1DParallel(output_layouts=Shard(1))
+
+
+def _local_heads_forward(attn: nn.Module):
+    """The built-in GPT's attention forward with the feature count taken from the (local) projections."""
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = (proj(x).view(b, t, self.n_head, -1).transpose(1, 2) for proj in (self.q, self.k, self.v))
+        y = self.attend(q, k, v)
+        return self.o(y.transpose(1, 2).reshape(b, t, -1))
+
+    attn.forward = types.MethodType(forward, attn)
+
+
+# ---------------------------------------------------------------------------------------------
+# the transform
+# ---------------------------------------------------------------------------------------------
+
+
+def _no_tensor_dim(_mine, pm) -> bool:
+    return not any(n == "tensor" for n, _ in pm.groups)
+
+
+@dataclass(frozen=True)
+class TensorParallel(Transform):
+    """Shard Linear layers over the mesh's ``tensor`` dimension (DTensor ``parallelize_module``).
+
+    ``plan``: ``"auto"``, a :class:`TPInfo`, or ``{pattern: "colwise" | "rowwise" | "vocab"}``.
+    ``sequence_parallel=True`` also shards the activations between the sharded layers over the
+    sequence (dim 1): the residual stream enters the first transformer block split over the
+    sequence, the blocks' norms run on their shard (``SequenceParallel``), row-parallel outputs are
+    reduce-scattered instead of all-reduced, and the last block's output is gathered again.
+    The degree is the ``tensor`` size of ``parallel_mode`` (implied as ``tensor 2 x data rest``).
+    """
+
+    name = "tensor_parallel"
+    contract = Contract(
+        stage=Stage.TENSOR_PARALLEL,
+        roles=("tensor_parallel", "model_parallel"),
+        implies=(
+            Implication(
+                "parallel_mode",
+                "tensor parallelism shards over the 'tensor' dimension of parallel_mode's device mesh",
+                config={"groups": (("tensor", 2), ("data", 1))},
+                satisfied_by=("process_groups",),
+            ),
+        ),
+        conflicts=(
+            Conflict(
+                "parallel_mode",
+                "parallel_mode has no 'tensor' dimension to shard over",
+                "add ('tensor', n) to parallel_mode's groups, e.g. parallel_mode([('tensor', 2), ('data', 1)])",
+                when=_no_tensor_dim,
+            ),
+        ),
+    )
+
+    plan: Any = "auto"
+    sequence_parallel: bool = False
+
+    def __post_init__(self):
+        object.__setattr__(self, "plan", normalize_plan(self.plan))
+        if not isinstance(self.sequence_parallel, bool):
+            raise ConfigError("tensor_parallel.sequence_parallel", self.sequence_parallel, "True or False")
+
+    @classmethod
+    def from_seed(cls, config=None):
+        if config is None:
+            return cls()
+        if isinstance(config, TPInfo | str):
+            return cls(plan=config)
+        if isinstance(config, dict) and ("plan" in config or "sequence_parallel" in config):
+            return cls(**config)
+        return cls(plan=config)
+
+    def describe(self):
+        how = "auto plan" if self.plan == "auto" else f"{len(self.plan)} manual entries"
+        return f"tensor_parallel({how}{', sequence parallel' if self.sequence_parallel else ''})"
+
+    # -- planning (pure: no sharding happens until everything checked) ---------------------
+    def placements(self, model: nn.Module, degree: int) -> tuple[dict[str, tuple[str, dict]], dict[str, tuple], list[str]]:
+        """``({module: (kind, kwargs)}, {module: shrink attrs}, drop notes)``; typed errors on bad input."""
+        entries = auto_plan(model) if self.plan == "auto" else self.plan
+        modules = dict(model.named_modules())
+        shard: dict[str, tuple[str, dict]] = {}
+        shrink: dict[str, tuple] = {}
+        drops: list[str] = []
+        unmatched = []
+        for kind, pattern, args in entries:
+            hits = [n for n in modules if n and _match(n, pattern)]
+            if not hits:
+                unmatched.append(f"{kind} {pattern!r}")
+                continue
+            for n in hits:
+                if kind == "shrink":
+                    shrink[n] = tuple(args)
+                elif kind in ("replic_drop", "parallel_drop"):
+                    drops.append(f"{n} ({kind})")
+                else:
+                    shard[n] = (kind, dict(args))
+        if unmatched:
+            raise TensorParallelPlanError("these plan entries match no module of the model", unmatched)
+        if not shard:
+            raise TensorParallelPlanError("the plan shards no layer", [e[1] for e in entries], MANUAL_FORM)
+        bad = []
+        for n, (kind, kw) in shard.items():
+            m = modules[n]
+            if kind == "vocab":
+                if not isinstance(m, nn.Embedding):
+                    bad.append(f"{n}: shard_vocab needs an nn.Embedding, not {type(m).__name__}")
+                elif m.num_embeddings % degree:
+                    bad.append(f"{n}: vocab {m.num_embeddings} not divisible by tensor degree {degree}")
+                continue
+            if not _is_linear(m):
+                bad.append(f"{n}: {type(m).__name__} is not an nn.Linear or Conv1D")
+                continue
+            out_f, in_f = (m.weight.shape[1], m.weight.shape[0]) if _is_conv1d(m) else (m.out_features, m.in_features)
+            size = out_f if kind == "col" else in_f
+            stride = int(kw.get("stride", 1))
+            if size % (degree * stride):
+                bad.append(f"{n}: {'output' if kind == 'col' else 'input'} features {size} not divisible by degree {degree} x stride {stride}")
+        for n, attrs in shrink.items():
+            for a in attrs:
+                v = getattr(modules[n], a, None)
+                if not isinstance(v, int):
+                    bad.append(f"{n}.{a}: no integer attribute to shrink")
+                elif v % degree:
+                    bad.append(f"{n}.{a} = {v}: heads not divisible by tensor degree {degree}")
+        if bad:
+            raise TensorParallelPlanError("cannot split these layers evenly", bad)
+        return shard, shrink, drops
+
+    def apply(self, state: TrainState, ctx: ApplyContext) -> TrainState:
+        pc = parallel_context(state, self.name)
+        degree = pc.layout.size("tensor")
+        model = state.model
+        shard, shrink, drops = self.placements(model, degree)  # every check before any change
+        if not pc.distributed or degree == 1:
+            state.note(self.name, f"tensor degree {degree}{'' if pc.distributed else ', no process group'}: model left whole ({len(shard)} layers would shard)")
+            return state
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            SequenceParallel,
+            parallelize_module,
+        )
+
+        mesh = pc.mesh["tensor"]
+        modules = dict(model.named_modules())
+        tied = _tied_params(model)
+        sp = self.sequence_parallel
+        styles: dict[str, Any] = {}
+        for n, (kind, kw) in shard.items():
+            m = modules[n]
+            stride = int(kw.get("stride", 1))
+            if stride > 1:
+                with torch.no_grad():
+                    if _is_conv1d(m):
+                        perm = _stride_perm(m.weight.shape[1], stride, degree)
+                        m.weight.copy_(m.weight[:, perm])
+                    else:
+                        perm = _stride_perm(m.weight.shape[0], stride, degree)
+                        m.weight.copy_(m.weight[perm])
+                    if m.bias is not None:
+                        m.bias.copy_(m.bias[perm])
+                m._tp_stride_perm = perm  # global weights are stored in this order (see full_weight)
+            if kind == "vocab":
+                styles[n] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+            elif _is_conv1d(m):
+                styles[n] = _conv1d_style(kind, sp)
+            elif kind == "col":
+                styles[n] = ColwiseParallel(input_layouts=Shard(1) if sp else Replicate())
+            else:
+                styles[n] = RowwiseParallel(output_layouts=Shard(1) if sp else Replicate())
+        blocks = _blocks_of(model, list(shard)) if sp else []
+        if sp:
+            if not blocks:
+                raise TensorParallelPlanError("sequence parallelism needs the sharded layers inside a list of blocks (nn.ModuleList)", list(shard))
+            for n, m in modules.items():
+                inside = any(n.startswith(b + ".") for b in blocks)
+                if inside and (isinstance(m, nn.LayerNorm | nn.RMSNorm) or type(m).__name__.endswith("RMSNorm")):
+                    styles[n] = SequenceParallel(use_local_output=False)
+            _sequence_entry_exit(modules[blocks[0]], modules[blocks[-1]], mesh, degree)
+        parallelize_module(model, mesh, styles)
+        _retie(model, tied, mesh, state)
+        for n, attrs in shrink.items():
+            m = modules[n]
+            for a in attrs:
+                setattr(m, a, getattr(m, a) // degree)
+            if type(m).__name__ == "CausalSelfAttention" and hasattr(m, "attend"):
+                _local_heads_forward(m)
+        cols = sum(1 for k, _ in shard.values() if k == "col")
+        rows = sum(1 for k, _ in shard.values() if k == "row")
+        vocab = sum(1 for k, _ in shard.values() if k == "vocab")
+        state.note(
+            self.name,
+            f"DTensor parallelize_module over the tensor dim of {degree}: {cols} colwise, {rows} rowwise, {vocab} vocab-parallel layer(s); "
+            f"{len(shrink)} attention module(s) shrunk to heads/{degree}" + (", LayerNorms sequence-parallel" if sp else ""),
+        )
+        if drops:
+            state.note(self.name, f"dropouts recorded (RNG per tensor rank is not managed here): {', '.join(drops)}")
+        return state
+
+
+def _tied_params(model: nn.Module) -> list[list[tuple[str, str]]]:
+    """Groups of (module, attribute) sharing one parameter (e.g. a tied lm_head / embedding)."""
+    by_id: dict[int, list[tuple[str, str]]] = {}
+    for mn, m in model.named_modules(remove_duplicate=False):
+        for pn, p in m.named_parameters(recurse=False):
+            by_id.setdefault(id(p), []).append((mn, pn))
+    return [v for v in by_id.values() if len({x for x in v}) > 1]
+
+
+def _retie(model, tied, mesh, state) -> None:
+    """Re-tie weights that sharding split apart: a tied Linear head shards like its embedding."""
+    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    modules = dict(model.named_modules(remove_duplicate=False))
+    for group in tied:
+        params = [getattr(modules[m], p) for m, p in group]
+        dt = [x for x in params if isinstance(x, DTensor)]
+        if not dt or len(dt) == len(params):
+            continue
+        src = dt[0]
+        for (mn, pn), x in zip(group, params, strict=True):
+            if isinstance(x, DTensor):
+                continue
+            mod = modules[mn]
+            if isinstance(mod, nn.Linear) and pn == "weight" and src.placements[0].is_shard(0):
+                parallelize_module(mod, mesh, ColwiseParallel(output_layouts=Replicate()))
+                mod.weight = src
+                state.note("tensor_parallel", f"{mn}.weight stays tied to the vocab-parallel embedding: sharded colwise, logits gathered")
+            else:
+                raise TensorParallelPlanError("tied parameters would be split apart by this plan", [f"{mn}.{pn}"])
+
+
+def full_weight(module: nn.Module, name: str = "weight") -> torch.Tensor:
+    """The full (gathered) parameter in the model's original layout (undoing a stride permutation)."""
+    from torch.distributed.tensor import DTensor
+
+    p = getattr(module, name)
+    full = p.full_tensor() if isinstance(p, DTensor) else p.detach()
+    perm = getattr(module, "_tp_stride_perm", None)
+    if perm is None:
+        return full
+    inv = torch.argsort(perm)
+    if full.dim() == 1:
+        return full[inv]
+    return full[:, inv] if _is_conv1d(module) else full[inv]
+
+
+def tensor_parallel(plan: Any = "auto", *, sequence_parallel: bool = False) -> TensorParallel:
+    """``tensor_parallel()`` (auto), ``tensor_parallel(TPInfo().shard_col(...)...)`` or a mapping."""
+    return TensorParallel(plan=plan, sequence_parallel=sequence_parallel)

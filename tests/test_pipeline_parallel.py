@@ -1,0 +1,138 @@
+"""pipeline_parallel at world 2 (GPipe and 1F1B) against one process; train_step; the plain loop fails loudly."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import composable_atorch as ca
+from composable_atorch.errors import ConfigError
+from composable_atorch.models import GPT, GPTConfig
+from composable_atorch.models.gpt import lm_loss
+from composable_atorch.transforms.parallel.pipeline import PipelineLoopError, balanced_cuts
+
+from _dist import run_world
+
+STEPS, LR = 4, 0.1
+
+
+def gpt(n_layer=4):
+    torch.manual_seed(0)
+    return GPT(GPTConfig(seq_len=16, d_model=32, n_layer=n_layer, n_head=4))
+
+
+def batches(n=STEPS, batch=8):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randint(0, 256, (batch, 16), generator=g), torch.randint(0, 256, (batch, 16), generator=g)) for _ in range(n)]
+
+
+def reference(model, data):
+    optim = torch.optim.SGD(model.parameters(), lr=LR)
+    return [ca.train_step(model, optim, x, y, lm_loss) for x, y in data]
+
+
+def llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False)
+    return LlamaForCausalLM(cfg)
+
+
+def _pipeline_case(schedule, microbatches, split="auto", make=gpt):
+    ref = make()
+    model = copy.deepcopy(ref)
+    data = batches()
+    if make is llama:
+        ref_losses = reference(_Logits(ref), data)
+    else:
+        ref_losses = reference(ref, data)
+    plan = ca.compose(ca.pipeline_parallel(microbatches=microbatches, schedule=schedule, split=split), ca.parallel_mode([("pipeline", 2)]))
+    model, optim, _ = plan(model, torch.optim.SGD(model.parameters(), lr=LR))
+    losses = [ca.train_step(model, optim, x, y, lm_loss) for x, y in data]
+    ref_p = dict(ref.named_parameters())
+    mine = dict(model.named_parameters())
+    held = [p for g in optim.param_groups for p in g["params"]]
+    try:
+        model(data[0][0])
+        plain = "trained silently"
+    except PipelineLoopError as exc:
+        plain = str(exc)
+    return {
+        "loss_gap": max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)),
+        "weight_gap": max((p.detach() - ref_p[n].detach()).abs().max().item() for n, p in mine.items()),
+        "names": sorted(mine),
+        "optimizer_exact": {id(p) for p in held} == {id(p) for p in mine.values()} and len(held) == len(mine),
+        "plain": plain,
+        "explain": plan.explain(),
+    }
+
+
+class _Logits(torch.nn.Module):
+    """An HF model as tokens -> logits, for the one-process reference (parameters shared)."""
+
+    def __init__(self, m):
+        super().__init__()
+        self.m = m
+
+    def forward(self, x):
+        return self.m(input_ids=x, use_cache=False).logits
+
+
+def _world(rank, world):
+    return {
+        "gpipe": _pipeline_case("GPipe", 2),
+        "1f1b": _pipeline_case("1F1B", 4),
+        "1f1b_manual_split": _pipeline_case("1F1B", 2, split=(1,)),
+        "llama_1f1b": _pipeline_case("1F1B", 2, make=llama),
+    }
+
+
+@pytest.mark.dist
+def test_pipeline_matches_one_process():
+    ranks = run_world(_world, 2, timeout=600)
+    for name in ranks[0]:
+        all_names = sorted(n for n, _ in (llama() if name.startswith("llama") else gpt()).named_parameters())
+        r0, r1 = ranks[0][name], ranks[1][name]
+        for r in (r0, r1):
+            assert r["loss_gap"] < 1e-5, (name, r["loss_gap"])
+            assert r["weight_gap"] < 1e-5, (name, r["weight_gap"])
+            assert r["optimizer_exact"], name
+            assert "train_step" in r["plain"], r["plain"]
+        # the two stages hold every parameter exactly once, under the user's names
+        assert sorted(r0["names"] + r1["names"]) == all_names, name
+    print({n: (ranks[0][n]["loss_gap"], ranks[0][n]["weight_gap"]) for n in ranks[0]})
+
+
+def test_balanced_cuts():
+    assert balanced_cuts([1, 1, 1, 1], 2) == (2,)
+    assert balanced_cuts([1, 1, 1, 1], 2, head=2) == (1,)  # embeddings weigh 2 blocks
+    assert balanced_cuts([5, 1, 1, 1, 1, 1], 2) == (1,)
+    assert balanced_cuts([1] * 8, 4) == (2, 4, 6)
+
+
+def test_bad_configs_are_typed_errors():
+    with pytest.raises(ConfigError):
+        ca.pipeline_parallel(schedule="zigzag")
+    with pytest.raises(ConfigError):
+        ca.pipeline_parallel(microbatches=0)
+    with pytest.raises(ConfigError):
+        ca.pipeline_parallel(split=(2, 1))
+    env = ca.Environment(world_size=2)
+    with pytest.raises(ca.errors.ConflictError, match="pipeline"):
+        ca.compose(ca.pipeline_parallel(), ca.parallel_mode([("data", 2)]), env=env)
+    with pytest.raises(ca.errors.ConflictError):
+        ca.compose(ca.pipeline_parallel(), ca.ddp(), env=env)  # the pipeline owns gradient sync
+    with pytest.raises(ConfigError, match="cutter knows"):
+        ca.pipeline_parallel().cuts(torch.nn.Sequential(torch.nn.Linear(2, 2)), 2)
+
+
+def test_train_step_plain_plan():
+    model = gpt(2)
+    plan = ca.compose(ca.checkpoint(type(model.blocks[0])))
+    model, optim, _ = plan(model, torch.optim.SGD(model.parameters(), lr=LR))
+    losses = [ca.train_step(model, optim, x, y, lm_loss) for x, y in batches(2)]
+    assert all(isinstance(v, float) for v in losses) and losses[1] < losses[0] + 1

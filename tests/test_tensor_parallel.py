@@ -1,0 +1,212 @@
+"""tensor_parallel at world 2 against one process; planner errors before any work."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import composable_atorch as ca
+from composable_atorch.errors import ConfigError
+from composable_atorch.transforms.parallel.tensor import TensorParallelPlanError, TPInfo, auto_plan, full_weight
+
+from _dist import run_world
+
+STEPS, LR = 4, 0.1
+# SGD, not Adam: Adam divides by sqrt(v), so a gradient that is zero up to rounding (the key bias:
+# softmax ignores a constant shift) turns reduction-order noise of 1e-9 into 1e-3 weight gaps.
+
+
+def gpt():
+    from composable_atorch.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    return GPT(GPTConfig(seq_len=16, d_model=32, n_layer=2, n_head=4))
+
+
+def llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=32)
+    return LlamaForCausalLM(cfg)
+
+
+def gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2LMHeadModel(cfg)
+
+
+def gpt2_tpinfo(vocab: bool = False) -> TPInfo:
+    info = TPInfo()
+    info.shard_col({"attn.c_attn": {"stride": 3}}, "mlp.c_fc")
+    info.shard_row("attn.c_proj", "mlp.c_proj")
+    if vocab:
+        info.shard_vocab("wte")
+    info.replic_drop("resid_dropout", "mlp.dropout", "drop")
+    info.parallel_drop("attn_dropout")
+    info.shrink({".attn": {"embed_dim", "split_size", "num_heads"}})
+    return info
+
+
+def logits(model, x):
+    out = model(x)
+    return out.logits if hasattr(out, "logits") else out
+
+
+def loss_of(model, x, y):
+    lg = logits(model, x)
+    return torch.nn.functional.cross_entropy(lg.reshape(-1, lg.size(-1)).float(), y.reshape(-1))
+
+
+def _batches(vocab):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randint(0, vocab, (4, 16), generator=g), torch.randint(0, vocab, (4, 16), generator=g)) for _ in range(STEPS)]
+
+
+def _train(model, optim, batches):
+    losses = []
+    for x, y in batches:
+        loss = loss_of(model, x, y)
+        optim.backward(loss) if hasattr(optim, "backward") else loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _full(model):
+    out = {}
+    mods = dict(model.named_modules())
+    for name, _ in model.named_parameters():
+        mod, _, attr = name.rpartition(".")
+        out[name] = full_weight(mods[mod], attr)
+    return out
+
+
+def _case(make, plan_arg, vocab, sp=False):
+    ref = make()
+    model = copy.deepcopy(ref)
+    batches = _batches(vocab)
+    ref_losses = _train(ref, torch.optim.SGD(ref.parameters(), lr=LR), batches)
+    optim = torch.optim.SGD(model.parameters(), lr=LR)
+    plan = ca.compose(ca.tensor_parallel(plan_arg, sequence_parallel=sp), ca.parallel_mode([("tensor", 2)]))
+    model, optim, _ = plan(model, optim)
+    sharded = {}
+    for name, p in model.named_parameters():
+        if hasattr(p, "to_local") and any(pl.is_shard() for pl in p.placements):
+            sharded[name] = p.to_local().numel() / p.numel()
+    # SequenceParallel makes the blocks' norm weights replicated DTensors
+    sp_norms = sum(1 for n, p in model.named_parameters() if "norm" in n or ".ln" in n or "ln_" in n if hasattr(p, "placements"))
+    losses = _train(model, optim, batches)
+    full = _full(model)
+    ref_p = dict(ref.named_parameters())
+    weight_gap = max((full[n] - ref_p[n].detach()).abs().max().item() for n in ref_p if n in full)
+    return {
+        "loss_gap": max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)),
+        "weight_gap": weight_gap,
+        "sharded": sharded,
+        "names_kept": sorted(full) == sorted(n for n, _ in ref.named_parameters()),
+        "sp": sp,
+        "sp_norms": sp_norms,
+    }
+
+
+def _tp_plan_applied():
+    model = gpt()
+    plan = ca.compose(ca.tensor_parallel(), ca.parallel_mode([("tensor", 2)]))
+    return plan(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+
+
+def _save_resume(directory):
+    """DTensor weights and Adam state through DCP: resuming gives the same next losses."""
+    batches = _batches(256)
+    model, optim, _ = _tp_plan_applied()
+    _train(model, optim, batches[:2])
+    ca.save_state(directory, model, optim, step=2)
+    after = _train(model, optim, batches[2:])
+    model2, optim2, _ = _tp_plan_applied()
+    ca.load_state(directory, model2, optim2)
+    resumed = _train(model2, optim2, batches[2:])
+    return max(abs(a - b) for a, b in zip(after, resumed, strict=True))
+
+
+def _world(rank, world, directory):
+    return {
+        "resume_gap": _save_resume(directory),
+        "gpt": _case(gpt, "auto", 256),
+        "gpt_sp": _case(gpt, "auto", 256, sp=True),
+        "llama": _case(llama, "auto", 128),
+        "llama_sp": _case(llama, "auto", 128, sp=True),
+        "gpt2": _case(gpt2, gpt2_tpinfo(), 128),
+        "gpt2_vocab": _case(gpt2, gpt2_tpinfo(vocab=True), 128),
+        "gpt2_sp": _case(gpt2, gpt2_tpinfo(), 128, sp=True),
+    }
+
+
+@pytest.mark.dist
+def test_tensor_parallel_matches_one_process(tmp_path):
+    results = run_world(_world, 2, str(tmp_path / "ckpt"), timeout=600)
+    for rank, res in enumerate(results):
+        assert res.pop("resume_gap") == 0.0, rank
+        for name, r in res.items():
+            assert r["loss_gap"] < 1e-5, (rank, name, r["loss_gap"])
+            assert r["weight_gap"] < 1e-5, (rank, name, r["weight_gap"])
+            assert r["names_kept"], name
+            assert (r["sp_norms"] > 0) == r["sp"], (name, r["sp_norms"])
+            assert r["sharded"], f"{name}: nothing sharded"
+            assert all(abs(f - 0.5) < 1e-9 for f in r["sharded"].values()), (name, r["sharded"])
+    print({n: (r["loss_gap"], r["weight_gap"], len(r["sharded"])) for n, r in results[0].items()})
+
+
+# -- planning and bad input (single process) ------------------------------------------------------
+
+
+def test_auto_plan_gpt_and_llama():
+    plan = auto_plan(gpt())
+    assert ("col", "blocks.0.attn.q", ()) in plan and ("row", "blocks.1.mlp.fc2", ()) in plan
+    assert ("shrink", "blocks.0.attn", ("n_head",)) in plan
+    lplan = auto_plan(llama())
+    assert ("col", "layers.*.self_attn.q_proj", ()) in lplan  # transformers' own base_model_tp_plan
+
+
+def test_unplaceable_model_names_layers_and_manual_form():
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
+    with pytest.raises(TensorParallelPlanError) as err:
+        auto_plan(model)
+    assert "0, 2" in str(err.value) and "TPInfo()" in str(err.value)
+
+
+def test_heads_not_divisible_is_a_typed_error():
+    from composable_atorch.models import GPT, GPTConfig
+
+    m = GPT(GPTConfig(seq_len=8, d_model=24, n_layer=1, n_head=3))
+    with pytest.raises(TensorParallelPlanError, match="heads not divisible"):
+        ca.tensor_parallel().placements(m, 2)
+
+
+def test_degree_not_dividing_world_fails_at_compose():
+    env = ca.Environment(world_size=4)
+    with pytest.raises(ConfigError):
+        ca.compose(ca.tensor_parallel(), ca.parallel_mode([("tensor", 3), ("data", 1)]), env=env)
+
+
+def test_parallel_mode_without_tensor_dim_conflicts():
+    env = ca.Environment(world_size=2)
+    with pytest.raises(ca.errors.ConflictError, match="tensor"):
+        ca.compose(ca.tensor_parallel(), ca.parallel_mode([("data", 2)]), env=env)
+
+
+def test_manual_plan_is_data():
+    t = ca.tensor_parallel(gpt2_tpinfo())
+    plan = ca.compose(t, env=ca.Environment(world_size=2))
+    assert ca.Plan.from_json(plan.to_json(), env=plan.env) == plan
+    assert ca.tensor_parallel({"blocks.*.attn.q": "colwise"}).plan == (("col", "blocks.*.attn.q", ()),)
+    with pytest.raises(ConfigError):
+        ca.tensor_parallel({"x": "diagonal"})
