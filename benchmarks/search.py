@@ -53,6 +53,9 @@ class TableRunner:
     def __call__(self, plan, *, timeout):
         key = plan_key(plan)
         self.calls.append(key)
+        if key not in self.table:
+            raise SystemExit(f"the replayed table has no measurement of {' | '.join(plan.names)} (plans or transform "
+                             "configs changed since it was measured): measure again with `python benchmarks/search.py`")
         return self.table[key]
 
 

@@ -111,6 +111,9 @@ if rank == 0:
     print(best_strategy.explain())
     print(f"trainable parameters: {sum(p.numel() for p in trainable(model))} in {len(trainable(model))} tensors"
           f"{' (LoRA adapter)' if use_lora else ''}")
+    if use_fp8:
+        kinds = {n.rsplit(".", 1)[-1]: type(m).__name__ for n, m in model.named_modules() if n.endswith(("q_proj", "lm_head"))}
+        print(f"fp8: q_proj is {kinds['q_proj']}, lm_head is {kinds['lm_head']} (excluded)")
 
 device = next(model.parameters()).device
 tracking = init_trackers("fsdp_llama2", log_with="jsonl", project_dir=args.out, config={**vars(args), "lora": use_lora, "fp8": use_fp8},

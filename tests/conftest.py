@@ -23,6 +23,9 @@ MARKS = {
     "test_checkpointing.py::test_a_crash_during_save_leaves_the_previous_checkpoint_loadable": ("dist", "spawns training processes (10 s)"),
     "test_facade.py::test_dry_run_on_load_strategy_reports_success_and_failure": ("dist", "dry runs spawn trial processes"),
     "test_facade.py::test_finetune_strategy_measures_the_loaded_plan_first_and_returns_a_measured_plan": ("dist", "trials spawn processes"),
+    "test_fake_world.py::test_sharded_bytes_per_rank_are_one_over_world": ("dist", "each case spawns a process (1.3-4 s)"),
+    "test_atorch_port.py::test_func_fully_automatic_one_process": ("dist", "search trials spawn processes (4.6 s)"),
+    "test_atorch_port.py::test_sample_batch_feeds_the_dry_run": ("dist", "the dry run spawns a trial (4 s)"),
 }
 
 
@@ -38,3 +41,38 @@ def pytest_collection_modifyitems(config, items):
     missing = sorted(set(MARKS) - found)
     if whole_run and missing:
         raise pytest.UsageError(f"tests/conftest.py MARKS names tests that were not collected (renamed?): {missing}")
+
+
+@pytest.fixture(autouse=True)
+def _fast_tier_spawns_nothing(request, monkeypatch):
+    """A test that starts a fresh Python process (a spawned gloo group or trial, a script, torchrun)
+    must be marked ``dist``: each costs seconds here, so a new one cannot join the fast tier
+    unnoticed. Forked processes (DataLoader workers) and other tools (lint-imports) are allowed."""
+    if request.node.get_closest_marker("dist") or request.node.get_closest_marker("slow"):
+        yield
+        return
+    import multiprocessing.process
+    import subprocess
+
+    name = request.node.nodeid
+    start, popen_init = multiprocessing.process.BaseProcess.start, subprocess.Popen.__init__
+
+    def refuse():
+        raise RuntimeError(f"{name} starts a fresh Python process but is not marked dist: add @pytest.mark.dist "
+                           "(or an entry in tests/conftest.py MARKS)")
+
+    def guarded_start(self):
+        if getattr(self, "_start_method", None) in ("spawn", "forkserver"):
+            refuse()
+        return start(self)
+
+    def guarded_popen(self, args, *rest, **kwargs):
+        argv = [args] if isinstance(args, str | os.PathLike) else list(args)
+        head = os.path.basename(str(argv[0])) if argv else ""
+        if head.startswith(("python", "torchrun")) or str(argv[0]) == sys.executable:
+            refuse()
+        return popen_init(self, args, *rest, **kwargs)
+
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", guarded_start)
+    monkeypatch.setattr(subprocess.Popen, "__init__", guarded_popen)
+    yield

@@ -162,3 +162,15 @@ def test_auto_accelerate_stops_at_once_when_the_model_cannot_take_the_dict_batch
         ca.auto_accelerate(seed_task.build(), optim_func=torch.optim.AdamW, dataset=seed_task.DictText(),
                            loss_func=seed_task.loss_func, dataloader_args={"batch_size": 8}, time_limit=600)
     assert time.monotonic() - start < 60  # at once, not after time_limit
+
+
+def test_the_baseline_runs_first_even_where_compose_implies_data_parallelism():
+    kept = ("amp", "checkpoint", "ddp", "zero1", "zero2", "fsdp")
+    others = tuple(sorted(set(ca.registry()) - set(kept)))
+    runner = Recorder()
+    result = search(Workload(GPT, adamw, TextDataset(16, limit=64), lm_step, 16), trial=TrialSettings(world_size=2),
+                    budget=Budget(n_trials=2), space=SpaceOptions(excluded=others), study=StudyOptions(seed=0),
+                    runner=runner, progress=False)
+    first = result.measured[0]
+    baseline = ca.compose(env=result.space.env)
+    assert first.steps == baseline.names and "ddp" in first.steps  # the plan of no request, data parallel at world 2

@@ -102,7 +102,7 @@ def test_study_at_world_2_records_crash_and_hang_and_leaves_no_process(tmp_path)
 def test_resume_from_sqlite_keeps_earlier_trials_and_does_not_rerun_them(tmp_path):
     db = tmp_path / "study.db"
     common = dict(world_size=2, batch_size=16, excluded=all_but("amp", "checkpoint"), storage=str(db),
-                  study_name="resume", seed=3, progress=False)
+                  study_name="resume", seed=3, progress=False, preflight=False)  # the study, not the workload
     first_runner = SyntheticRunner()
     first = search(GPT, adamw, TextDataset(16, limit=64), lm_step, n_trials=3, runner=first_runner, **common)
     assert len(first.measured) == 3 and len(set(first_runner.calls)) == 3

@@ -19,11 +19,10 @@ from composable_atorch.environment import Environment
 
 from _dist import run_world
 
-#: Plans the search proposes that crash on every rank today (a failed trial, not a drift), with why.
-#: module_replace swaps attention for a module that reshapes by the global head count, which tensor
-#: parallelism (inside mixed_parallel) has halved: "shape '[4, 16, 1, 16]' is invalid" (reported
-#: 2026-11-23; compose should reject the pair or TP should shard the replaced module).
-KNOWN_CRASHES = {("module_replace", "mixed_parallel")}
+#: Plans the search proposes that crash on every rank (a failed trial, not a drift), with why. Empty:
+#: module_replace + mixed_parallel crashed until the GPT attention took its head size from the
+#: (tensor-sharded) projections instead of d_model.
+KNOWN_CRASHES: set[tuple[str, ...]] = set()  # none known: a crash of any proposed plan fails this test
 
 TINY = GPTTask(seq_len=16, d_model=16, n_layer=2, n_head=2, batch_size=8, limit=64)
 

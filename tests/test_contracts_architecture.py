@@ -136,6 +136,15 @@ def test_undeclared_read_is_a_config_error_and_reads_show_in_explain():
     assert "reads: amp, half" in ca.compose(ca.module_replace(), env=CPU).explain()
 
 
+def test_undeclared_read_fails_the_step_when_a_plan_is_applied():
+    with registry_scope():
+        reader = dataclasses.make_dataclass("Reader", [], bases=(_Reader,), frozen=True, namespace={"name": "toy_reader"})
+        plan = ca.compose(reader(), ca.amp("bf16"), env=CPU)
+        assert "reads: amp" in plan.explain()
+        with pytest.raises(ConfigError, match=r"toy_reader.contract.reads.*'half'"):
+            plan(Tiny())
+
+
 def test_precision_policy_has_one_rule_half_over_amp():
     def policy(*ts):
         plan = ca.compose(*ts, env=CPU)
@@ -214,6 +223,9 @@ def test_a_step_that_renames_parameters_fails_at_that_step_unless_declared():
         ok_contract = dataclasses.replace(_Rename.contract, renames=True)
         ok = dataclasses.make_dataclass("Renamer2", [], bases=(_Rename,), frozen=True, namespace={"name": "toy_renamer_ok", "contract": ok_contract})
         model, _, _ = ca.compose(ok(), env=CPU)(Tiny())
+        assert isinstance(model, nn.ModuleDict)
+        # a later step is checked against the names the renaming step left, not the user's originals
+        model, _, _ = ca.compose(ok(), ca.checkpoint(nn.Linear), env=CPU)(Tiny())
         assert isinstance(model, nn.ModuleDict)
 
 

@@ -42,17 +42,17 @@ def deepspeed_cases(rank, world):
     r = run_plan(ca.zero2(backend="deepspeed"), ca.clip_grad(0.05))
     out["clip_config"] = r["model"].gradient_clipping()
     out["clip_hooks"] = [type(h).__name__ for h in r["optim"].hooks]
-    # half("bf16") maps onto DeepSpeed's bf16 mode (ATorch's DeepSpeed recipe): bf16 module, fp32 master partitions
-    r = run_plan(ca.zero2(backend="deepspeed"), ca.half("bf16"))
-    out["bf16_enabled"] = r["model"].bfloat16_enabled()
-    out["bf16_module_dtypes"] = sorted({str(p.dtype) for p in r["model"].module.parameters()})
-    out["bf16_master_dtypes"] = sorted({str(t.dtype) for t in r["optim"].single_partition_of_fp32_groups})
-    out["bf16_finite"] = r["finite"]
-    out["bf16_losses"] = r["losses"]
-    out["bf16_params"] = {n: p.detach().float().clone() for n, p in r["model"].module.named_parameters()}
-    out["bf16_explain"] = r["explain"]
     ref = run_plan(ca.ddp(), ca.clip_grad(0.05))
     out["clip_diff"] = max_diff(plain({n: p.detach() for n, p in r["model"].module.named_parameters()}), plain(ref["params"]))
+    # half("bf16") maps onto DeepSpeed's bf16 mode (ATorch's DeepSpeed recipe): bf16 module, fp32 master partitions
+    rb = run_plan(ca.zero2(backend="deepspeed"), ca.half("bf16"))
+    out["bf16_enabled"] = rb["model"].bfloat16_enabled()
+    out["bf16_module_dtypes"] = sorted({str(p.dtype) for p in rb["model"].module.parameters()})
+    out["bf16_master_dtypes"] = sorted({str(t.dtype) for t in rb["optim"].single_partition_of_fp32_groups})
+    out["bf16_finite"] = rb["finite"]
+    out["bf16_losses"] = rb["losses"]
+    out["bf16_params"] = {n: p.detach().float().clone() for n, p in rb["model"].module.named_parameters()}
+    out["bf16_explain"] = rb["explain"]
     return plain(out)
 
 

@@ -28,14 +28,16 @@ def batches(n: int = 3, batch: int = 4, seq: int = 16):
 
 
 def train_and_save(rank: int, world: int, out: str) -> dict:
-    import composable_atorch as ca
-    from composable_atorch.state.hf import save_pretrained
     from transformers import AutoModelForCausalLM
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
+    import composable_atorch as ca
+    from composable_atorch.state.hf import save_pretrained
+
     gaps = {}
     probe = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(7))
-    for name, plan in (("fsdp", ca.fsdp(wrap=(LlamaDecoderLayer,))), ("ddp", ca.ddp())):
+    plans = {"fsdp": ca.fsdp(wrap=(LlamaDecoderLayer,)), "ddp": ca.ddp(), "zero1": ca.zero1(), "zero2": ca.zero2()}
+    for name, plan in plans.items():
         model = tiny_llama()
         optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
         model, optim, _ = ca.compose(plan)(model, optim, None)
@@ -64,9 +66,9 @@ def train_and_save(rank: int, world: int, out: str) -> dict:
 
 
 @pytest.mark.dist
-def test_fsdp_and_ddp_models_save_as_hf_directories_with_the_same_logits(tmp_path):
+def test_fsdp_ddp_zero_models_save_as_hf_directories_with_the_same_logits(tmp_path):
     got = run_world(train_and_save, 2, str(tmp_path), timeout=300)[0]
-    for name in ("fsdp", "ddp"):
+    for name in ("fsdp", "ddp", "zero1", "zero2"):
         r = got[name]
         assert "config.json" in r["files"] and "model.safetensors" in r["files"], r
         assert r["moved"] > 1e-3, r  # training changed the model, so equality below means something

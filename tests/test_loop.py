@@ -8,7 +8,7 @@ import torch
 
 import composable_atorch as ca
 from composable_atorch.core.contract import Contract, Stage
-from composable_atorch.core.transform import _REGISTRY, Transform
+from composable_atorch.core.transform import Transform, registry, registry_scope
 from composable_atorch.errors import ConfigError, ParameterMappingError
 
 from helpers import gpt, params, train, triple, twins
@@ -71,34 +71,34 @@ def test_clip_grad_matches_manual_clipping():
 # -- optimizer rebuilt by name -------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class ToyReplaceParams(Transform):
-    """Returns a deep copy of the model: every parameter object is new, names are the same."""
+# toy transforms registered only for this module's definitions: nothing leaks into the registry
+with registry_scope():
+    @dataclass(frozen=True)
+    class ToyReplaceParams(Transform):
+        """Returns a deep copy of the model: every parameter object is new, names are the same."""
 
-    name = "toy_replace"
-    contract = Contract(stage=Stage.MODULE_REWRITE)
+        name = "toy_replace"
+        contract = Contract(stage=Stage.MODULE_REWRITE)
 
-    def apply(self, state, ctx):
-        state.model = copy.deepcopy(state.model)
-        return state
-
-
-@dataclass(frozen=True)
-class ToyDropParam(Transform):
-    name = "toy_drop"
-    contract = Contract(stage=Stage.MODULE_REWRITE)
-
-    def apply(self, state, ctx):
-        state.model = copy.deepcopy(state.model)
-        state.model.head.weight = None
-        return state
+        def apply(self, state, ctx):
+            state.model = copy.deepcopy(state.model)
+            return state
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _unregister_toys():
-    yield
-    for name in ("toy_replace", "toy_drop"):
-        _REGISTRY.pop(name, None)
+    @dataclass(frozen=True)
+    class ToyDropParam(Transform):
+        name = "toy_drop"
+        contract = Contract(stage=Stage.MODULE_REWRITE)
+
+        def apply(self, state, ctx):
+            state.model = copy.deepcopy(state.model)
+            state.model.head.weight = None
+            return state
+
+
+def test_toys_are_not_left_registered():
+    """The toys above were defined in a registry_scope: the global registry never keeps them."""
+    assert "toy_replace" not in registry() and "toy_drop" not in registry()
 
 
 def test_optimizer_rebuilt_by_name_keeps_groups_and_hyperparameters():

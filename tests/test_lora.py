@@ -37,10 +37,11 @@ def trainable_grads(model) -> dict[str, torch.Tensor]:
 
 
 def lora_cases(rank: int, world: int, out: str) -> dict:
-    import composable_atorch as ca
-    from composable_atorch.state.hf import save_pretrained
     from peft import PeftModel
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    import composable_atorch as ca
+    from composable_atorch.state.hf import save_pretrained
 
     from test_hf_save import batches, tiny_llama
 
@@ -57,6 +58,12 @@ def lora_cases(rank: int, world: int, out: str) -> dict:
         plan = ca.compose(ca.fsdp(wrap=(LlamaDecoderLayer,), wrap_trainable_outmost=outmost))
         model, optim, _ = plan(model, optim, None)
         in_optim = [p for g in optim.param_groups for p in g["params"]]
+        from torch.distributed.fsdp import FSDPModule
+
+        # wrap_trainable_outmost: no fully_shard-ed block below the root holds a trainable parameter
+        blocks_with_trainable = sum(
+            1 for m in model.modules() if isinstance(m, FSDPModule) and m is not model and any(p.requires_grad for p in m.parameters())
+        )
         n_trainable = sum(1 for p in model.parameters() if p.requires_grad)
         model(input_ids=x[rank::world], labels=x[rank::world]).loss.backward()
         grads = trainable_grads(model)
@@ -72,6 +79,7 @@ def lora_cases(rank: int, world: int, out: str) -> dict:
             "all_trainable": all(p.requires_grad for p in in_optim),
             "same_names": sorted(grads) == sorted(reference),
             "grad_gap": gap,
+            "blocks_with_trainable": blocks_with_trainable,
         }
         if rank == 0:
             loaded = PeftModel.from_pretrained(tiny_llama(), str(path))
@@ -94,6 +102,7 @@ def test_lora_under_fsdp_matches_one_process_and_saves_the_adapter(tmp_path):
             assert r["same_names"] and r["all_trainable"], r
             assert r["in_optim"] == r["n_trainable"] == 8, r  # 2 layers x (q, v) x (A, B)
             assert r["grad_gap"] < 1e-6, (outmost, r)
+            assert (r["blocks_with_trainable"] == 0) == outmost, r  # outmost: adapters in the root group
         r = got[0][outmost]
         assert {"adapter_config.json", "adapter_model.safetensors"} <= set(r["files"]), r
         assert not any(f.startswith("model") for f in r["files"]), r  # the adapter alone, not the base

@@ -57,3 +57,19 @@ def test_distributed_cases(world):
     for results in per_rank:
         for result in results:
             _check(result)
+
+
+def _nothing():
+    pass
+
+
+def test_an_unmarked_test_cannot_spawn_a_python_process():
+    """The fast tier's guard (tests/conftest.py): spawning a fresh Python process needs the dist mark."""
+    import multiprocessing
+    import subprocess
+    import sys
+
+    with pytest.raises(RuntimeError, match="not marked dist"):
+        multiprocessing.get_context("spawn").Process(target=_nothing).start()
+    with pytest.raises(RuntimeError, match="not marked dist"):
+        subprocess.run([sys.executable, "-c", "pass"])

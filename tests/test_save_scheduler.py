@@ -75,3 +75,23 @@ def test_scheduler_errors(tmp_path):
     ca.save_state(tmp_path, model, optim, loader, step=1)
     with pytest.raises(ConfigError, match="no LR scheduler state"):
         ca.load_state(tmp_path, model, optim, loader, scheduler=sched)
+
+
+def test_is_boundary_says_which_micro_step_syncs_and_steps():
+    """Accelerate's ``sync_gradients``: ``optim.is_boundary`` before ``optim.step()``, ``optim.sync_gradients`` after."""
+    model, optim, _, loader = setup()
+    model, optim, loader = ca.compose(ca.accumulate(2))(model, optim, loader)
+    seen = []
+    for batch in loader:
+        before = [p.detach().clone() for p in model.parameters()]
+        loss = torch.nn.functional.cross_entropy(model(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten())
+        optim.backward(loss)
+        syncs = optim.is_boundary
+        optim.step()
+        optim.zero_grad()
+        changed = any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+        assert optim.sync_gradients == syncs  # still describes this micro-step after step()
+        seen.append((syncs, changed))
+        if len(seen) == 4:
+            break
+    assert seen == [(False, False), (True, True), (False, False), (True, True)]

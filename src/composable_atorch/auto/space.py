@@ -252,10 +252,30 @@ class SearchSpace:
         for knob, choices in self.options.items():
             mine = {wanted.pop(k) for k in knob.split("+") if k in wanted}
             label = next((lab for lab, combo in choices.items() if set(combo) == mine), None)
+            if label is None and not mine:
+                label = self.implied_label(knob)
             if label is None:
                 return None
             out[knob] = label
         return None if wanted else out
+
+    def implied_label(self, knob: str) -> str | None:
+        """The option of ``knob`` that stands for asking nothing of it, where the knob has no "absent":
+        the one that composes to what compose() implies on its own (at world > 1 data parallelism
+        is implied, so "absent" and "ddp" are the same plan, listed once by its explicit name)."""
+        if ABSENT in self.options[knob]:
+            return ABSENT
+        try:
+            nothing = plan_key(compose(env=self.env))
+        except CompositionError:
+            return None
+        for label, combo in self.options[knob].items():
+            try:
+                if plan_key(compose(*combo, env=self.env)) == nothing:
+                    return label
+            except CompositionError:
+                continue
+        return None
 
     def enumerate(self) -> Enumeration:
         """Compose every assignment (cheap: no model is touched) and sort them out."""

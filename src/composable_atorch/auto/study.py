@@ -250,11 +250,32 @@ class _Loop:
             self._enqueue_first(plan)
 
     def _enqueue_first(self, plan: Plan | None) -> None:
-        assignment = self.space.assignment_of(plan) if plan is not None else {k: ABSENT for k in self.space.kinds}
+        if plan is None:  # the baseline: what compose() makes of no request (at world > 1, data parallel)
+            base = self.space.point({k: ABSENT for k in self.space.kinds}) if all(
+                ABSENT in c for c in self.space.options.values()) else None
+            key = base.key if base is not None and base.valid else self._key_of_nothing()
+            point = self.enumeration.valid.get(key) if key else None
+            if point is not None and point.key not in self.seen:
+                self.study.enqueue_trial(dict(point.assignment), skip_if_exists=False)
+            return
+        assignment = self.space.assignment_of(plan)
         if assignment and all(label in self.space.options[k] for k, label in assignment.items()):
             point = self.space.point(assignment)
             if point.valid and point.key not in self.seen:
                 self.study.enqueue_trial(assignment, skip_if_exists=False)
+
+    def _key_of_nothing(self) -> str | None:
+        from composable_atorch.auto.space import plan_key
+        from composable_atorch.core.compose import compose
+        from composable_atorch.errors import CompositionError
+
+        try:
+            plan = compose(env=self.env)
+            if self.space.customize is not None:
+                plan = self.space.customize(plan)
+        except CompositionError:
+            return None
+        return plan_key(plan)
 
     # -- the loop ---------------------------------------------------------------------------
     def _stop_reason(self, remaining: float | None) -> str | None:

@@ -10,6 +10,19 @@ Under torchrun every rank calls this. Rank 0 decides the plan (loads it, or sear
 worker processes at this world size) and broadcasts the plan as JSON text; every rank composes
 it again against its own process and applies it. Errors the caller can fix are raised on every
 rank before any work.
+
+ATorch's keywords (its ``AutoAccelerateExtraArgs`` and ``meta_init_offload_name``) are accepted:
+``sample_batch`` stands in for the dataset in dry runs and the search, ``batch_size`` is the
+global batch of those measurements, ``expand_sample_batch`` repeats the sample's rows up to it,
+``sampler_seed`` seeds the distributed sampler; one that has no effect in a call says so in
+``best_strategy.explain()``. Where this differs from ATorch on purpose:
+
+* an unknown keyword is a ConfigError (ATorch ignores it), pickled strategies are refused;
+* ``best_strategy`` is an :class:`AtorchStrategy`: ``len`` counts implied steps too, and each
+  entry says whether it was requested or implied;
+* a user's model / loss that fails with no plan raises WorkloadError on every rank (ATorch's
+  engine returns ``status False``);
+* ``ignore_dryrun_on_load_strategy`` defaults to True, as the seed's documentation says.
 """
 
 from __future__ import annotations
@@ -36,7 +49,7 @@ from composable_atorch.runtime.optim import OptimizerHook
 AccelerateResult = namedtuple("AccelerateResult", ["model", "optim", "dataloader", "loss_func", "prepare_input", "lr_scheduler", "args"])
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # Mapping's equality: equal to the dict ATorch returns
 class AccelerateArgs(Mapping):
     """``result.args``: read as ``args.use_optim_backward`` or, as ATorch's dict, ``args["use_optim_backward"]``."""
 
@@ -259,6 +272,9 @@ class Request:
                                   "a batch: a tensor, or a list / tuple / dict of tensors, sharing a first (batch) dimension >= 1")
             if b is not None and b > rows and not o["expand_sample_batch"]:
                 raise ConfigError("batch_size", b, f"at most sample_batch's {rows} rows, or pass expand_sample_batch=True to repeat them up to {b}")
+        if self.finetune_strategy and self.load_strategy is not None and not self.can_train:
+            raise ConfigError("finetune_strategy", True, "False unless optim_func, loss_func and a dataset (or sample_batch=) are given "
+                              "(fine-tuning measures training steps)")
         if self.load_strategy is None:
             missing = [n for n, v in (("optim_func", self.optim_func), ("loss_func", self.loss_func)) if v is None]
             if self.dataset is None and o["sample_batch"] is None:
@@ -303,6 +319,9 @@ class Request:
                 out.append(f"auto_accelerate {key}={o[key]!r}: no effect here: {why}")
         if o["sample_batch"] is not None and self.dataset is not None:
             out.append("auto_accelerate sample_batch: no effect: a dataset is given, and dry runs and the search train on it")
+        if not o["ignore_dryrun_on_load_strategy"] and self.load_strategy is not None and not self.can_train:
+            out.append("auto_accelerate ignore_dryrun_on_load_strategy=False: dry run skipped, as ATorch skips it: "
+                       "it needs optim_func, loss_func and a dataset (or sample_batch=)")
         if o["batch_size"] is not None and (self.dataset is not None or o["sample_batch"] is None):
             out.append("auto_accelerate batch_size: no effect: it sizes sample_batch measurements only; "
                        "the returned loader's global batch is dataloader_args['batch_size']")
@@ -475,7 +494,7 @@ def _decide(req: Request, loaded: Plan | None, env: Environment) -> str:
     try:
         if loaded is not None and not req.finetune_strategy:
             text = loaded.to_json()
-            if not req.opts["ignore_dryrun_on_load_strategy"]:
+            if not req.opts["ignore_dryrun_on_load_strategy"] and req.can_train:  # ATorch skips it too otherwise
                 failure = _dry_run(req, loaded)
         else:
             text, failure = _search(req, loaded, env)
@@ -517,9 +536,6 @@ def _needs_boundary(optim) -> bool:
 def _dry_run(req: Request, plan: Plan) -> str | None:
     from composable_atorch.auto.trial import TrialSettings, check_picklable, run_trial
 
-    if not req.can_train:
-        raise ConfigError("ignore_dryrun_on_load_strategy", False,
-                          "True unless optim_func, loss_func and a dataset (or sample_batch=) are given (a dry run trains)")
     workload = req.workload()
     check_picklable(workload)
     world = int(os.environ.get("WORLD_SIZE", plan.env.world_size))

@@ -181,6 +181,8 @@ class Plan:
             state = step.transform.apply(state, ctx.for_step(step.transform))
             if not step.transform.contract.renames:
                 names = check_names_kept(step.transform.name, names, state.model)
+            else:  # later steps are checked against the names this step left (a pipeline stage keeps a subset)
+                names = sorted(named_parameters(state.model))
             if state.optim is not None and isinstance(state.optim, torch.optim.Optimizer):
                 state.optim = rebuild_optimizer(state.optim, state.param_names, state.model)
         return state

@@ -37,9 +37,10 @@ class CausalSelfAttention(nn.Module):
         self.dropout = cfg.dropout
 
     def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        b, t, d = x.shape
-        shape = (b, t, self.n_head, d // self.n_head)
-        return tuple(proj(x).view(shape).transpose(1, 2) for proj in (self.q, self.k, self.v))
+        # head size from the projection's output, not from d_model: under tensor parallelism each
+        # rank's q/k/v hold n_head / degree heads of the same size (and any attention twin inherits this)
+        b, t, _ = x.shape
+        return tuple(proj(x).view(b, t, self.n_head, -1).transpose(1, 2) for proj in (self.q, self.k, self.v))
 
     def attend(self, q, k, v):
         t = q.size(-2)
@@ -50,9 +51,9 @@ class CausalSelfAttention(nn.Module):
         return weights @ v
 
     def forward(self, x):
-        b, t, d = x.shape
+        b, t, _ = x.shape
         y = self.attend(*self.heads(x))
-        return self.o(y.transpose(1, 2).reshape(b, t, d))
+        return self.o(y.transpose(1, 2).reshape(b, t, -1))
 
 
 class MLP(nn.Module):

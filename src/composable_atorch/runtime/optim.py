@@ -222,6 +222,9 @@ class PlanOptimizer(torch.optim.Optimizer):
         self._forced_boundary: bool | None = None
         self._hooked_backwards = 0  # backward passes through the hooks since the last real step
         self._step_was_skipped = False
+        #: Accelerate's name: whether the last backward synced gradients (its step changes the weights).
+        #: Unlike ``is_boundary`` it keeps describing that micro-step after ``step()`` until the next backward.
+        self.sync_gradients = True
         for h in self.hooks:
             h.attach(self)
 
@@ -352,6 +355,7 @@ class PlanOptimizer(torch.optim.Optimizer):
         if isinstance(loss, PlanLoss):
             loss = loss.as_subclass(torch.Tensor)  # a plain alias: its backward must not re-enter here
         loss = self.scale_loss(loss)
+        self.sync_gradients = self.is_boundary
         with contextlib.ExitStack() as stack:
             for h in self.hooks:
                 stack.enter_context(h.backward_context(self.is_boundary))

@@ -51,6 +51,7 @@ class PrecisionPolicy:
             d = dtype_of(half.dtype)
             return cls(param_dtype=d, compute_dtype=d, source="half", name=half.dtype)
         amp = ctx.find("amp")
-        if amp is not None:
+        # ATorch's amp_native {"enabled": False} keeps the plan in float32
+        if amp is not None and getattr(amp, "enabled", True):
             return cls(param_dtype=torch.float32, compute_dtype=dtype_of(amp.dtype), source="amp", name=amp.dtype)
         return cls()

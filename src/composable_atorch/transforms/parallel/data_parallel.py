@@ -3,6 +3,10 @@
 Who synchronizes gradients is a role, ``grad_sync``, owned by exactly one of ddp / zero2 / fsdp /
 a DeepSpeed engine; who shards optimizer state is ``optimizer_state_sharding``. compose() rejects
 two owners with the reasons written in the conflicts below; nothing here checks combinations.
+ddp's contract also declares it the default owner of ``grad_sync`` at world size >= 2
+(:class:`~composable_atorch.core.contract.DefaultOwner`): a plan with no owner there gets
+parallel_mode + ddp, said in explain() (``strict=True`` raises). The roles, conflict reasons and
+sync hooks the data-parallel modules share live in :mod:`.common`.
 
 DDP is torch's composable ``replicate`` (DistributedDataParallel underneath) rather than the
 ``DistributedDataParallel`` wrapper: it works in place and keeps parameter names, where the

@@ -111,7 +111,9 @@ def apply_options(config: dict, options: dict, clip_transform: float | None, who
     zero = config["zero_optimization"]
     if options.get("cpu_offload"):
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
-        notes.append("cpu_offload: optimizer state offloaded to the CPU (offload_optimizer)")
+        # the plan keeps the user's torch optimizer (ATorch passes its own); DeepSpeed otherwise insists on its CPU Adam
+        config["zero_force_ds_cpu_optimizer"] = False
+        notes.append("cpu_offload: optimizer state offloaded to the CPU (offload_optimizer), stepped by your optimizer")
     for key in ("allgather_bucket_size", "reduce_bucket_size"):
         if key in options:
             zero[key] = int(options[key])

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from composable_atorch.core.contract import Conflict, Contract, Implication, Stage
+from composable_atorch.core.contract import Conflict, Contract, Implication, MinWorldSize, Stage
 from composable_atorch.core.transform import ApplyContext, TrainState, Transform
 from composable_atorch.errors import CompositionError, ConfigError, ParameterMappingError
 from composable_atorch.runtime.optim import OptimizerHook
@@ -253,6 +253,8 @@ class PipelineParallel(Transform):
     contract = Contract(
         stage=Stage.PIPELINE_SPLIT,
         owns=(GRAD_SYNC,),
+        # ATorch drops distributed methods in one process (remove_distributed_method): skipped, with the reason
+        requires=(MinWorldSize(minimum=2, on_unmet="skip"),),
         roles=("pipeline", "model_parallel"),
         renames=True,  # each rank keeps the parameters of its stage only (names unchanged)
         implies=(

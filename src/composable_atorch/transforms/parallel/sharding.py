@@ -60,6 +60,7 @@ FSDP1_REFUSED = {
     "ignored_states": "pass atorch_ignored_cls (module classes) instead: parameters are not known when the plan is built",
     "ignored_modules": "pass atorch_ignored_cls (module classes or names) instead of module instances",
     "process_group": "parallel_mode makes the process groups and the device mesh fsdp shards over",
+    "device_mesh": "parallel_mode makes the process groups and the device mesh fsdp shards over",
     "device_id": "FSDP2 shards on the device mesh's device; move the model there before the plan",
     "intra_load": "ATorch's meta-model loader is not supported: load weights before applying the plan",
     "parse_fsdp": "ATorch's ParseFSDP debugging wrapper is not supported",

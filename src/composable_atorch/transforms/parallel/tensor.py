@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from composable_atorch.core.contract import Conflict, Contract, Implication, Stage
+from composable_atorch.core.contract import Conflict, Contract, Implication, MinWorldSize, Stage
 from composable_atorch.core.transform import ApplyContext, TrainState, Transform
 from composable_atorch.errors import ConfigError
 from composable_atorch.transforms.parallel.common import parallel_context
@@ -283,18 +283,6 @@ def _conv1d_style(kind: str, sequence_parallel: bool = False):
     return Conv1DParallel(input_layouts=Shard(1)) if kind == "col" else Conv1DParallel(output_layouts=Shard(1))
 
 
-def _local_heads_forward(attn: nn.Module):
-    """The built-in GPT's attention forward with the feature count taken from the (local) projections."""
-
-    def forward(self, x):
-        b, t, _ = x.shape
-        q, k, v = (proj(x).view(b, t, self.n_head, -1).transpose(1, 2) for proj in (self.q, self.k, self.v))
-        y = self.attend(q, k, v)
-        return self.o(y.transpose(1, 2).reshape(b, t, -1))
-
-    attn.forward = types.MethodType(forward, attn)
-
-
 # ---------------------------------------------------------------------------------------------
 # the transform
 # ---------------------------------------------------------------------------------------------
@@ -320,6 +308,8 @@ class TensorParallel(Transform):
     contract = Contract(
         stage=Stage.TENSOR_PARALLEL,
         roles=("tensor_parallel", "model_parallel"),
+        # ATorch drops distributed methods in one process (remove_distributed_method): skipped, with the reason
+        requires=(MinWorldSize(minimum=2, on_unmet="skip"),),
         implies=(
             Implication(
                 "parallel_mode",
@@ -471,8 +461,6 @@ class TensorParallel(Transform):
             m = modules[n]
             for a in attrs:
                 setattr(m, a, getattr(m, a) // degree)
-            if type(m).__name__ == "CausalSelfAttention" and hasattr(m, "attend"):
-                _local_heads_forward(m)
         cols = sum(1 for k, _ in shard.values() if k == "col")
         rows = sum(1 for k, _ in shard.values() if k == "row")
         vocab = sum(1 for k, _ in shard.values() if k == "vocab")
