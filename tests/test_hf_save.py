@@ -1,4 +1,4 @@
-"""save_pretrained: a model trained under fsdp / ddp at world 2 saved as a Hugging Face directory.
+"""save_pretrained: a model trained under fsdp / ddp / zero / tensor parallel at world 2 saved as a Hugging Face directory.
 
 The directory loads with ``from_pretrained`` in a fresh model and gives the trained model's logits.
 """
@@ -36,13 +36,16 @@ def train_and_save(rank: int, world: int, out: str) -> dict:
 
     gaps = {}
     probe = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(7))
-    plans = {"fsdp": ca.fsdp(wrap=(LlamaDecoderLayer,)), "ddp": ca.ddp(), "zero1": ca.zero1(), "zero2": ca.zero2()}
+    plans = {"fsdp": ca.fsdp(wrap=(LlamaDecoderLayer,)), "ddp": ca.ddp(), "zero1": ca.zero1(), "zero2": ca.zero2(),
+             "tensor_parallel": ca.tensor_parallel()}  # transformers' own Llama TP plan; DTensor weights gathered
     for name, plan in plans.items():
+        # the data dimension is 1 under tensor parallelism: both ranks train on the same batch
+        shard = slice(None) if name == "tensor_parallel" else slice(rank, None, world)
         model = tiny_llama()
         optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
         model, optim, _ = ca.compose(plan)(model, optim, None)
         for x in batches():
-            loss = model(input_ids=x[rank::world], labels=x[rank::world]).loss
+            loss = model(input_ids=x[shard], labels=x[shard]).loss
             optim.backward(loss)
             optim.step()
             optim.zero_grad()
@@ -68,7 +71,7 @@ def train_and_save(rank: int, world: int, out: str) -> dict:
 @pytest.mark.dist
 def test_fsdp_ddp_zero_models_save_as_hf_directories_with_the_same_logits(tmp_path):
     got = run_world(train_and_save, 2, str(tmp_path), timeout=300)[0]
-    for name in ("fsdp", "ddp", "zero1", "zero2"):
+    for name in ("fsdp", "ddp", "zero1", "zero2", "tensor_parallel"):
         r = got[name]
         assert "config.json" in r["files"] and "model.safetensors" in r["files"], r
         assert r["moved"] > 1e-3, r  # training changed the model, so equality below means something
