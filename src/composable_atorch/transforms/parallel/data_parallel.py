@@ -27,7 +27,7 @@ from composable_atorch.core.transform import ApplyContext, TrainState, Transform
 from composable_atorch.errors import ConfigError
 from composable_atorch.runtime.layout import ParallelContext, make_context, normalize_groups, plan_layout
 from composable_atorch.runtime.loader import loader_batch_size, rebuild_loader
-from composable_atorch.transforms.parallel.common import (  # noqa: F401 - some re-exported for older imports
+from composable_atorch.transforms.parallel.common import (
     DDP_VS_FSDP,
     DDP_VS_ZERO2,
     FAIRSCALE,
@@ -39,8 +39,6 @@ from composable_atorch.transforms.parallel.common import (  # noqa: F401 - some 
     ZERO_OPTION_DEFAULTS,
     GradSyncHook,
     HasBackends,
-    IgnoredGradSyncHook,
-    KeepGradBuffersHook,
     options_label,
     parallel_context,
     sharded_optimizer,
