@@ -12,13 +12,13 @@ import heapq
 import itertools
 
 from composable_atorch.core.contract import STAGE_REASONS
-from composable_atorch.core.transform import Transform, lookup, registry
+from composable_atorch.core.plan import Plan, Step
+from composable_atorch.core.transform import Transform, lookup, registry, set_composer
 from composable_atorch.environment import Environment
 from composable_atorch.errors import ConfigError, ConflictError, RequirementError
 
 
 def _flatten(items) -> list[Transform]:
-    from composable_atorch.core.plan import Plan
 
     out: list[Transform] = []
     for item in items:
@@ -138,7 +138,6 @@ def compose(*items, strict: bool = False, env: Environment | None = None):
     would otherwise do on its own — add an implied step, skip a step the environment cannot run —
     raises RequirementError instead.
     """
-    from composable_atorch.core.plan import Plan, Step
 
     env = Environment.detect() if env is None else env
     requested = _unique(_flatten(items))
@@ -195,3 +194,6 @@ def compose(*items, strict: bool = False, env: Environment | None = None):
         reason = f"stage {int(stage)} ({stage.name.lower().replace('_', ' ')}): {STAGE_REASONS[stage]}"
         steps.append(Step(t, tuple([reason, *why[t.name]]), implied_by.get(t.name)))
     return Plan(steps=tuple(steps), requested=tuple(requested), notes=tuple(notes), env=env, strict=strict)
+
+
+set_composer(compose)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from composable_atorch.core import codec
-from composable_atorch.core.transform import ApplyContext, TrainState, Transform, lookup
+from composable_atorch.core.transform import ApplyContext, TrainState, Transform, build, composer
 from composable_atorch.environment import Environment
 from composable_atorch.errors import ConfigError, ParameterMappingError, RequirementError
 from composable_atorch.runtime.optim import PlanOptimizer, named_parameters, parameter_names, rebuild_optimizer
@@ -65,14 +65,10 @@ class Plan:
         return len(self.steps)
 
     def __or__(self, other):
-        from composable_atorch.core.compose import compose
-
-        return compose(self, other, strict=self.strict, env=self.env)
+        return composer()(self, other, strict=self.strict, env=self.env)
 
     def __ror__(self, other):
-        from composable_atorch.core.compose import compose
-
-        return compose(other, self, strict=self.strict, env=self.env)
+        return composer()(other, self, strict=self.strict, env=self.env)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -91,7 +87,7 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, env: Environment | None = None, strict: bool | None = None) -> Plan:
-        from composable_atorch.core.compose import compose
+        compose = composer()
 
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise ConfigError("plan format", data.get("format") if isinstance(data, dict) else type(data).__name__, repr(FORMAT))
@@ -226,16 +222,3 @@ def check_names_kept(step: str, before: list[str], model) -> list[str]:
         what = f"lose or rename parameters at step {step!r}, whose contract does not declare renames=True"
         raise ParameterMappingError(what, [f"-{n}" for n in lost] + [f"+{n}" for n in new])
     return after
-
-
-def build(name: str, config: dict[str, Any] | None = None) -> Transform:
-    """A transform from its registry name (or alias) and a config dict; ConfigError on bad fields."""
-    import dataclasses
-
-    cls = lookup(name)
-    config = dict(config or {})
-    fields = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(config) - fields)
-    if unknown:
-        raise ConfigError(f"{cls.name} config field {unknown[0]!r}", config[unknown[0]], f"one of {sorted(fields)}")
-    return cls(**config)

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from composable_atorch.core.contract import Contract
 from composable_atorch.environment import Environment
@@ -27,7 +27,6 @@ from composable_atorch.errors import ConfigError, UnknownTransformError
 if TYPE_CHECKING:
     import torch
 
-    from composable_atorch.core.plan import Plan
     from composable_atorch.runtime.optim import OptimizerHook
 
 
@@ -70,6 +69,13 @@ class SearchContext:
     allow_compile: bool = False
 
 
+class PlanView(Protocol):
+    """What a transform may see of the plan being applied: its transforms, in order."""
+
+    @property
+    def transforms(self) -> tuple[Transform, ...]: ...
+
+
 @dataclass(frozen=True)
 class ApplyContext:
     """Read-only view of the plan being applied: its environment and its other steps.
@@ -78,7 +84,8 @@ class ApplyContext:
     declares in ``reads`` (None: an unchecked context, for tests of a helper on its own).
     """
 
-    plan: Plan
+    #: the Plan being applied (core.plan sits above this module; only ``.transforms`` is read here)
+    plan: PlanView
     env: Environment
     strict: bool = False
     reader: Transform | None = None
@@ -158,8 +165,6 @@ class Transform:
         if config is None:
             return cls()
         if isinstance(config, dict):
-            from composable_atorch.core.plan import build
-
             return build(cls.name, config)
         return cls(config)
 
@@ -172,20 +177,14 @@ class Transform:
 
     # -- composition ------------------------------------------------------------------------
     def __or__(self, other):
-        from composable_atorch.core.compose import compose
-
-        return compose(self, other)
+        return composer()(self, other)
 
     def __ror__(self, other):
-        from composable_atorch.core.compose import compose
-
-        return compose(other, self)
+        return composer()(other, self)
 
     def __call__(self, model, optim=None, loader=None):
         """A single transform applies like a one-step plan."""
-        from composable_atorch.core.compose import compose
-
-        return compose(self)(model, optim, loader)
+        return composer()(self)(model, optim, loader)
 
 
 def _same_class(a: type, b: type) -> bool:
@@ -245,3 +244,32 @@ def lookup(name: str) -> type[Transform]:
     if name in _PLANNED and name not in known:
         raise UnknownTransformError(name, known, note=f"not built yet ({_PLANNED[name]})")
     raise UnknownTransformError(name, known)
+
+
+def build(name: str, config: dict[str, Any] | None = None) -> Transform:
+    """A transform from its registry name (or alias) and a config dict; ConfigError on bad fields."""
+    cls = lookup(name)
+    config = dict(config or {})
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(config) - fields)
+    if unknown:
+        raise ConfigError(f"{cls.name} config field {unknown[0]!r}", config[unknown[0]], f"one of {sorted(fields)}")
+    return cls(**config)
+
+
+# compose() sits above this module (core.compose imports it, and core.plan), so the ``|`` operator
+# of transforms and plans cannot import it without a cycle: compose registers itself here when it is
+# imported, which importing the package always does. The dependency points one way, down.
+_COMPOSER: list[Callable[..., Any]] = []
+
+
+def set_composer(compose: Callable[..., Any]) -> None:
+    """Called once by :mod:`composable_atorch.core.compose` at import."""
+    _COMPOSER[:] = [compose]
+
+
+def composer() -> Callable[..., Any]:
+    """The registered :func:`~composable_atorch.core.compose.compose`."""
+    if not _COMPOSER:
+        raise ConfigError("compose", "not registered", "import composable_atorch (it registers compose) before composing with |")
+    return _COMPOSER[0]
