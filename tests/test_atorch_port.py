@@ -507,7 +507,7 @@ def test_atorch_keywords_have_their_meaning_or_a_note():
 @pytest.mark.dist  # the dry run spawns a trial
 def test_sample_batch_feeds_the_dry_run():
     """ATorch dry-runs on sample_batch when there is no dataset; expand_sample_batch repeats its rows."""
-    from composable_atorch.compat.atorch import Request, SampleBatchDataset
+    from composable_atorch.compat.request import Request, SampleBatchDataset
 
     sample = [torch.ones(2, 16), torch.ones(2, 4)]
     req = Request.of(TinyNet(), {"sample_batch": sample, "batch_size": 6, "expand_sample_batch": True},
@@ -523,7 +523,7 @@ def test_sample_batch_feeds_the_dry_run():
 
 
 def test_request_is_frozen():
-    from composable_atorch.compat.atorch import Request
+    from composable_atorch.compat.request import Request
 
     req = Request.of(TinyNet(), {}, load_strategy=["amp_native"])
     with pytest.raises(dataclasses_frozen_error()):
