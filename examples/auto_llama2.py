@@ -26,13 +26,11 @@ import os
 import torch
 import torch.distributed as dist
 from rich.progress import track
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import composable_atorch as ca
 from composable_atorch import auto_accelerate
-from composable_atorch.data.text import ByteTokenizer, corpus_text
 
-from _llama_data import Windows, causal_lm_loss
+from _llama_data import Windows, causal_lm_loss, llama_and_tokens
 
 
 def main() -> None:
@@ -56,16 +54,7 @@ def main() -> None:
     here = os.path.dirname(os.path.abspath(__file__))
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
 
-    torch.manual_seed(0)
-    if model_path:
-        from transformers import AutoTokenizer
-
-        tokens = torch.tensor(AutoTokenizer.from_pretrained(model_path)(corpus_text())["input_ids"])
-        model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32)
-    else:
-        tokens = ByteTokenizer().encode(corpus_text())
-        model = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                             num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=args.seq_len))
+    model, tokens = llama_and_tokens(model_path, args.seq_len)
     dataset = Windows(tokens, args.seq_len, args.batch_size * 16)
 
     status, result, best_strategy = auto_accelerate(

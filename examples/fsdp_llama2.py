@@ -28,13 +28,13 @@ import os
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 from composable_atorch import auto_accelerate
-from composable_atorch.data.text import ByteTokenizer, corpus_text
 from composable_atorch.state.hf import save_pretrained
 from composable_atorch.state.trackers import init_trackers
+
+from _llama_data import Windows, llama_and_tokens  # beside this script (the Llama examples share it)
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--out", default="runs/fsdp_llama2")
@@ -50,31 +50,7 @@ model_path = os.environ.get("MODEL_NAME_OR_PATH")
 dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
 rank = dist.get_rank()
 
-
-class Windows(torch.utils.data.Dataset):
-    """Non-overlapping token windows as the dicts a HF causal LM takes (labels = inputs)."""
-
-    def __init__(self, tokens: torch.Tensor, seq_len: int, n: int):
-        self.tokens, self.seq_len, self.n = tokens, seq_len, min(n, len(tokens) // seq_len)
-
-    def __len__(self):
-        return self.n
-
-    def __getitem__(self, i):
-        ids = self.tokens[i * self.seq_len : (i + 1) * self.seq_len]
-        return {"input_ids": ids, "labels": ids}
-
-
-torch.manual_seed(0)
-if model_path:
-    from transformers import AutoTokenizer
-
-    tokens = torch.tensor(AutoTokenizer.from_pretrained(model_path)(corpus_text())["input_ids"])
-    model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32)
-else:
-    tokens = ByteTokenizer().encode(corpus_text())
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=args.seq_len))
+model, tokens = llama_and_tokens(model_path, args.seq_len)
 dataset = Windows(tokens, args.seq_len, args.batch_size * args.steps)
 
 fsdp_config = {"atorch_wrap_cls": (LlamaDecoderLayer,)}
