@@ -339,7 +339,12 @@ def _gpt2_cases(rank, world, _):
         try:
             status, result, best = ca.auto_accelerate(**call, load_strategy=strat, ignore_dryrun_on_load_strategy=True)
             steps = run_train(result.model, result.dataloader, result.optim, result.prepare_input, result.loss_func, gpt2_model=True)
-            out[name] = dict(status=status, len=len(best), want=len(strat), steps=steps, want_steps=16 // call["dataloader_args"]["batch_size"])
+            # what ATorch's test never writes down: both ranks end with one model (full weights gathered from the shards)
+            full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float() for n, p in result.model.named_parameters()}
+            everyone = [None] * world
+            torch.distributed.all_gather_object(everyone, full)
+            drift = max(float((everyone[0][n] - everyone[1][n]).abs().max()) for n in full)
+            out[name] = dict(status=status, len=len(best), want=len(strat), steps=steps, want_steps=16 // call["dataloader_args"]["batch_size"], drift=drift)
         except Exception as exc:  # noqa: BLE001 - reported to the parent with its type
             out[name] = f"{type(exc).__name__}: {exc}"
     # run_wraps: atorch_wrap_cls (GPT2Block, LayerNorm) shards 3 blocks and 3 * 2 + 1 LayerNorms
@@ -365,6 +370,7 @@ def test_semi_auto_gpt2_strategy_at_world_2():
             assert isinstance(case, dict), case
             assert case["status"] and case["len"] == case["want"]  # nothing implied: fsdp owns grad sync
             assert case["steps"] == case["want_steps"]
+            assert case["drift"] == 0.0, case  # ranks hold equal full parameters after training
         assert r["wraps"] == {"GPT2Block": 3, "LayerNorm": 3 * 2 + 1}
 
 
