@@ -14,7 +14,9 @@ import multiprocessing as mp
 import os
 import queue
 import socket
+import signal
 import tempfile
+import time
 import traceback
 
 
@@ -53,6 +55,15 @@ def _child(fn, rank, world, init_file, port, args, results):
                 pass
 
 
+def _exit_reason(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
 def run_world(fn, world: int = 2, *args, timeout: float = 300.0) -> list:
     """``[fn(rank, world, *args) for rank in range(world)]``, each in its own process."""
     ctx = mp.get_context("spawn")
@@ -65,16 +76,24 @@ def run_world(fn, world: int = 2, *args, timeout: float = 300.0) -> list:
             p.start()
         out: dict[int, object] = {}
         errors: list[str] = []
+        deadline = time.monotonic() + timeout
         try:
-            for _ in range(world):
-                rank, status, value = results.get(timeout=timeout)
+            while len(out) < world and not errors:
+                try:
+                    rank, status, value = results.get(timeout=1.0)
+                except queue.Empty:
+                    # a rank killed by a signal (or exiting without reporting) never puts a result:
+                    # say which rank and how, at once, instead of waiting out the timeout
+                    dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in out]
+                    if dead:
+                        errors.append("; ".join(f"rank {r} died without a result: {_exit_reason(code)}" for r, code in dead))
+                    elif time.monotonic() > deadline:
+                        errors.append(f"process group of {world} timed out after {timeout:.0f} s")
+                    continue
                 if status == "ok":
                     out[rank] = value
                 else:
                     errors.append(f"rank {rank} failed:\n{value}")
-                    break
-        except queue.Empty:
-            errors.append(f"process group of {world} timed out after {timeout:.0f} s")
         finally:
             for p in procs:
                 p.join(timeout=10 if not errors else 1)
