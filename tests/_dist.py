@@ -13,8 +13,8 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
-import socket
 import signal
+import socket
 import tempfile
 import time
 import traceback

@@ -89,9 +89,14 @@ def test_corrupt_and_unknown_inputs_are_typed_errors(tmp_path):
         strategy.load(12, env=CPU)
 
 
-def test_seed_names_not_built_yet_say_so():
-    with pytest.raises(UnknownTransformError, match="not built yet"):
-        strategy.load(["ds_3d_parallel"], env=CPU)
+def test_every_seed_model_parallel_name_is_built():
+    # these once said "not built yet"; each now resolves to a transform of its own
+    from composable_atorch.core.transform import lookup
+
+    for name in ("tensor_parallel", "pipeline_parallel", "mixed_parallel", "ds_3d_parallel", "deepspeed_3d_parallel"):
+        assert lookup(name).name in (name, "ds_3d_parallel"), name
+    with pytest.raises(UnknownTransformError):
+        strategy.load(["ds_4d_parallel"], env=CPU)
 
 
 def test_local_classes_cannot_be_saved():
