@@ -1,4 +1,4 @@
-"""World 4: TP2 x FSDP2, PP2 x DP2, TP2 x PP2 and mixed_parallel against one process (one spawned group)."""
+"""World 4: TP2 x FSDP2, PP2 x DP2, TP2 x PP2 and mixed_parallel against one process; TP2 x FSDP2 checkpoint reshards (one spawned group)."""
 
 from __future__ import annotations
 
@@ -63,7 +63,40 @@ def _case(ref, ref_losses, *transforms):
         "weight_gap": gap,
         "seen": seen,
         "n_params": sum(1 for _ in model.named_parameters()),
+        "losses": losses,
     }
+
+
+def _full_state(model, optim):
+    """Full weights and AdamW moments by parameter name, gathered from DTensors (collective)."""
+    weights, moments = {}, {}
+    for name, p in model.named_parameters():
+        n = name.removeprefix("module.")
+        weights[n] = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+        st = optim.state[p]
+        moments[n] = [(st[k].full_tensor() if hasattr(st[k], "full_tensor") else st[k]).clone() for k in ("exp_avg", "exp_avg_sq")]
+    return weights, moments
+
+
+def _reshard(directory):
+    """A TP2 x FSDP2 checkpoint loads under DP4 with weights and optimizer state exact."""
+    plan = ca.compose(ca.tensor_parallel(), ca.fsdp(wrap=(Block,)), ca.parallel_mode([("tensor", 2), ("data", 2)]))
+    model = gpt()
+    model, optim, data = plan(model, torch.optim.AdamW(model.parameters(), lr=1e-2), loader())
+    for i, (x, y) in enumerate(data):
+        if i >= 2:
+            break
+        ca.train_step(model, optim, x, y, lm_loss)
+    ca.save_state(directory, model, optim, step=2)
+    weights, moments = _full_state(model, optim)
+    dp = gpt()
+    dp, dp_optim, _ = ca.compose(ca.parallel_mode([("data", 4)]))(dp, torch.optim.AdamW(dp.parameters(), lr=1e-2))
+    ca.load_state(directory, dp, dp_optim, verbose=False)
+    w4, m4 = _full_state(dp, dp_optim)
+    exact = sorted(w4) == sorted(weights) and all(torch.equal(weights[n], w4[n]) for n in weights)
+    exact = exact and all(torch.equal(a, b) for n in moments for a, b in zip(moments[n], m4[n], strict=True))
+    # numpy: tensors would cross the process boundary through shared memory
+    return exact, {n: t.numpy() for n, t in weights.items()}, {n: [t.numpy() for t in m] for n, m in moments.items()}
 
 
 def _layout(rank):
@@ -75,8 +108,9 @@ def _layout(rank):
     return pc.layout.mesh_dim_names, tensor_ranks, data_ranks, pc.data_rank
 
 
-def _world(rank, world):
+def _world(rank, world, directory):
     layout = _layout(rank)
+    reshard = _reshard(directory)
     ref, ref_losses = _reference()
     cases = {
         "tp2_fsdp2": (ca.tensor_parallel(), ca.fsdp(wrap=(Block,)), ca.parallel_mode([("tensor", 2), ("data", 2)])),
@@ -90,7 +124,7 @@ def _world(rank, world):
         "mixed_pp2_dp2_own_layout": (ca.mixed_parallel(pipeline=2),),
     }
     out = {name: _case(ref, ref_losses, *ts) for name, ts in cases.items()}
-    return layout, out
+    return layout, out, reshard
 
 
 DATA_COORD = {  # seed order: the first name varies fastest over the ranks
@@ -105,14 +139,27 @@ DATA_COORD = {  # seed order: the first name varies fastest over the ranks
 
 
 @pytest.mark.dist
-def test_world4_model_parallel_matches_one_process():
-    got = run_world(_world, 4, timeout=900)
+def test_world4_model_parallel_matches_one_process(tmp_path):
+    directory = str(tmp_path / "tp2_fsdp2")
+    got = run_world(_world, 4, directory, timeout=900)
     layouts, ranks = [g[0] for g in got], [g[1] for g in got]
+    # TP2 x FSDP2 checkpoint -> DP4 (in the group) and -> one process (here): weights and AdamW state exact
+    assert all(g[2][0] for g in got), "TP2 x FSDP2 -> DP4 reshard not exact"
+    _, weights, moments = got[0][2]
+    one = gpt()
+    optim = torch.optim.AdamW(one.parameters(), lr=1e-2)
+    ca.load_state(directory, one, optim, verbose=False)
+    for name, p in one.named_parameters():
+        assert torch.equal(p.detach(), torch.from_numpy(weights[name])), name
+        for key, saved in zip(("exp_avg", "exp_avg_sq"), moments[name], strict=True):
+            assert torch.equal(optim.state[p][key], torch.from_numpy(saved)), (name, key)
     # seed order, first name fastest: tensor groups [0, 1], [2, 3]; data groups [0, 2], [1, 3]
     assert layouts[0] == (("data", "tensor"), [0, 1], [0, 2], 0)
     assert layouts[3] == (("data", "tensor"), [2, 3], [1, 3], 1)
     everything = {tuple(row.tolist()) for i, (x, _) in enumerate(loader()) if i < STEPS for row in x}
     for name in ranks[0]:
+        # train_step returns the step's mean loss over the data dim: the same float on every rank
+        assert all(r[name]["losses"] == ranks[0][name]["losses"] for r in ranks), name
         for r in ranks:
             res = r[name]
             assert res["loss_gap"] < 1e-4, (name, res["loss_gap"])
@@ -135,9 +182,17 @@ def test_degrees_are_search_candidates():
 
     assert sorted(factorizations(4)) == [(1, 1, 4), (1, 2, 2), (1, 4, 1), (2, 1, 2), (2, 2, 1), (4, 1, 1)]
     env = ca.Environment(world_size=4)
-    found = MixedParallel.candidates(SearchContext(env=env))
-    # tensor x data only: the trial worker cannot train a pipeline stage yet (see candidates())
-    assert {(c.tensor, c.pipeline) for c in found} == {(2, 1), (4, 1)}
+    found = MixedParallel.candidates(SearchContext(env=env, batch_size=16))
+    # every factorization with model parallelism; with a pipeline, micro-batches = stages and 2 x stages
+    assert {(c.tensor, c.pipeline, c.microbatches) for c in found if c.pipeline > 1} == {
+        (1, 2, 2), (1, 2, 4), (1, 4, 4), (1, 4, 8), (2, 2, 2), (2, 2, 4)}
+    assert {(c.tensor, c.pipeline) for c in found if c.pipeline == 1} == {(2, 1), (4, 1)}
+    # micro-batch counts that do not divide the per-data-rank batch, and data sizes that do not
+    # divide the global batch, are not offered
+    small = MixedParallel.candidates(SearchContext(env=env, batch_size=4))
+    assert {(c.tensor, c.pipeline, c.microbatches) for c in small if c.pipeline > 1} == {
+        (1, 2, 2), (1, 4, 4), (2, 2, 2), (2, 2, 4)}
+    assert MixedParallel.candidates(SearchContext(env=env, batch_size=1)) == (MixedParallel(tensor=4, pipeline=1),)
     for c in found:  # every candidate composes on its own (it lays out its own mesh)
         plan = ca.compose(c, env=env)
         assert "parallel_mode" not in plan.names and "ddp" not in plan.names

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import composable_atorch as ca
+from composable_atorch.core.transform import lookup
 from composable_atorch.errors import ConfigError
 from composable_atorch.transforms.parallel.tensor import TensorParallelPlanError, TPInfo, auto_plan, full_weight
 
@@ -35,12 +36,17 @@ def llama():
     return LlamaForCausalLM(cfg)
 
 
-def gpt2():
+def gpt2(drop=0.0, attn_drop=0.0, **extra):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    cfg = GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    cfg = GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=32, resid_pdrop=drop, embd_pdrop=drop, attn_pdrop=attn_drop, **extra)
     return GPT2LMHeadModel(cfg)
+
+
+def gpt2_dropout():
+    """Replicated dropouts only (resid / mlp / embedding p=0.1): TP must draw one process's masks."""
+    return gpt2(drop=0.1)
 
 
 def gpt2_tpinfo(vocab: bool = False) -> TPInfo:
@@ -62,6 +68,12 @@ def logits(model, x):
 
 def loss_of(model, x, y):
     lg = logits(model, x)
+    return torch.nn.functional.cross_entropy(lg.reshape(-1, lg.size(-1)).float(), y.reshape(-1))
+
+
+def lm(out, y):
+    """train_step's loss_fn(output, targets) for HF outputs and plain logits."""
+    lg = out.logits if hasattr(out, "logits") else out
     return torch.nn.functional.cross_entropy(lg.reshape(-1, lg.size(-1)).float(), y.reshape(-1))
 
 
@@ -90,13 +102,16 @@ def _full(model):
     return out
 
 
-def _case(make, plan_arg, vocab, sp=False):
+def _case(make, plan_arg, vocab, sp=False, transform=None):
     ref = make()
     model = copy.deepcopy(ref)
     batches = _batches(vocab)
+    torch.manual_seed(5)
     ref_losses = _train(ref, torch.optim.SGD(ref.parameters(), lr=LR), batches)
     optim = torch.optim.SGD(model.parameters(), lr=LR)
-    plan = ca.compose(ca.tensor_parallel(plan_arg, sequence_parallel=sp), ca.parallel_mode([("tensor", 2)]))
+    # ranks seeded differently: tensor_parallel synchronizes the stream replicated dropouts draw
+    torch.manual_seed(5 if torch.distributed.get_rank() == 0 else 6)
+    plan = ca.compose(transform or ca.tensor_parallel(plan_arg, sequence_parallel=sp), ca.parallel_mode([("tensor", 2)]))
     model, optim, _ = plan(model, optim)
     sharded = {}
     for name, p in model.named_parameters():
@@ -104,7 +119,7 @@ def _case(make, plan_arg, vocab, sp=False):
             sharded[name] = p.to_local().numel() / p.numel()
     # SequenceParallel makes the blocks' norm weights replicated DTensors
     sp_norms = sum(1 for n, p in model.named_parameters() if "norm" in n or ".ln" in n or "ln_" in n if hasattr(p, "placements"))
-    losses = _train(model, optim, batches)
+    losses = [ca.train_step(model, optim, x, y, lm) for x, y in batches]
     full = _full(model)
     ref_p = dict(ref.named_parameters())
     weight_gap = max((full[n] - ref_p[n].detach()).abs().max().item() for n in ref_p if n in full)
@@ -137,8 +152,59 @@ def _save_resume(directory):
     return max(abs(a - b) for a, b in zip(after, resumed, strict=True))
 
 
+def _dropout_streams():
+    """One training forward: replic_drop masks equal across tensor ranks, parallel_drop masks differ."""
+    import warnings
+
+    model = gpt2(drop=0.5, attn_drop=0.5, reorder_and_upcast_attn=True, attn_implementation="eager")  # calls attn_dropout
+    model, _, _ = ca.compose(ca.tensor_parallel(gpt2_tpinfo()), ca.parallel_mode([("tensor", 2)]))(model)
+    seen = {}
+    attn = model.transformer.h[0].attn
+
+    def keep(name):
+        def hook(_module, _args, out):
+            seen.setdefault(name, (out == 0).numpy().copy())  # numpy: tensors would cross the process boundary by shared memory
+
+        return hook
+
+    for name in ("attn_dropout", "resid_dropout"):
+        getattr(attn, name).register_forward_hook(keep(name))
+    x = _batches(128)[0][0]
+    model(x)
+    # HF's default attention drops inside its kernel and never calls attn_dropout: warned, not silent
+    sdpa, _, _ = ca.compose(ca.tensor_parallel(gpt2_tpinfo()), ca.parallel_mode([("tensor", 2)]))(gpt2(attn_drop=0.5))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sdpa(x)
+    return {**seen, "warned": any("parallel_drop" in str(w.message) for w in caught)}
+
+
+def _strided_checkpoint(directory):
+    """GPT-2's fused qkv (stride 3) saved at TP2: the checkpoint holds the unpermuted weights and Adam state."""
+    model = gpt2()
+    plan = ca.compose(ca.tensor_parallel(gpt2_tpinfo()), ca.parallel_mode([("tensor", 2)]))
+    model, optim, _ = plan(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    _train(model, optim, _batches(128)[:2])
+    ca.save_state(directory, model, optim, step=2)
+    full = _full(model)
+    mods = dict(model.named_modules())
+    state = {}
+    for name, p in model.named_parameters():
+        mod, _, attr = name.rpartition(".")
+        state[name] = full_weight(mods[mod], attr, optim.state[p]["exp_avg"])
+    # TP2 -> TP2: the same plan loads it back exactly (through the unpermuted layout)
+    model2 = gpt2()
+    model2, optim2, _ = plan(model2, torch.optim.AdamW(model2.parameters(), lr=1e-3))
+    ca.load_state(directory, model2, optim2, verbose=False)
+    back = _full(model2)
+    ok = all(torch.equal(back[n], full[n]) for n in full)
+    return {"full": {n: t.detach().numpy() for n, t in full.items()}, "exp_avg": {n: t.detach().numpy() for n, t in state.items()}, "tp_roundtrip": ok}
+
+
 def _world(rank, world, directory):
     return {
+        "dropout": _dropout_streams(),
+        "strided": _strided_checkpoint(directory + "-strided"),
         "resume_gap": _save_resume(directory),
         "gpt": _case(gpt, "auto", 256),
         "gpt_sp": _case(gpt, "auto", 256, sp=True),
@@ -147,12 +213,22 @@ def _world(rank, world, directory):
         "gpt2": _case(gpt2, gpt2_tpinfo(), 128),
         "gpt2_vocab": _case(gpt2, gpt2_tpinfo(vocab=True), 128),
         "gpt2_sp": _case(gpt2, gpt2_tpinfo(), 128, sp=True),
+        "gpt2_replic_dropout": _case(gpt2_dropout, gpt2_tpinfo(), 128),
+        # the seed name sequence_parallel (tensor_parallel with sequence_parallel=True); dropouts in the blocks see a sequence shard
+        "gpt2_replic_dropout_seq_seed_name": _case(gpt2_dropout, None, 128, sp=True, transform=lookup("sequence_parallel").from_seed({"plan": gpt2_tpinfo()})),
+        "llama_seq_seed_name": _case(llama, None, 128, sp=True, transform=lookup("sequence_parallel").from_seed(None)),
     }
 
 
 @pytest.mark.dist
 def test_tensor_parallel_matches_one_process(tmp_path):
     results = run_world(_world, 2, str(tmp_path / "ckpt"), timeout=600)
+    drops = [r.pop("dropout") for r in results]
+    assert (drops[0]["resid_dropout"] == drops[1]["resid_dropout"]).all(), "replic_drop: one stream on every tensor rank"
+    assert drops[0]["resid_dropout"].any()
+    assert (drops[0]["attn_dropout"] != drops[1]["attn_dropout"]).any(), "parallel_drop: a stream per rank"
+    assert drops[0]["warned"] and drops[1]["warned"]
+    _check_strided_checkpoint([r.pop("strided") for r in results], str(tmp_path / "ckpt-strided"))
     for rank, res in enumerate(results):
         assert res.pop("resume_gap") == 0.0, rank
         for name, r in res.items():
@@ -163,6 +239,19 @@ def test_tensor_parallel_matches_one_process(tmp_path):
             assert r["sharded"], f"{name}: nothing sharded"
             assert all(abs(f - 0.5) < 1e-9 for f in r["sharded"].values()), (name, r["sharded"])
     print({n: (r["loss_gap"], r["weight_gap"], len(r["sharded"])) for n, r in results[0].items()})
+
+
+def _check_strided_checkpoint(ranks, directory):
+    """TP2 -> one process: the fused qkv and its Adam state come back unpermuted, exactly."""
+    assert all(r["tp_roundtrip"] for r in ranks)
+    model = gpt2()
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ca.load_state(directory, model, optim, verbose=False)
+    saved = ranks[0]
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach(), torch.from_numpy(saved["full"][name])), name
+        assert torch.equal(optim.state[p]["exp_avg"], torch.from_numpy(saved["exp_avg"][name])), name
+    assert not torch.equal(torch.from_numpy(saved["full"]["transformer.h.0.attn.c_attn.weight"]), gpt2().transformer.h[0].attn.c_attn.weight.detach())
 
 
 # -- planning and bad input (single process) ------------------------------------------------------

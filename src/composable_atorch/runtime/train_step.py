@@ -3,10 +3,25 @@
     loss = train_step(model, optim, inputs, targets, loss_fn)
 
 Without a pipeline it is the ordinary loop (``loss_fn(model(inputs), targets)``, the plan
-optimizer's ``backward``, ``step``, ``zero_grad``) and returns this rank's loss. For a
-pipeline-parallel plan the model is one stage; its schedule runs forward and backward over the
-microbatches with the loss inside, and the step's mean loss (over the microbatches and the data
-dimension) is returned on every rank.
+optimizer's ``backward``, ``step``, ``zero_grad``). For a pipeline-parallel plan the model is one
+stage; its schedule runs forward and backward over the microbatches with the loss inside.
+
+Either way it returns the step's *mean* loss over the data dimension, the same float on every
+rank: what one process would report for the global batch (each data rank's loss is the mean over
+its equal share of the batch). Why here: the user's loop prints / logs / early-stops on this value,
+and a rank-local loss would make ranks disagree (and make a non-last pipeline stage report 0).
+Which group to average over:
+
+* a pipeline stage's runner averages over the microbatches, broadcasts from the last stage and
+  averages over the data dimension itself;
+* a model marked by a model-parallel transform (:data:`LOSS_GROUP_ATTR`: ``(group, size)``, set
+  from the plan's parallel context) averages over that data group;
+* any other model trained with a plan's optimizer under an initialized process group averages
+  over the world: every rank of one data shard holds the same loss (tensor / pipeline ranks
+  compute it together), so the world mean *is* the mean over the data dimension.
+
+A plain ``torch.optim`` optimizer (no plan) keeps the rank-local loss: no collective is issued,
+so a reference run on one rank never waits for the others.
 """
 
 from __future__ import annotations
@@ -17,10 +32,41 @@ import torch
 
 #: Attribute a pipeline stage module carries: its runner, with ``step(inputs, targets, loss_fn) -> float``.
 PIPELINE_ATTR = "_composable_atorch_pipeline"
+#: Attribute a model-parallel transform sets on the model: ``(data process group or None, data size)``.
+LOSS_GROUP_ATTR = "_composable_atorch_loss_group"
+
+
+def mark_loss_group(model: torch.nn.Module, group, size: int) -> None:
+    """Record over which data group :func:`train_step` averages this model's loss (a plain attribute)."""
+    object.__setattr__(model, LOSS_GROUP_ATTR, (group, int(size)))
+
+
+def _data_mean(model, optim, loss: torch.Tensor) -> float:
+    """The loss averaged over the data dimension (see the module docstring for which group)."""
+    import torch.distributed as dist
+
+    from composable_atorch.runtime.optim import PlanOptimizer
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return float(loss)
+    marked = getattr(model, LOSS_GROUP_ATTR, None)
+    if marked is not None:
+        group, size = marked
+    elif isinstance(optim, PlanOptimizer):
+        group, size = None, dist.get_world_size()
+    else:
+        return float(loss)
+    if hasattr(loss, "full_tensor"):  # a loss computed on DTensors (vocabulary-parallel logits)
+        loss = loss.full_tensor()
+    if size <= 1:
+        return float(loss)
+    value = loss.detach().float().clone().reshape(())
+    dist.all_reduce(value, group=group)
+    return float(value) / size
 
 
 def train_step(model: torch.nn.Module, optim, inputs, targets, loss_fn: Callable) -> float:
-    """One optimizer step (or one micro-batch of an accumulation window); returns the loss."""
+    """One optimizer step (or one micro-batch of an accumulation window); returns the step's mean loss."""
     runner = getattr(model, PIPELINE_ATTR, None)
     if runner is not None:
         loss = runner.step(inputs, targets, loss_fn)
@@ -30,7 +76,7 @@ def train_step(model: torch.nn.Module, optim, inputs, targets, loss_fn: Callable
             optim.backward(out)
         else:
             out.backward()
-        loss = float(out.detach())
+        loss = _data_mean(model, optim, out.detach())
     optim.step()
     optim.zero_grad()
     return loss

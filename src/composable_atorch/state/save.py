@@ -63,6 +63,7 @@ from composable_atorch.state.files import (
     read_json,
     write_json,
 )
+from composable_atorch.transforms.parallel.tp_checkpoint import load_layout, save_layout
 
 __all__ = ["Resumed", "latest_checkpoint", "load_state", "save_state"]
 
@@ -222,6 +223,7 @@ def save_state(
         state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
     else:  # no state yet: get_state_dict would initialise it with a zero step, changing training
         state = {"model": sd.get_model_state_dict(model, options=options)}
+    state = save_layout(model, state)  # fused (strided) tensor-parallel layers in the user's layout
     if micro_step:
         state["grads"] = _grad_state(model, rank)
     position = None if loader is None else loader.position.to_json()
@@ -369,8 +371,10 @@ def load_state(
         }
         saved_keys = reader.read_metadata().state_dict_metadata
         state["grads"] = {k: v for k, v in state["grads"].items() if f"grads.{k}" in saved_keys}
+    loading, finish_layout = load_layout(model, state)  # fused (strided) tensor-parallel layers
     with _single_process_is_intended():
-        dcp.load(state, storage_reader=reader, no_dist=not _distributed())
+        dcp.load(loading, storage_reader=reader, no_dist=not _distributed())
+    finish_layout()
     if saved_optim:
         sd.set_state_dict(model, [local], model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
         _sync_hyperparameters(inner, local)

@@ -13,7 +13,7 @@ Use ``tensor_parallel | pipeline_parallel | fsdp`` to choose each engine yoursel
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from composable_atorch.core.contract import Conflict, Contract, Stage
@@ -22,8 +22,14 @@ from composable_atorch.errors import ConfigError, RequirementError
 from composable_atorch.runtime.layout import ParallelContext, make_context, plan_layout
 from composable_atorch.runtime.loader import is_shuffled, loader_batch_size, rebuild_loader
 from composable_atorch.runtime.optim import rebuild_optimizer
+from composable_atorch.runtime.train_step import mark_loss_group
 from composable_atorch.transforms.parallel.common import GRAD_SYNC, parallel_context
-from composable_atorch.transforms.parallel.pipeline import DataGradSync, PipelineParallel, broadcast_local
+from composable_atorch.transforms.parallel.pipeline import (
+    ACCUMULATE_CONFLICT,
+    DataGradSync,
+    PipelineParallel,
+    broadcast_local,
+)
 from composable_atorch.transforms.parallel.tensor import TensorParallel, normalize_plan
 
 MIXED_APPLIES = "mixed_parallel applies it itself over parallel_mode's dimensions"
@@ -52,6 +58,11 @@ def _split_loader(loader, pc: ParallelContext):
     return rebuild_loader(loader, batch_size=batch // parts, sampler=sampler)
 
 
+def _has_pipeline(mine, _accumulate) -> bool:
+    """With a pipeline degree given here (the search's candidates give it); one read from parallel_mode is refused when applied."""
+    return (mine.pipeline or 1) > 1
+
+
 @dataclass(frozen=True)
 class MixedParallel(Transform):
     """Tensor x pipeline x data parallelism with degrees from ``parallel_mode``; train with ``train_step``."""
@@ -71,19 +82,24 @@ class MixedParallel(Transform):
             ),
             Conflict("tensor_parallel", MIXED_APPLIES, "drop tensor_parallel (or drop mixed_parallel and compose the engines yourself)"),
             Conflict("pipeline_parallel", MIXED_APPLIES, "drop pipeline_parallel (or drop mixed_parallel and compose the engines yourself)"),
+            next(c for c in PipelineParallel.contract.conflicts if c.other == "compile"),  # zero-bubble schedules vs compile
+            replace(ACCUMULATE_CONFLICT, when=_has_pipeline),
         ),
     )
 
     tp_plan: Any = "auto"
     microbatches: int = 2
     schedule: str = "1F1B"
+    #: virtual pipeline stages per rank (None: the schedule's default, see pipeline_parallel)
+    stages_per_rank: int | None = None
     #: degrees, or None to read them from parallel_mode
     tensor: int | None = None
     pipeline: int | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "tp_plan", normalize_plan(self.tp_plan))
-        PipelineParallel(microbatches=self.microbatches, schedule=self.schedule)  # validates both
+        pp = PipelineParallel(microbatches=self.microbatches, schedule=self.schedule, stages_per_rank=self.stages_per_rank)  # validates them
+        object.__setattr__(self, "stages_per_rank", pp.stages_per_rank)
         for field in ("tensor", "pipeline"):
             v = getattr(self, field)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
@@ -91,14 +107,25 @@ class MixedParallel(Transform):
 
     @classmethod
     def candidates(cls, search):
-        """One per factorization of the world into tensor x data with some tensor parallelism.
+        """One per factorization of the world into tensor x pipeline x data with some model
+        parallelism; with a pipeline, one per micro-batch count in (stages, 2 x stages) that
+        divides the per-data-rank batch (fewer micro-batches than stages leaves stages idle; more
+        shrinks the bubble at more per-micro-batch overhead: the search measures which wins).
 
-        Pipeline degrees are left out for now: the trial worker trains with ``loss_fn(model, batch)``,
-        which a pipeline stage refuses (it needs :func:`composable_atorch.train_step`), so every such
-        trial would fail. ``factorizations`` already yields them for when the worker can.
+        A factorization whose data size does not divide the global batch is left out (the loader
+        split would refuse it). The trial worker trains every plan through ``train_step``, so
+        pipeline plans are measured like any other.
         """
-        world = search.env.world_size
-        return tuple(cls(tensor=t, pipeline=p) for t, p, _ in factorizations(world) if t > 1 and p == 1)
+        world, batch = search.env.world_size, search.batch_size
+        out = []
+        for t, p, d in factorizations(world):
+            if (t == 1 and p == 1) or batch % d:
+                continue
+            if p == 1:
+                out.append(cls(tensor=t, pipeline=1))
+                continue
+            out.extend(cls(tensor=t, pipeline=p, microbatches=m) for m in (p, 2 * p) if (batch // d) % m == 0)
+        return tuple(out)
 
     def resolve(self, env):
         if self.tensor is not None or self.pipeline is not None:
@@ -131,7 +158,7 @@ class MixedParallel(Transform):
         pc = self._context(state, ctx)
         sizes = {n: pc.layout.size(n) for n in ("tensor", "pipeline", "data")}
         tp = TensorParallel(plan=self.tp_plan)
-        pp = PipelineParallel(microbatches=self.microbatches, schedule=self.schedule)
+        pp = PipelineParallel(microbatches=self.microbatches, schedule=self.schedule, stages_per_rank=self.stages_per_rank)
         # every check before any change
         if sizes["tensor"] > 1:
             tp.placements(state.model, sizes["tensor"])
@@ -147,11 +174,14 @@ class MixedParallel(Transform):
             group = pc.data_group()
             broadcast_local(state.model, group)
             state.hooks.append(DataGradSync(state.model, group, pc.data_size))
+            mark_loss_group(state.model, group, pc.data_size)
             state.note(self.name, f"gradients averaged over the data dim of {pc.data_size} before each step")
         state.note(self.name, " x ".join(f"{n} {s}" for n, s in sizes.items()))
         return state
 
 
-def mixed_parallel(tp_plan: Any = "auto", *, microbatches: int = 2, schedule: str = "1F1B", tensor: int | None = None, pipeline: int | None = None) -> MixedParallel:
+def mixed_parallel(
+    tp_plan: Any = "auto", *, microbatches: int = 2, schedule: str = "1F1B", stages_per_rank: int | None = None, tensor: int | None = None, pipeline: int | None = None
+) -> MixedParallel:
     """``mixed_parallel()`` with ``parallel_mode([("tensor", 2), ("pipeline", 2), ("data", 2)])``, or ``mixed_parallel(tensor=2, pipeline=2)``."""
-    return MixedParallel(tp_plan=tp_plan, microbatches=microbatches, schedule=schedule, tensor=tensor, pipeline=pipeline)
+    return MixedParallel(tp_plan=tp_plan, microbatches=microbatches, schedule=schedule, stages_per_rank=stages_per_rank, tensor=tensor, pipeline=pipeline)

@@ -1,17 +1,25 @@
 """Pipeline parallelism on ``torch.distributed.pipelining``: ``pipeline_parallel``.
 
-Each rank of the mesh's ``pipeline`` dimension keeps one stage: a contiguous run of the model's
-blocks (cut at block boundaries, balanced by parameter count, or at the block indices given in
-``split``), the first stage also the embeddings, the last also the final norm and the head. The
-cutter knows the built-in GPT and HF causal LMs of the Llama family (rotary positions: a stage
-reruns the model's own forward on ``inputs_embeds`` with only its layers). The
-stage is a manual :class:`~torch.distributed.pipelining.PipelineStage` driven by a GPipe or 1F1B
-schedule. Parameter names are kept (each rank holds a subset of them); the optimizer is rebuilt
-over this stage's parameters.
+The model is cut at block boundaries (balanced by parameter count, or at the block indices given
+in ``split``) into ``pipeline size x stages_per_rank`` stages (see :mod:`.pipeline_stages`), the
+first also holding the embeddings, the last the final norm and the head. Each stage is a manual
+:class:`~torch.distributed.pipelining.PipelineStage` driven by one of torch's schedules:
 
-A pipeline needs the loss inside its schedule, so the plain loop (``model(x)``) cannot train it:
-the returned stage raises :class:`PipelineLoopError` when called outside
-:func:`composable_atorch.train_step`, which trains every plan.
+* one stage per rank: ``"GPipe"``, ``"1F1B"``;
+* several ("virtual") stages per rank, placed round-robin (rank r holds r, r+P, ...):
+  ``"Interleaved1F1B"``, ``"LoopedBFS"``, and zero-bubble ``"InterleavedZeroBubble"`` (backward
+  split into input and weight passes to fill the bubble);
+* exactly two stages per rank in a V (rank r holds r and 2P-1-r, so rank 0 holds the first and
+  the last): zero-bubble ``"ZBVZeroBubble"`` and ``"DualPipeV"``.
+
+All of them ran on CPU / gloo in torch 2.13 and match one process (tests/test_pipeline_parallel).
+The zero-bubble ones refuse compiled stages (torch cannot split a compiled backward into input
+and weight passes), so they conflict with ``compile`` in the contract.
+
+Parameter names are kept (each rank holds a subset of them); the optimizer is rebuilt over this
+rank's parameters. A pipeline needs the loss inside its schedule, so the plain loop
+(``model(x)``) cannot train it: the returned module raises :class:`PipelineLoopError` when
+called outside :func:`composable_atorch.train_step`, which trains every plan.
 
 Gradients of a stage are averaged over the ``data`` dimension by this transform itself (it owns
 ``grad_sync``): its schedule runs several backward passes per step, which DDP's per-backward
@@ -29,144 +37,39 @@ from torch import nn
 
 from composable_atorch.core.contract import Conflict, Contract, Implication, MinWorldSize, Stage
 from composable_atorch.core.transform import ApplyContext, TrainState, Transform
-from composable_atorch.errors import CompositionError, ConfigError, ParameterMappingError
+from composable_atorch.errors import ConfigError, ParameterMappingError
 from composable_atorch.runtime.optim import OptimizerHook
-from composable_atorch.runtime.train_step import PIPELINE_ATTR
+from composable_atorch.runtime.train_step import PIPELINE_ATTR, mark_loss_group
 from composable_atorch.transforms.parallel.common import GRAD_SYNC, parallel_context
+from composable_atorch.transforms.parallel.pipeline_stages import (  # noqa: F401 - re-exported
+    KNOWN_MODELS,
+    PipelineLoopError,
+    anatomy,
+    balanced_cuts,
+    numel,
+    rank_modules,
+)
 
-SCHEDULES = ("1F1B", "GPipe")
-
-
-class PipelineLoopError(CompositionError, RuntimeError):
-    """A pipeline stage called like a whole model (the plain loop would train one stage only)."""
-
-    def __init__(self):
-        super().__init__(
-            "this model is one stage of a pipeline-parallel plan; calling it as model(x) would run one stage only. "
-            "Fix: train with composable_atorch.train_step(model, optim, inputs, targets, loss_fn), which runs the "
-            "pipeline schedule (it trains every plan, pipeline or not)."
-        )
-
-
-# ---------------------------------------------------------------------------------------------
-# cutting the model
-# ---------------------------------------------------------------------------------------------
-
-
-def _is_builtin_gpt(model) -> bool:
-    return all(hasattr(model, a) for a in ("tok", "pos", "blocks", "ln_f", "head")) and isinstance(model.blocks, nn.ModuleList)
-
-
-def _hf_decoder(model):
-    """The base model of an HF causal LM of the Llama family (embed_tokens, layers, norm; rotary positions)."""
-    base = getattr(model, "base_model", None)
-    if base is None or base is model or not hasattr(model, "lm_head"):
-        return None
-    if all(hasattr(base, a) for a in ("embed_tokens", "layers", "norm")) and isinstance(base.layers, nn.ModuleList):
-        return base
-    return None
+#: schedule name -> (torch class name, stage placement: "single" | "loop" | "v")
+SCHEDULES = {
+    "GPipe": ("ScheduleGPipe", "single"),
+    "1F1B": ("Schedule1F1B", "single"),
+    "Interleaved1F1B": ("ScheduleInterleaved1F1B", "loop"),
+    "LoopedBFS": ("ScheduleLoopedBFS", "loop"),
+    "InterleavedZeroBubble": ("ScheduleInterleavedZeroBubble", "loop"),
+    "ZBVZeroBubble": ("ScheduleZBVZeroBubble", "v"),
+    "DualPipeV": ("ScheduleDualPipeV", "v"),
+}
+#: schedules that split the backward into input and weight passes (torch refuses compiled stages)
+ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
 
-KNOWN_MODELS = "composable_atorch's GPT (tok, pos, blocks, ln_f, head) or an HF causal LM of the Llama family (model.embed_tokens, model.layers, model.norm, lm_head)"
+def stage_ranks(schedule: str, pp: int, per_rank: int) -> dict[int, int]:
+    """stage index -> pipeline rank, as torch's multi-stage schedules place them."""
+    from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 
-
-def anatomy(model: nn.Module) -> tuple[list[nn.Module], int, int]:
-    """(blocks, parameters outside blocks on the first stage, on the last stage); ConfigError if unknown."""
-    if _is_builtin_gpt(model):
-        return list(model.blocks), _numel(model.tok) + _numel(model.pos), _numel(model.ln_f) + _numel(model.head)
-    base = _hf_decoder(model)
-    if base is not None:
-        return list(base.layers), _numel(base.embed_tokens), _numel(base.norm) + _numel(model.lm_head)
-    raise ConfigError("pipeline_parallel model", type(model).__name__, f"a model the stage cutter knows: {KNOWN_MODELS}")
-
-
-def _hf_stage(model: nn.Module, first: bool, last: bool, blocks: range) -> nn.Module:
-    """The HF model itself cut to one stage, in place; names kept (layers keep their indices)."""
-    import types
-
-    base = _hf_decoder(model)
-    if base.embed_tokens.weight is model.lm_head.weight and not (first and last):
-        raise ConfigError("pipeline_parallel model", "tied input and output embeddings", "tie_word_embeddings=False (the first and last stages would train two copies)")
-    layers = base.layers
-    kept = nn.ModuleList()
-    for i in blocks:
-        kept._modules[str(i)] = layers[i]  # original indices: parameter names unchanged
-    base.layers = kept
-    if not first:
-        base.embed_tokens = None
-    if not last:
-        base.norm = nn.Identity()
-        model.lm_head = nn.Identity()
-    forward_of_class = type(model).forward
-
-    def forward(self, x):
-        runner = getattr(self, PIPELINE_ATTR, None)
-        if runner is not None and not runner.running:
-            raise PipelineLoopError()
-        out = forward_of_class(self, input_ids=x, use_cache=False) if first else forward_of_class(self, inputs_embeds=x, use_cache=False)
-        return out.logits
-
-    model.forward = types.MethodType(forward, model)
-    return model
-
-
-def _numel(m: nn.Module) -> int:
-    return sum(p.numel() for p in m.parameters())
-
-
-def balanced_cuts(weights: list[int], stages: int, head: int = 0, tail: int = 0) -> tuple[int, ...]:
-    """Start indices of stages 1.. over ``weights`` (blocks), minimising the largest stage.
-
-    ``head`` / ``tail`` are the weights the first / last stage carry besides blocks.
-    """
-    n = len(weights)
-    prefix = [0]
-    for w in weights:
-        prefix.append(prefix[-1] + w)
-
-    def cost(i, j, s):  # blocks i..j-1 as stage s
-        return prefix[j] - prefix[i] + (head if s == 0 else 0) + (tail if s == stages - 1 else 0)
-
-    inf = float("inf")
-    best = [[inf] * (n + 1) for _ in range(stages + 1)]
-    arg = [[0] * (n + 1) for _ in range(stages + 1)]
-    best[0][0] = 0
-    for s in range(1, stages + 1):
-        for j in range(s, n + 1):
-            for i in range(s - 1, j):
-                c = max(best[s - 1][i], cost(i, j, s - 1))
-                if c < best[s][j]:
-                    best[s][j], arg[s][j] = c, i
-    cuts, j = [], n
-    for s in range(stages, 0, -1):
-        j = arg[s][j]
-        cuts.append(j)
-    return tuple(sorted(cuts)[1:])
-
-
-class _GPTStage(nn.Module):
-    """One stage of the built-in GPT, its submodules under their original names."""
-
-    def __init__(self, model: nn.Module, first: bool, last: bool, blocks: range):
-        super().__init__()
-        if first:
-            self.tok, self.pos = model.tok, model.pos
-        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in blocks})
-        if last:
-            self.ln_f, self.head = model.ln_f, model.head
-        self.first, self.last = first, last
-
-    def forward(self, x):
-        runner = getattr(self, PIPELINE_ATTR, None)
-        if runner is not None and not runner.running:
-            raise PipelineLoopError()
-        if self.first:
-            x = self.tok(x) + self.pos(torch.arange(x.size(1), device=x.device))
-        for block in self.blocks.values():
-            x = block(x)
-        if self.last:
-            x = self.head(self.ln_f(x))
-        return x
+    style = SCHEDULES[schedule][1]
+    return generate_stage_to_rank_mapping(pp, pp * per_rank, style="v" if style == "v" else "loop")
 
 
 def broadcast_local(module: nn.Module, group) -> None:
@@ -193,22 +96,24 @@ class DataGradSync(OptimizerHook):
 
 
 class PipelineRunner:
-    """What train_step drives: this rank's PipelineStage and a schedule per loss function."""
+    """What train_step drives: this rank's PipelineStage(s) and a schedule per loss function."""
 
-    def __init__(self, stage, stages: int, index: int, microbatches: int, schedule: str, pp_group, data_group, data_size: int):
-        self.stage, self.stages, self.index = stage, stages, index
+    def __init__(self, stages: list, n_stages: int, local: list[int], last_rank: int, microbatches: int, schedule: str, pp_group, data_group, data_size: int):
+        self.stages, self.n_stages, self.local, self.last_rank = stages, n_stages, local, last_rank
         self.microbatches, self.schedule_name = microbatches, schedule
         self.pp_group, self.data_group, self.data_size = pp_group, data_group, data_size
         self.running = False
         self._schedules: dict[int, Any] = {}
 
     def _schedule(self, loss_fn):
-        from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+        from torch.distributed.pipelining import schedules
 
         key = id(loss_fn)
         if key not in self._schedules:
-            cls = {"1F1B": Schedule1F1B, "GPipe": ScheduleGPipe}[self.schedule_name]
-            self._schedules[key] = (cls(self.stage, n_microbatches=self.microbatches, loss_fn=loss_fn), loss_fn)
+            cls_name, placement = SCHEDULES[self.schedule_name]
+            cls = getattr(schedules, cls_name)
+            stages = self.stages[0] if placement == "single" else self.stages
+            self._schedules[key] = (cls(stages, n_microbatches=self.microbatches, loss_fn=loss_fn), loss_fn)
         return self._schedules[key][0]
 
     def step(self, inputs, targets, loss_fn) -> float:
@@ -217,20 +122,16 @@ class PipelineRunner:
             raise ConfigError("pipeline batch", inputs.size(0), f"a multiple of microbatches={self.microbatches}")
         schedule = self._schedule(loss_fn)
         losses: list[torch.Tensor] = []
+        first, last = 0 in self.local, self.n_stages - 1 in self.local
+        args = (inputs,) if first else ()
+        kwargs = {"target": targets, "losses": losses} if last else {}
         self.running = True
         try:
-            if self.index == 0 and self.index == self.stages - 1:
-                schedule.step(inputs, target=targets, losses=losses, return_outputs=False)
-            elif self.index == 0:
-                schedule.step(inputs, return_outputs=False)
-            elif self.index == self.stages - 1:
-                schedule.step(target=targets, losses=losses, return_outputs=False)
-            else:
-                schedule.step(return_outputs=False)
+            schedule.step(*args, return_outputs=False, **kwargs)
         finally:
             self.running = False
         mean = torch.stack([v.detach().float() for v in losses]).mean() if losses else torch.zeros(())
-        dist.broadcast(mean, group=self.pp_group, group_src=self.stages - 1)
+        dist.broadcast(mean, group=self.pp_group, group_src=self.last_rank)
         if self.data_size > 1:
             dist.all_reduce(mean, group=self.data_group)
             mean /= self.data_size
@@ -241,12 +142,27 @@ def _no_pipeline_dim(_mine, pm) -> bool:
     return not any(n == "pipeline" for n, _ in pm.groups)
 
 
+def _zero_bubble(mine, _compile) -> bool:
+    return mine.schedule in ZERO_BUBBLE
+
+
+#: the schedule runs every backward itself, one per micro-batch: gradient accumulation IS its micro-batching
+ACCUMULATE_CONFLICT = Conflict(
+    "accumulate",
+    "a pipeline schedule accumulates gradients over its own micro-batches and runs the backward itself; "
+    "accumulate's optimizer would see a backward it did not scale",
+    "drop accumulate and raise pipeline_parallel's microbatches (the global batch is split into them)",
+)
+
+
 @dataclass(frozen=True)
 class PipelineParallel(Transform):
-    """Cut the model into ``pipeline`` stages, one per rank, trained by a GPipe / 1F1B schedule.
+    """Cut the model into ``pipeline x stages_per_rank`` stages trained by one of torch's schedules.
 
     ``microbatches``: how many pieces each (per data rank) batch is cut into. ``split``: ``"auto"``
     (balance parameters over block boundaries) or the block indices where stages 1.. begin.
+    ``schedule``: one of :data:`SCHEDULES`. ``stages_per_rank``: virtual stages per rank (None:
+    1 for GPipe / 1F1B, 2 for the interleaved and V schedules; the V ones need exactly 2).
     """
 
     name = "pipeline_parallel"
@@ -266,11 +182,19 @@ class PipelineParallel(Transform):
             ),
         ),
         conflicts=(
+            ACCUMULATE_CONFLICT,
             Conflict(
                 "parallel_mode",
                 "parallel_mode has no 'pipeline' dimension to cut stages over",
                 "add ('pipeline', n) to parallel_mode's groups, e.g. parallel_mode([('pipeline', 2), ('data', 1)])",
                 when=_no_pipeline_dim,
+            ),
+            Conflict(
+                "compile",
+                "torch's zero-bubble schedules split each backward into input and weight passes, which a compiled stage cannot do "
+                "(torch.distributed.pipelining refuses compiled stages for them)",
+                "drop compile, or use schedule='Interleaved1F1B' / '1F1B'",
+                when=_zero_bubble,
             ),
         ),
     )
@@ -278,12 +202,23 @@ class PipelineParallel(Transform):
     microbatches: int = 2
     schedule: str = "1F1B"
     split: Any = "auto"
+    stages_per_rank: int | None = None
 
     def __post_init__(self):
         if isinstance(self.microbatches, bool) or not isinstance(self.microbatches, int) or self.microbatches < 1:
             raise ConfigError("pipeline_parallel.microbatches", self.microbatches, "an integer >= 1")
         if self.schedule not in SCHEDULES:
             raise ConfigError("pipeline_parallel.schedule", self.schedule, ", ".join(map(repr, SCHEDULES)))
+        placement = SCHEDULES[self.schedule][1]
+        k = self.stages_per_rank
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+            raise ConfigError("pipeline_parallel.stages_per_rank", k, "an integer >= 1, or None for the schedule's default")
+        if placement == "single" and k not in (None, 1):
+            raise ConfigError("pipeline_parallel.stages_per_rank", k, f"1 for {self.schedule} (one stage per rank); use schedule='Interleaved1F1B' for virtual stages")
+        if placement == "v" and k not in (None, 2):
+            raise ConfigError("pipeline_parallel.stages_per_rank", k, f"2 for {self.schedule}: torch's V schedules place exactly two stages per rank")
+        if k is None:
+            object.__setattr__(self, "stages_per_rank", 1 if placement == "single" else 2)
         if self.split != "auto":
             if isinstance(self.split, str) or not isinstance(self.split, list | tuple) or not all(isinstance(i, int) and not isinstance(i, bool) and i > 0 for i in self.split):
                 raise ConfigError("pipeline_parallel.split", self.split, "'auto' or increasing block indices > 0 where stages 1.. begin")
@@ -293,15 +228,25 @@ class PipelineParallel(Transform):
 
     def describe(self):
         split = "balanced by parameters" if self.split == "auto" else f"stages begin at blocks {list(self.split)}"
-        return f"pipeline_parallel({self.schedule}, {self.microbatches} microbatches, {split})"
+        per = f", {self.stages_per_rank} stages per rank" if self.stages_per_rank > 1 else ""
+        return f"pipeline_parallel({self.schedule}{per}, {self.microbatches} microbatches, {split})"
 
-    def cuts(self, model: nn.Module, stages: int) -> tuple[int, ...]:
+    def cuts(self, model: nn.Module, pp: int) -> tuple[int, ...]:
+        """Start blocks of stages 1.. for ``pp`` ranks (``pp x stages_per_rank`` stages); typed errors first."""
+        stages = pp * self.stages_per_rank
         blocks, head, tail = anatomy(model)
         n = len(blocks)
         if n < stages:
-            raise ConfigError("pipeline_parallel", f"{n} blocks", f"at least as many blocks as pipeline stages ({stages})")
+            raise ConfigError("pipeline_parallel", f"{n} blocks", f"at least as many blocks as pipeline stages ({pp} ranks x {self.stages_per_rank} per rank = {stages})")
+        if self.schedule == "1F1B" and self.microbatches < pp:
+            raise ConfigError("pipeline_parallel.microbatches", self.microbatches, f"at least the pipeline size {pp} for 1F1B (torch's Schedule1F1B)")
+        if self.schedule == "DualPipeV" and self.microbatches < stages:
+            raise ConfigError("pipeline_parallel.microbatches", self.microbatches, f"at least the number of stages {stages} for DualPipeV")
+        rounds = max(1, self.microbatches // pp)
+        if SCHEDULES[self.schedule][1] == "loop" and self.schedule != "LoopedBFS" and self.microbatches % rounds:
+            raise ConfigError("pipeline_parallel.microbatches", self.microbatches, f"a multiple of max(1, microbatches // pipeline size) = {rounds} for {self.schedule}")
         if self.split == "auto":
-            return balanced_cuts([_numel(b) for b in blocks], stages, head, tail)
+            return balanced_cuts([numel(b) for b in blocks], stages, head, tail)
         if len(self.split) != stages - 1 or self.split[-1] >= n:
             raise ConfigError("pipeline_parallel.split", list(self.split), f"{stages - 1} increasing block indices below {n}")
         return self.split
@@ -310,35 +255,39 @@ class PipelineParallel(Transform):
         from torch.distributed.pipelining import PipelineStage
 
         pc = parallel_context(state, self.name)
-        stages = pc.layout.size("pipeline")
+        pp = pc.layout.size("pipeline")
         model = state.model
-        cuts = self.cuts(model, stages)  # checks before any change
+        cuts = self.cuts(model, pp)  # checks before any change
         if state.loader is not None and getattr(state.loader, "batch_size", None) and state.loader.batch_size % self.microbatches:
             raise ConfigError("loader per-rank batch", state.loader.batch_size, f"a multiple of pipeline_parallel.microbatches={self.microbatches}")
-        if not pc.distributed or stages == 1:
+        if not pc.distributed or pp == 1:
             state.note(self.name, "pipeline size 1: model left whole")
             return state
         index = pc.layout.coordinate(pc.rank, "pipeline")
+        n_stages = pp * self.stages_per_rank
+        placement = stage_ranks(self.schedule, pp, self.stages_per_rank)
+        local = sorted(s for s, r in placement.items() if r == index)
         blocks = anatomy(model)[0]
-        sizes = [sum(_numel(blocks[i]) for i in range(lo, hi)) for lo, hi in zip((0, *cuts), (*cuts, len(blocks)), strict=True)]
         bounds = (0, *cuts, len(blocks))
-        make = _GPTStage if _is_builtin_gpt(model) else _hf_stage
-        stage_mod = make(model, index == 0, index == stages - 1, range(bounds[index], bounds[index + 1]))
+        sizes = [sum(numel(blocks[i]) for i in range(lo, hi)) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
+        kept, stage_mods = rank_modules(model, bounds, local)
         pp_group = pc.mesh["pipeline"].get_group()
         data_group = pc.data_group() if pc.data_size > 1 else None
         if data_group is not None:
-            broadcast_local(stage_mod, data_group)
-            state.hooks.append(DataGradSync(stage_mod, data_group, pc.data_size))
-        pstage = PipelineStage(stage_mod, index, stages, torch.device(ctx.env.device), group=pp_group)
-        runner = PipelineRunner(pstage, stages, index, self.microbatches, self.schedule, pp_group, data_group, pc.data_size)
-        object.__setattr__(stage_mod, PIPELINE_ATTR, runner)  # a plain attribute, not a submodule
+            broadcast_local(kept, data_group)
+            state.hooks.append(DataGradSync(kept, data_group, pc.data_size))
+        device = torch.device(ctx.env.device)
+        pstages = [PipelineStage(m, s, n_stages, device, group=pp_group) for s, m in zip(local, stage_mods, strict=True)]
+        runner = PipelineRunner(pstages, n_stages, local, placement[n_stages - 1], self.microbatches, self.schedule, pp_group, data_group, pc.data_size)
+        object.__setattr__(kept, PIPELINE_ATTR, runner)  # a plain attribute, not a submodule
+        mark_loss_group(kept, data_group, pc.data_size)
         if state.optim is not None:
-            state.optim = _stage_optimizer(state.optim, state.param_names, stage_mod)
-        state.model = stage_mod
+            state.optim = _stage_optimizer(state.optim, state.param_names, kept)
+        state.model = kept
         state.note(
             self.name,
-            f"{stages} stages over blocks {[f'{bounds[s]}..{bounds[s + 1] - 1}' for s in range(stages)]} (block params {sizes}); "
-            f"this rank is stage {index}; {self.schedule}, {self.microbatches} microbatches; train with composable_atorch.train_step"
+            f"{n_stages} stages over blocks {[f'{bounds[s]}..{bounds[s + 1] - 1}' for s in range(n_stages)]} (block params {sizes}); "
+            f"this rank holds stage(s) {local}; {self.schedule}, {self.microbatches} microbatches; train with composable_atorch.train_step"
             + (f"; stage gradients averaged over the data dim of {pc.data_size}" if data_group is not None else ""),
         )
         return state
@@ -361,7 +310,7 @@ def _stage_optimizer(optim: torch.optim.Optimizer, names: dict[int, str], stage:
     return new
 
 
-def pipeline_parallel(*, microbatches: int = 2, schedule: str = "1F1B", split: Any = "auto") -> PipelineParallel:
-    """``pipeline_parallel(microbatches=4, schedule="GPipe")``; train with :func:`composable_atorch.train_step`."""
-    return PipelineParallel(microbatches=microbatches, schedule=schedule, split=split)
+def pipeline_parallel(*, microbatches: int = 2, schedule: str = "1F1B", split: Any = "auto", stages_per_rank: int | None = None) -> PipelineParallel:
+    """``pipeline_parallel(microbatches=4, schedule="Interleaved1F1B", stages_per_rank=2)``; train with :func:`composable_atorch.train_step`."""
+    return PipelineParallel(microbatches=microbatches, schedule=schedule, split=split, stages_per_rank=stages_per_rank)
 

@@ -14,10 +14,16 @@ The plan is one of
   naming the Linear layers it could not place and showing the manual form;
 * a :class:`TPInfo` (the seed's manual form);
 * a mapping ``{"blocks.*.attn.q": "colwise", ...}`` (HF's form).
+
+The seed name ``sequence_parallel`` is :class:`SequenceParallel`: this transform with
+``sequence_parallel=True``. Dropout streams follow the plan's ``replic_drop`` / ``parallel_drop``
+(see :mod:`.tp_dropout`); fused (strided) layers are checkpointed in the user's unpermuted layout
+(see :mod:`.tp_checkpoint`). ``train_step`` averages the loss over the plan's data dimension.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import types
 from dataclasses import dataclass
 from functools import partial
@@ -30,7 +36,9 @@ from torch.nn import functional as F
 from composable_atorch.core.contract import Conflict, Contract, Implication, MinWorldSize, Stage
 from composable_atorch.core.transform import ApplyContext, TrainState, Transform
 from composable_atorch.errors import ConfigError
+from composable_atorch.runtime.train_step import mark_loss_group
 from composable_atorch.transforms.parallel.common import parallel_context
+from composable_atorch.transforms.parallel.tp_dropout import per_rank, sequence_sliced, sync_rng
 from composable_atorch.transforms.parallel.tp_plan import (
     MANUAL_FORM,
     TensorParallelPlanError,
@@ -66,8 +74,11 @@ def _blocks_of(model: nn.Module, targets: list[str]) -> list[str]:
     return [n for n, _ in model.named_modules() if n in found]
 
 
-def _sequence_entry_exit(first: nn.Module, last: nn.Module, mesh, degree: int) -> None:
-    """Split the residual stream over the sequence entering ``first``; gather it leaving ``last``."""
+def _sequence_entry_exit(first: nn.Module, last: nn.Module, mesh, degree: int, sequence: dict) -> None:
+    """Split the residual stream over the sequence entering ``first``; gather it leaving ``last``.
+
+    ``sequence["length"]`` records the full length (sequence-sliced dropouts read it).
+    """
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     def enter(module, args, kwargs):
@@ -78,6 +89,7 @@ def _sequence_entry_exit(first: nn.Module, last: nn.Module, mesh, degree: int) -
             x = kwargs[key]
         if x.size(1) % degree:
             raise ConfigError("sequence length (sequence_parallel)", x.size(1), f"a multiple of the tensor degree {degree}")
+        sequence["length"] = x.size(1)
         local = DTensor.from_local(x, mesh, [Replicate()], run_check=False).redistribute(mesh, [Shard(1)]).to_local()
         if args:
             return (local, *rest), kwargs
@@ -198,13 +210,13 @@ class TensorParallel(Transform):
         return f"tensor_parallel({how}{', sequence parallel' if self.sequence_parallel else ''})"
 
     # -- planning (pure: no sharding happens until everything checked) ---------------------
-    def placements(self, model: nn.Module, degree: int) -> tuple[dict[str, tuple[str, dict]], dict[str, tuple], list[str]]:
-        """``({module: (kind, kwargs)}, {module: shrink attrs}, drop notes)``; typed errors on bad input."""
+    def placements(self, model: nn.Module, degree: int) -> tuple[dict[str, tuple[str, dict]], dict[str, tuple], dict[str, str]]:
+        """``({module: (kind, kwargs)}, {module: shrink attrs}, {dropout module: kind})``; typed errors on bad input."""
         entries = auto_plan(model) if self.plan == "auto" else self.plan
         modules = dict(model.named_modules())
         shard: dict[str, tuple[str, dict]] = {}
         shrink: dict[str, tuple] = {}
-        drops: list[str] = []
+        drops: dict[str, str] = {}
         unmatched = []
         for kind, pattern, args in entries:
             hits = [n for n in modules if n and name_matches(n, pattern)]
@@ -215,7 +227,7 @@ class TensorParallel(Transform):
                 if kind == "shrink":
                     shrink[n] = tuple(args)
                 elif kind in ("replic_drop", "parallel_drop"):
-                    drops.append(f"{n} ({kind})")
+                    drops[n] = kind
                 else:
                     shard[n] = (kind, dict(args))
         if unmatched:
@@ -246,6 +258,9 @@ class TensorParallel(Transform):
                     bad.append(f"{n}.{a}: no integer attribute to shrink")
                 elif v % degree:
                     bad.append(f"{n}.{a} = {v}: heads not divisible by tensor degree {degree}")
+        for n, kind in drops.items():
+            if kind == "replic_drop" and self.sequence_parallel and not isinstance(modules[n], nn.Dropout):
+                bad.append(f"{n}: replic_drop under sequence_parallel needs an nn.Dropout (it draws the full mask and keeps its sequence slice)")
         if bad:
             raise TensorParallelPlanError("cannot split these layers evenly", bad)
         return shard, shrink, drops
@@ -270,6 +285,7 @@ class TensorParallel(Transform):
         modules = dict(model.named_modules())
         tied = _tied_params(model)
         sp = self.sequence_parallel
+        sequence: dict[str, int] = {}
         styles: dict[str, Any] = {}
         for n, (kind, kw) in shard.items():
             m = modules[n]
@@ -301,7 +317,7 @@ class TensorParallel(Transform):
                 inside = any(n.startswith(b + ".") for b in blocks)
                 if inside and (isinstance(m, nn.LayerNorm | nn.RMSNorm) or type(m).__name__.endswith("RMSNorm")):
                     styles[n] = SequenceParallel(use_local_output=False)
-            _sequence_entry_exit(modules[blocks[0]], modules[blocks[-1]], mesh, degree)
+            _sequence_entry_exit(modules[blocks[0]], modules[blocks[-1]], mesh, degree, sequence)
         parallelize_module(model, mesh, styles)
         _retie(model, tied, mesh, state)
         for n, attrs in shrink.items():
@@ -316,9 +332,29 @@ class TensorParallel(Transform):
             f"DTensor parallelize_module over the tensor dim of {degree}: {cols} colwise, {rows} rowwise, {vocab} vocab-parallel layer(s); "
             f"{len(shrink)} attention module(s) shrunk to heads/{degree}" + (", LayerNorms sequence-parallel" if sp else ""),
         )
-        if drops:
-            state.note(self.name, f"dropouts recorded (RNG per tensor rank is not managed here): {', '.join(drops)}")
+        _dropout_streams(model, drops, mesh, degree, sp, sequence)
+        mark_loss_group(model, pc.data_group() if pc.data_size > 1 else None, pc.data_size)
+        state.note(self.name, f"CPU RNG state synchronized over the tensor dim (replicated dropouts draw one process's masks){_drop_note(drops)}")
         return state
+
+
+def _dropout_streams(model: nn.Module, drops: dict[str, str], mesh, degree: int, sp: bool, sequence: dict) -> None:
+    """Same stream on every tensor rank for replicated dropouts, one per rank for parallel ones (tp_dropout)."""
+    sync_rng(mesh.get_group())
+    rank = mesh.get_local_rank()
+    modules = dict(model.named_modules())
+    for n, kind in drops.items():
+        if kind == "parallel_drop":
+            per_rank(modules[n], modules.get(n.rpartition(".")[0]), rank)
+        elif sp:
+            sequence_sliced(modules[n], degree, rank, sequence)
+
+
+def _drop_note(drops: dict[str, str]) -> str:
+    if not drops:
+        return ""
+    kinds = {k: sorted(n for n, v in drops.items() if v == k) for k in ("replic_drop", "parallel_drop")}
+    return "; " + "; ".join(f"{k}: {len(v)} module(s)" for k, v in kinds.items() if v) + " (parallel_drop on a per-rank stream)"
 
 
 def _tied_params(model: nn.Module) -> list[list[tuple[str, str]]]:
@@ -354,11 +390,14 @@ def _retie(model, tied, mesh, state) -> None:
                 raise TensorParallelPlanError("tied parameters would be split apart by this plan", [f"{mn}.{pn}"])
 
 
-def full_weight(module: nn.Module, name: str = "weight") -> torch.Tensor:
-    """The full (gathered) parameter in the model's original layout (undoing a stride permutation)."""
+def full_weight(module: nn.Module, name: str = "weight", value: torch.Tensor | None = None) -> torch.Tensor:
+    """The full (gathered) parameter in the model's original layout (undoing a stride permutation).
+
+    ``value``: a tensor laid out like that parameter (its optimizer state) to gather instead.
+    """
     from torch.distributed.tensor import DTensor
 
-    p = getattr(module, name)
+    p = getattr(module, name) if value is None else value
     full = p.full_tensor() if isinstance(p, DTensor) else p.detach()
     perm = getattr(module, "_tp_stride_perm", None)
     if perm is None:
@@ -367,6 +406,51 @@ def full_weight(module: nn.Module, name: str = "weight") -> torch.Tensor:
     if full.dim() == 1:
         return full[inv]
     return full[:, inv] if is_conv1d(module) else full[inv]
+
+
+@dataclass(frozen=True)
+class SequenceParallel(TensorParallel):
+    """The seed name ``sequence_parallel``: :class:`TensorParallel` with ``sequence_parallel=True``.
+
+    Megatron's sequence parallelism on the tensor dimension (the norms and dropouts between the
+    sharded layers run on a sequence shard), not ATorch's Ulysses all-to-all, which has no
+    dimension of its own here: the degree is parallel_mode's ``("tensor", n)``.
+    """
+
+    name = "sequence_parallel"
+    contract = dataclasses.replace(  # tensor_parallel's, plus: not both
+        TensorParallel.contract,
+        conflicts=(
+            *TensorParallel.contract.conflicts,
+            Conflict("tensor_parallel", "sequence_parallel is tensor_parallel(sequence_parallel=True): both would shard the same layers", "keep one of them"),
+        ),
+    )
+
+    sequence_parallel: bool = True
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.sequence_parallel is not True:
+            raise ConfigError("sequence_parallel.sequence_parallel", self.sequence_parallel, "True (for no sequence parallelism use tensor_parallel)")
+
+    @classmethod
+    def from_seed(cls, config=None):
+        if isinstance(config, dict) and "sp_size" in config:
+            raise ConfigError(
+                "sequence_parallel.sp_size",
+                config["sp_size"],
+                "no sp_size: the degree is the tensor size of parallel_mode, e.g. parallel_mode([('tensor', 2), ('data', 1)]) "
+                "(sequence parallelism here is Megatron's, over the tensor dimension)",
+            )
+        return super().from_seed(config)
+
+    def describe(self):
+        return super().describe().replace("tensor_parallel(", "sequence_parallel(", 1)
+
+
+def sequence_parallel(plan: Any = "auto") -> SequenceParallel:
+    """``sequence_parallel()``: tensor parallelism with the norms and dropouts sharded over the sequence."""
+    return SequenceParallel(plan=plan)
 
 
 def tensor_parallel(plan: Any = "auto", *, sequence_parallel: bool = False) -> TensorParallel:

@@ -1,0 +1,168 @@
+"""Cutting a model into pipeline stages at block boundaries (pure module surgery, no processes).
+
+The cutter knows the built-in GPT and HF causal LMs of the Llama family (rotary positions: a
+stage reruns the model's own forward on ``inputs_embeds`` with only its layers). A rank holds one
+stage, or several ("virtual" stages of an interleaved / V schedule); then the module the user
+gets holds all of them under their original parameter names and each stage is a separate view
+sharing its parameters, so torch's schedule scales and steps each stage's own parameters once.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from composable_atorch.errors import CompositionError, ConfigError
+from composable_atorch.runtime.train_step import PIPELINE_ATTR
+
+
+class PipelineLoopError(CompositionError, RuntimeError):
+    """A pipeline stage called like a whole model (the plain loop would train one stage only)."""
+
+    def __init__(self):
+        super().__init__(
+            "this model is one stage of a pipeline-parallel plan; calling it as model(x) would run one stage only. "
+            "Fix: train with composable_atorch.train_step(model, optim, inputs, targets, loss_fn), which runs the "
+            "pipeline schedule (it trains every plan, pipeline or not)."
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# cutting the model
+# ---------------------------------------------------------------------------------------------
+
+
+def _is_builtin_gpt(model) -> bool:
+    return all(hasattr(model, a) for a in ("tok", "pos", "blocks", "ln_f", "head")) and isinstance(model.blocks, nn.ModuleList)
+
+
+def _hf_decoder(model):
+    """The base model of an HF causal LM of the Llama family (embed_tokens, layers, norm; rotary positions)."""
+    base = getattr(model, "base_model", None)
+    if base is None or base is model or not hasattr(model, "lm_head"):
+        return None
+    if all(hasattr(base, a) for a in ("embed_tokens", "layers", "norm")) and isinstance(base.layers, nn.ModuleList):
+        return base
+    return None
+
+
+KNOWN_MODELS = "composable_atorch's GPT (tok, pos, blocks, ln_f, head) or an HF causal LM of the Llama family (model.embed_tokens, model.layers, model.norm, lm_head)"
+
+
+def anatomy(model: nn.Module) -> tuple[list[nn.Module], int, int]:
+    """(blocks, parameters outside blocks on the first stage, on the last stage); ConfigError if unknown."""
+    if _is_builtin_gpt(model):
+        return list(model.blocks), numel(model.tok) + numel(model.pos), numel(model.ln_f) + numel(model.head)
+    base = _hf_decoder(model)
+    if base is not None:
+        return list(base.layers), numel(base.embed_tokens), numel(base.norm) + numel(model.lm_head)
+    raise ConfigError("pipeline_parallel model", type(model).__name__, f"a model the stage cutter knows: {KNOWN_MODELS}")
+
+
+def _hf_stage(model: nn.Module, first: bool, last: bool, blocks: range) -> nn.Module:
+    """The HF model itself cut to one stage, in place; names kept (layers keep their indices)."""
+    import types
+
+    base = _hf_decoder(model)
+    if base.embed_tokens.weight is model.lm_head.weight and not (first and last):
+        raise ConfigError("pipeline_parallel model", "tied input and output embeddings", "tie_word_embeddings=False (the first and last stages would train two copies)")
+    layers = base.layers
+    kept = nn.ModuleList()
+    for i in blocks:
+        kept._modules[str(i)] = layers[i]  # original indices: parameter names unchanged
+    base.layers = kept
+    if not first:
+        base.embed_tokens = None
+    if not last:
+        base.norm = nn.Identity()
+        model.lm_head = nn.Identity()
+    forward_of_class = type(model).forward
+
+    def forward(self, x):
+        runner = getattr(self, PIPELINE_ATTR, None)
+        if runner is not None and not runner.running:
+            raise PipelineLoopError()
+        out = forward_of_class(self, input_ids=x, use_cache=False) if first else forward_of_class(self, inputs_embeds=x, use_cache=False)
+        return out.logits
+
+    model.forward = types.MethodType(forward, model)
+    return model
+
+
+def numel(m: nn.Module) -> int:
+    return sum(p.numel() for p in m.parameters())
+
+
+def balanced_cuts(weights: list[int], stages: int, head: int = 0, tail: int = 0) -> tuple[int, ...]:
+    """Start indices of stages 1.. over ``weights`` (blocks), minimising the largest stage.
+
+    ``head`` / ``tail`` are the weights the first / last stage carry besides blocks.
+    """
+    n = len(weights)
+    prefix = [0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+
+    def cost(i, j, s):  # blocks i..j-1 as stage s
+        return prefix[j] - prefix[i] + (head if s == 0 else 0) + (tail if s == stages - 1 else 0)
+
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    arg = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0
+    for s in range(1, stages + 1):
+        for j in range(s, n + 1):
+            for i in range(s - 1, j):
+                c = max(best[s - 1][i], cost(i, j, s - 1))
+                if c < best[s][j]:
+                    best[s][j], arg[s][j] = c, i
+    cuts, j = [], n
+    for s in range(stages, 0, -1):
+        j = arg[s][j]
+        cuts.append(j)
+    return tuple(sorted(cuts)[1:])
+
+
+class _GPTStage(nn.Module):
+    """One stage of the built-in GPT, its submodules under their original names."""
+
+    def __init__(self, model: nn.Module, first: bool, last: bool, blocks: range):
+        super().__init__()
+        if first:
+            self.tok, self.pos = model.tok, model.pos
+        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in blocks})
+        if last:
+            self.ln_f, self.head = model.ln_f, model.head
+        self.first, self.last = first, last
+
+    def forward(self, x):
+        runner = getattr(self, PIPELINE_ATTR, None)
+        if runner is not None and not runner.running:
+            raise PipelineLoopError()
+        if self.first:
+            x = self.tok(x) + self.pos(torch.arange(x.size(1), device=x.device))
+        for block in self.blocks.values():
+            x = block(x)
+        if self.last:
+            x = self.head(self.ln_f(x))
+        return x
+
+
+def rank_modules(model: nn.Module, bounds: tuple[int, ...], local: list[int]) -> tuple[nn.Module, list[nn.Module]]:
+    """(the module this rank keeps, one module per local stage) for stages ``local`` of ``bounds``.
+
+    One stage per rank: the kept module is the stage. Several: the kept module holds all of this
+    rank's pieces (names unchanged) and each stage is a view over its own pieces only.
+    """
+    n = len(bounds) - 1
+    ranges = {s: range(bounds[s], bounds[s + 1]) for s in local}
+    if len(local) == 1:
+        s = local[0]
+        make = _GPTStage if _is_builtin_gpt(model) else _hf_stage
+        stage = make(model, s == 0, s == n - 1, ranges[s])
+        return stage, [stage]
+    if not _is_builtin_gpt(model):
+        raise ConfigError("pipeline_parallel.stages_per_rank", len(local), "1 for HF models: several stages per rank are cut for the built-in GPT only")
+    union = [i for s in local for i in ranges[s]]
+    kept = _GPTStage(model, 0 in local, n - 1 in local, sorted(union))
+    return kept, [_GPTStage(model, s == 0, s == n - 1, ranges[s]) for s in local]
