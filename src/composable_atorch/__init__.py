@@ -14,6 +14,7 @@ from composable_atorch.core.plan import Plan, Step, build
 from composable_atorch.core.transform import TrainState, Transform, registry
 from composable_atorch.environment import Environment
 from composable_atorch.runtime.mesh import create_parallel_group, init_distributed  # model parallelism (issue 10)
+from composable_atorch.runtime.record_init import record_module_init  # DeepSpeed 3D parallelism (issue 11)
 from composable_atorch.runtime.resumable import resumable
 from composable_atorch.runtime.train_step import train_step
 from composable_atorch.state.save import load_state, save_state
@@ -23,10 +24,11 @@ from composable_atorch.transforms.loop import accumulate, clip_grad
 from composable_atorch.transforms.memory import checkpoint
 from composable_atorch.transforms.modules import module_replace, register_replace_pair
 from composable_atorch.transforms.parallel.data_parallel import ddp, parallel_mode, zero1
+from composable_atorch.transforms.parallel.ds3d import DeepSpeed3DParallelConfig, ds_3d_parallel
 from composable_atorch.transforms.parallel.mixed import mixed_parallel
 from composable_atorch.transforms.parallel.pipeline import pipeline_parallel
 from composable_atorch.transforms.parallel.sharding import fsdp, zero2
-from composable_atorch.transforms.parallel.tensor import TPInfo, tensor_parallel
+from composable_atorch.transforms.parallel.tensor import TPInfo, sequence_parallel, tensor_parallel
 from composable_atorch.transforms.precision import amp, amp_native, half
 
 __version__ = "0.1.0"
@@ -62,11 +64,15 @@ __all__ = [
     "zero2",
     "TPInfo",
     "tensor_parallel",
+    "sequence_parallel",
     "pipeline_parallel",
     "mixed_parallel",
     "train_step",
     "init_distributed",
     "create_parallel_group",
+    "record_module_init",
+    "DeepSpeed3DParallelConfig",
+    "ds_3d_parallel",
     "load_state",
     "resumable",
     "save_state",

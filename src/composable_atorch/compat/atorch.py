@@ -181,15 +181,19 @@ def auto_accelerate(
     _ensure_process_group(env.world_size)
     loaded = None if load_strategy is None else req.settings(strategy.load(load_strategy, env=env))  # typed errors on every rank
 
-    payload = _decide(req, loaded, env) if _rank() == 0 else None
-    decided = json.loads(_broadcast(payload))
-    if decided.get("workload_error"):
-        raise WorkloadError(**decided["workload_error"])  # on every rank: the user's code fails with no plan
-    if decided["failure"]:
-        if opts["verbose"] and _rank() == 0:
-            print(f"auto_accelerate: no plan: {decided['failure']}")
-        return False, None, None
-    plan = AtorchStrategy.of(Plan.from_json(decided["plan"], env=env), req.notes())
+    local = _unserializable(req, loaded)
+    if local is not None:  # every rank applies the plan it loaded itself (it holds functions: not JSON)
+        plan = AtorchStrategy.of(local, req.notes())
+    else:
+        payload = _decide(req, loaded, env) if _rank() == 0 else None
+        decided = json.loads(_broadcast(payload))
+        if decided.get("workload_error"):
+            raise WorkloadError(**decided["workload_error"])  # on every rank: the user's code fails with no plan
+        if decided["failure"]:
+            if opts["verbose"] and _rank() == 0:
+                print(f"auto_accelerate: no plan: {decided['failure']}")
+            return False, None, None
+        plan = AtorchStrategy.of(Plan.from_json(decided["plan"], env=env), req.notes())
     if save_strategy_to_file:
         if _rank() == 0:
             strategy.dump(plan, save_strategy_to_file)
@@ -198,6 +202,8 @@ def auto_accelerate(
     optim = optim_maker(model) if optim_maker else None
     loader = None if dataset is None else torch.utils.data.DataLoader(dataset, **req.dataloader_args)
     model, optim, loader = plan(model, optim, loader)
+    if loss_func is not None and hasattr(getattr(model, "module", None), "loss_fn"):
+        model.module.loss_fn = loss_func  # a DeepSpeed pipeline engine computes the loss inside train_batch (ds_3d_parallel)
     _seed_sampler(loader, opts["sampler_seed"], plan)
     if opts["verbose"] and _rank() == 0:
         print(plan.explain())
@@ -209,6 +215,23 @@ def auto_accelerate(
     result_loss = wrap(loss_func) if callable(wrap) and loss_func is not None else loss_func
     result = AccelerateResult(model, optim, loader, result_loss, prepare_input or default_prepare_input, scheduler, args)
     return True, result, plan
+
+
+def _unserializable(req: Request, loaded: Plan | None) -> Plan | None:
+    """A loaded plan whose configs hold functions (ds_3d_parallel's patchers...) cannot travel as JSON
+    from rank 0: with nothing to decide (no dry run, no fine-tuning) each rank applies its own."""
+    if loaded is None or req.finetune_strategy:
+        return None
+    try:
+        loaded.to_json()
+        return None
+    except ConfigError as exc:
+        why = f"the strategy holds values JSON cannot hold ({exc})"
+    if not req.opts["ignore_dryrun_on_load_strategy"] and req.can_train:
+        raise ConfigError("ignore_dryrun_on_load_strategy", False, f"True: a dry run runs the plan in fresh processes, and {why}")
+    if req.save_strategy_to_file:
+        raise ConfigError("save_strategy_to_file", req.save_strategy_to_file, f"None: {why}")
+    return loaded
 
 
 def _decide(req: Request, loaded: Plan | None, env: Environment) -> str:

@@ -20,13 +20,9 @@ from typing import Any
 from composable_atorch.core import codec
 from composable_atorch.core.compose import compose
 from composable_atorch.core.plan import Plan
-from composable_atorch.core.transform import lookup, register_planned
+from composable_atorch.core.transform import lookup
 from composable_atorch.environment import Environment
 from composable_atorch.errors import ConfigError
-
-# Seed names with no transform yet: looked up, they say so rather than "unknown".
-for _name in ("ds_3d_parallel", "sequence_parallel"):
-    register_planned(_name, "model parallelism is not built in this version")
 
 _PICKLE_REFUSED = "JSON (a plan written by strategy.dump); pickle is refused because unpickling runs arbitrary code"
 

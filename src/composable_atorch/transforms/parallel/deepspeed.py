@@ -80,6 +80,20 @@ class DeepSpeedHook(OptimizerHook):
         return True
 
 
+def check_half_supported(half: str, who: str) -> None:
+    """DeepSpeed's accelerator refuses a half dtype the device has no kernels for (fp16 on a CPU
+    without AVX512-FP16/AMX-FP16): say so before the engine is built, with the fix."""
+    import torch
+    from deepspeed.accelerator import get_accelerator
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[half]
+    accel = get_accelerator()
+    if dtype not in accel.supported_dtypes():
+        other = "bf16" if half == "fp16" else "fp32"
+        raise RequirementError(who, f"a device on which DeepSpeed supports {half} (DeepSpeed's {accel.device_name()} accelerator here does not)",
+                               f"use half('{other}') or a torch backend ({who}(backend='torch')), or run on a device with {half} kernels")
+
+
 def engine_config(stage: int, per_rank_batch: int, data_size: int, clip: float | None, half: str | None = None) -> dict:
     """The DeepSpeed config for one ZeRO stage with the loader's batch (strong scaling).
 
@@ -147,6 +161,8 @@ def apply_engine(stage: int, who: str, state: TrainState, ctx: ApplyContext, opt
     clip = ctx.find("clip_grad")
     policy = PrecisionPolicy.of(ctx)
     half = policy.name if policy.source == "half" else None
+    if half is not None:
+        check_half_supported(half, who)
     config = engine_config(stage, per_rank, pc.data_size, clip.max_norm if clip is not None else None, half)
     option_notes = apply_options(config, dict(options or {}), clip.max_norm if clip is not None else None, who)
     engine, ds_optim, _, _ = deepspeed.initialize(model=state.model, optimizer=state.optim, config=config, dist_init_required=False)
