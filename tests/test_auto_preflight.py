@@ -105,9 +105,9 @@ def test_the_0x_keywords_and_the_policies_give_the_same_search():
     others = tuple(sorted(set(ca.registry()) - set(kept)))
     old_runner, new_runner = Recorder(), Recorder()
     old = search(GPT, adamw, TextDataset(16, limit=64), lm_step, world_size=2, batch_size=16, excluded=others,
-                 n_trials=3, seed=1, trial_timeout=77, runner=old_runner, progress=False)
+                 n_trials=3, seed=1, trial_timeout=77, runner=old_runner, progress=False, predict=False)
     new = search(Workload(GPT, adamw, TextDataset(16, limit=64), lm_step, 16, seed=1), trial=TrialSettings(world_size=2, timeout=77),
-                 budget=Budget(n_trials=3), space=SpaceOptions(excluded=others), study=StudyOptions(seed=1),
+                 budget=Budget(n_trials=3), space=SpaceOptions(excluded=others), study=StudyOptions(seed=1, predict=False),
                  runner=new_runner, progress=False)
     assert [r.assignment for r in old.measured] == [r.assignment for r in new.measured]
     assert old_runner.timeouts == new_runner.timeouts == [77, 77, 77]
@@ -169,7 +169,7 @@ def test_the_baseline_runs_first_even_where_compose_implies_data_parallelism():
     others = tuple(sorted(set(ca.registry()) - set(kept)))
     runner = Recorder()
     result = search(Workload(GPT, adamw, TextDataset(16, limit=64), lm_step, 16), trial=TrialSettings(world_size=2),
-                    budget=Budget(n_trials=2), space=SpaceOptions(excluded=others), study=StudyOptions(seed=0),
+                    budget=Budget(n_trials=2), space=SpaceOptions(excluded=others), study=StudyOptions(seed=0, predict=False),
                     runner=runner, progress=False)
     first = result.measured[0]
     baseline = ca.compose(env=result.space.env)

@@ -102,7 +102,7 @@ def test_study_at_world_2_records_crash_and_hang_and_leaves_no_process(tmp_path)
 def test_resume_from_sqlite_keeps_earlier_trials_and_does_not_rerun_them(tmp_path):
     db = tmp_path / "study.db"
     common = dict(world_size=2, batch_size=16, excluded=all_but("amp", "checkpoint"), storage=str(db),
-                  study_name="resume", seed=3, progress=False, preflight=False)  # the study, not the workload
+                  study_name="resume", seed=3, progress=False, preflight=False, predict=False)  # the study, not the workload
     first_runner = SyntheticRunner()
     first = search(GPT, adamw, TextDataset(16, limit=64), lm_step, n_trials=3, runner=first_runner, **common)
     assert len(first.measured) == 3 and len(set(first_runner.calls)) == 3
@@ -119,7 +119,8 @@ def test_resume_from_sqlite_keeps_earlier_trials_and_does_not_rerun_them(tmp_pat
 def test_memory_budget_makes_plans_infeasible_and_time_limit_stops(tmp_path):
     runner = SyntheticRunner()
     result = search(GPT, adamw, TextDataset(16, limit=64), lm_step, world_size=2, batch_size=16,
-                    excluded=all_but("amp", "checkpoint"), memory_limit="20MiB", runner=runner, seed=0, progress=False)
+                    excluded=all_but("amp", "checkpoint"), memory_limit="20MiB", runner=runner, seed=0, progress=False,
+                    predict=False)  # measured memory here; predictions: test_search_predict.py
     assert len(runner.calls) == len(result.enumeration.valid) == 8
     infeasible = [r for r in result.measured if r.status == "infeasible"]
     assert infeasible and all("checkpoint" not in r.steps for r in infeasible)
@@ -132,14 +133,15 @@ def test_memory_budget_makes_plans_infeasible_and_time_limit_stops(tmp_path):
     slow = SyntheticRunner(sleep=0.6)
     start = time.monotonic()
     cut = search(GPT, adamw, TextDataset(16, limit=64), lm_step, world_size=2, batch_size=16,
-                 excluded=all_but("amp", "checkpoint"), time_limit=1.5, runner=slow, progress=False)
+                 excluded=all_but("amp", "checkpoint"), time_limit=1.5, runner=slow, progress=False, predict=False)
     assert time.monotonic() - start < 1.5 + 0.6 + 1.0
     assert cut.stopped_by.startswith("time_limit") and 1 <= len(slow.calls) <= 3
 
 
 def test_report_writes_plan_json_trials_and_html(tmp_path):
     result = search(GPT, adamw, TextDataset(16, limit=64), lm_step, world_size=2, batch_size=16,
-                    excluded=all_but("amp", "checkpoint"), runner=SyntheticRunner(), n_trials=4, seed=1, progress=False)
+                    excluded=all_but("amp", "checkpoint"), runner=SyntheticRunner(), n_trials=4, seed=1, progress=False,
+                    predict=False)
     written = report.write_all(result, tmp_path / "out")
     loaded = strategy.load(written["plan"], env=ENV2)
     assert loaded == result.best_plan

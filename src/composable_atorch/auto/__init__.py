@@ -8,11 +8,13 @@
     report.write_all(result, "runs/search")
 
 :mod:`.policy` holds the settings, :mod:`.preflight` trains the workload once with no plan,
-:mod:`.space` builds the space from the registry, :mod:`.trial` measures one plan in fresh
-processes, :mod:`.study` runs the optuna study, :mod:`.report` writes what it found.
+:mod:`.space` builds the space from the registry, :mod:`.predict` predicts each plan's memory
+before it runs (plans predicted over the budget cost no trial), :mod:`.trial` measures one plan in
+fresh processes, :mod:`.study` runs the optuna study, :mod:`.report` writes what it found.
 """
 
 from composable_atorch.auto.policy import Budget, SpaceOptions, StudyOptions
+from composable_atorch.auto.predict import Prediction, Predictor
 from composable_atorch.auto.preflight import preflight
 from composable_atorch.auto.space import SearchSpace, block_classes, plan_key
 from composable_atorch.auto.study import SearchResult, TrialRecord, search
@@ -21,6 +23,8 @@ from composable_atorch.auto.worker import Workload
 
 __all__ = [
     "Budget",
+    "Prediction",
+    "Predictor",
     "SpaceOptions",
     "StudyOptions",
     "SearchResult",

@@ -42,4 +42,5 @@ class GPTTask:
         return lm_loss(model(tokens), targets)
 
     def workload(self, seed: int = 0) -> Workload:
-        return Workload(self.model, self.optimizer, self.dataset(), GPTTask.loss, self.batch_size, seed=seed)
+        # criterion: the same loss on (output, targets), so pipeline plans train too (see Workload)
+        return Workload(self.model, self.optimizer, self.dataset(), GPTTask.loss, self.batch_size, seed=seed, criterion=lm_loss)

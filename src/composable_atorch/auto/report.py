@@ -1,6 +1,7 @@
 """What a search leaves behind: the trials table, the best plan as JSON, an HTML report.
 
-The table lists every measured plan (throughput, peak memory, status and reason) and counts the
+The table lists every measured plan (throughput, predicted and measured peak memory side by side,
+status and reason), then the plans predicted over the memory budget (never run), and counts the
 proposals that cost nothing (rejected by compose(), or already measured). The HTML report holds
 the same table and optuna's own plotly figures (optimization history, parameter importances,
 slices), each skipped with a note when the study has too few trials for it.
@@ -30,22 +31,29 @@ def console():
     return Console() if sys.stdout.isatty() else Console(width=160)
 
 
+def _mib(value) -> float | None:
+    return None if value is None else round(value / MiB, 2)
+
+
 def rows(result: SearchResult) -> list[dict]:
-    """One dict per measured trial, best first (failed last)."""
+    """One dict per measured trial, best first (failed, then predicted over the budget, last)."""
     order = {"ok": 0, "infeasible": 1, "failed": 2}
     measured = sorted(
         result.measured, key=lambda r: (order.get(r.status, 3), -(r.result.samples_per_s or 0) if r.result else 0)
     )
+    skipped = sorted(result.skipped, key=lambda r: r.predicted.peak_bytes if r.predicted else 0)
     out = []
-    for r in measured:
-        res = r.result
+    for r in measured + skipped:
+        res, pred = r.result, r.predicted
         out.append({
             "trial": r.number,
             "plan": r.plan_label,
             "steps": list(r.steps),
             "samples_per_s": None if not res or res.samples_per_s is None else round(res.samples_per_s, 2),
             "tokens_per_s": None if not res or res.tokens_per_s is None else round(res.tokens_per_s, 1),
+            "predicted_mib": _mib(pred.peak_bytes) if pred else None,
             "peak_mib": None if not res or res.peak_bytes is None else round(res.peak_bytes / MiB, 2),
+            "predicted_step_s": None if not pred or pred.step_time_s is None else round(pred.step_time_s, 4),
             "status": r.status,
             "reason": r.reason or "",
             "best": result.best is not None and r.number == result.best.number,
@@ -61,6 +69,11 @@ def summary(result: SearchResult) -> dict:
                   "rejected_sub_combinations": len(result.space.rejected), "knobs": {k: list(v) for k, v in result.space.options.items()}},
         "environment": result.space.env.describe(),
         "memory_limit_mib": None if result.memory_limit is None else round(result.memory_limit / MiB, 2),
+        "memory_margin": result.memory_margin,
+        "predictions": result.prediction_note,
+        "prior": list(result.prior_labels),
+        "skipped_by_prediction": len(result.skipped),
+        "runs_over_budget": result.over_budget_runs,
         "measured_total": len(result.measured),
         "measured_this_run": result.measured_now,
         "invalid_proposals": result.invalid_proposals,
@@ -77,12 +90,13 @@ def table(result: SearchResult) -> Table:
     """The trials table for a rich console."""
     t = Table(title=f"trials ({_title(result)})")
     for col, justify in (("#", "right"), ("plan", "left"), ("samples/s", "right"), ("tokens/s", "right"),
-                         ("peak MiB", "right"), ("status", "left"), ("reason", "left")):
+                         ("predicted MiB", "right"), ("peak MiB", "right"), ("status", "left"), ("reason", "left")):
         t.add_column(col, justify=justify, overflow="fold")
     for row in rows(result):
-        style = "bold green" if row["best"] else ("red" if row["status"] == "failed" else ("yellow" if row["status"] == "infeasible" else None))
+        style = "bold green" if row["best"] else {"failed": "red", "infeasible": "yellow", "predicted-infeasible": "dim"}.get(row["status"])
         t.add_row(str(row["trial"]), row["plan"] + ("  ← best" if row["best"] else ""), _num(row["samples_per_s"]),
-                  _num(row["tokens_per_s"], 0), _num(row["peak_mib"]), row["status"], row["reason"][:120], style=style)
+                  _num(row["tokens_per_s"], 0), _num(row["predicted_mib"]), _num(row["peak_mib"]), row["status"],
+                  row["reason"][:120], style=style)
     return t
 
 
@@ -90,7 +104,10 @@ def _title(result: SearchResult) -> str:
     s = summary(result)
     budget = "" if s["memory_limit_mib"] is None else f", memory budget {s['memory_limit_mib']} MiB per rank"
     rejected = s["space"]["invalid_assignments"] + s["space"]["rejected_sub_combinations"]
-    return (f"{s['measured_total']} measured of {s['space']['valid_plans']} valid plans{budget}; {rejected} invalid "
+    predicted = "" if s["memory_limit_mib"] is None else (
+        f"; {s['skipped_by_prediction']} predicted over the budget (margin {s['memory_margin']:g}), not run; "
+        f"{s['runs_over_budget']} run(s) over the budget anyway")
+    return (f"{s['measured_total']} measured of {s['space']['valid_plans']} valid plans{budget}{predicted}; {rejected} invalid "
             f"combinations rejected by compose(); {s['invalid_proposals']} invalid and {s['duplicate_proposals']} "
             "repeated proposals cost no run")
 
@@ -101,9 +118,9 @@ def _num(value, digits: int = 1) -> str:
 
 def text_table(result: SearchResult) -> str:
     """The trials table as plain text (logs, files)."""
-    lines = [_title(result), f"{'#':>4}  {'plan':<48} {'samples/s':>10} {'peak MiB':>9}  status"]
+    lines = [_title(result), f"{'#':>4}  {'plan':<48} {'samples/s':>10} {'predicted MiB':>13} {'peak MiB':>9}  status"]
     for r in rows(result):
-        lines.append(f"{r['trial']:>4}  {r['plan'][:48]:<48} {_num(r['samples_per_s']):>10} {_num(r['peak_mib']):>9}  "
+        lines.append(f"{r['trial']:>4}  {r['plan'][:48]:<48} {_num(r['samples_per_s']):>10} {_num(r['predicted_mib']):>13} {_num(r['peak_mib']):>9}  "
                      f"{r['status']}{' (best)' if r['best'] else ''} {r['reason'][:80]}")
     return "\n".join(lines)
 
@@ -127,11 +144,11 @@ def write_html(result: SearchResult, path: str | Path) -> Path:
     path = Path(path)
     parts = [f"<h1>composable_atorch search</h1><p>{html.escape(_title(result))}</p>"]
     parts.append("<pre>" + html.escape(json.dumps(summary(result), indent=2)) + "</pre>")
-    head = "".join(f"<th>{c}</th>" for c in ("#", "plan", "samples/s", "tokens/s", "peak MiB", "status", "reason"))
+    head = "".join(f"<th>{c}</th>" for c in ("#", "plan", "samples/s", "tokens/s", "predicted MiB", "measured peak MiB", "status", "reason"))
     bold = ' style="font-weight:bold"'
     body = "".join(
         f"<tr{bold if r['best'] else ''}><td>{r['trial']}</td><td>{html.escape(r['plan'])}</td>"
-        f"<td>{_num(r['samples_per_s'])}</td><td>{_num(r['tokens_per_s'], 0)}</td><td>{_num(r['peak_mib'])}</td>"
+        f"<td>{_num(r['samples_per_s'])}</td><td>{_num(r['tokens_per_s'], 0)}</td><td>{_num(r['predicted_mib'])}</td><td>{_num(r['peak_mib'])}</td>"
         f"<td>{r['status']}</td><td>{html.escape(r['reason'])}</td></tr>"
         for r in rows(result)
     )

@@ -64,6 +64,21 @@ def canonical_kind(name: str) -> str | None:
         raise
 
 
+def pipeline_degree(plan: Plan) -> int:
+    """The pipeline size a plan asks for, read from its steps' configs (a ``pipeline`` degree or a
+    ``("pipeline", n)`` group of the layout); 1 when none asks for one. A pipeline needs the loss in
+    the ``(output, targets)`` shape of ``train_step`` (see :class:`~composable_atorch.auto.Workload`)."""
+    for t in plan.transforms:
+        config = t.config()
+        degree = config.get("pipeline")
+        if isinstance(degree, int) and degree > 1:
+            return degree
+        for group in config.get("groups") or ():
+            if isinstance(group, list | tuple) and len(group) == 2 and group[0] == "pipeline" and group[1] > 1:
+                return int(group[1])
+    return 1
+
+
 @dataclass(frozen=True)
 class Point:
     """One assignment of the space and what compose() made of it."""
@@ -134,7 +149,8 @@ class SearchSpace:
     ``excluded`` drops kinds from the search; ``included`` pins kinds to be present (one of their
     candidates); ``extra`` adds given configs as options of their kind (e.g. a loaded strategy
     to fine-tune from); ``customize(plan) -> plan`` adjusts every composed plan (settings that are
-    not searched, such as ``find_unused_parameters``).
+    not searched, such as ``find_unused_parameters``); ``admit(plan) -> reason | None`` rejects
+    composed plans the workload cannot train (a pipeline without a criterion), like compose() does.
     """
 
     def __init__(
@@ -145,9 +161,11 @@ class SearchSpace:
         included: Iterable[str] = (),
         extra: Iterable[Transform] = (),
         customize: Callable[[Plan], Plan] | None = None,
+        admit: Callable[[Plan], str | None] | None = None,
     ):
         self.search = search
         self.customize = customize
+        self.admit = admit
         self.env = search.env
         excluded_kinds = {k for k in (canonical_kind(n) for n in excluded) if k is not None}
         included_kinds = set()
@@ -243,7 +261,8 @@ class SearchSpace:
                 plan = self.customize(plan)
         except CompositionError as exc:
             return Point(items, None, f"{type(exc).__name__}: {exc}")
-        return Point(items, plan)
+        refused = self.admit(plan) if self.admit is not None else None
+        return Point(items, None, refused) if refused else Point(items, plan)
 
     def assignment_of(self, plan: Plan) -> dict[str, str] | None:
         """The assignment that asks for exactly ``plan``'s requested transforms, if the space has one."""

@@ -8,6 +8,10 @@ the memory budget is an optuna constraint (``trial.set_constraint``: over-budget
 infeasible). Studies persist in sqlite and resume by name: earlier trials are kept and not re-run.
 Before the study the workload trains once with no plan (:mod:`.preflight`): an error no plan can
 fix stops the search at once. Settings come as policy values (:mod:`.policy`).
+
+Before the study every valid plan is also predicted (:mod:`.predict`, no plan runs for it): a plan
+predicted over the memory budget is recorded as infeasible with its prediction and never run, and
+the plans predicted fastest among those that fit are enqueued first, a prior for the sampler.
 """
 
 from __future__ import annotations
@@ -15,12 +19,14 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from composable_atorch.auto.policy import Budget, SpaceOptions, StudyOptions, parse_bytes, storage_url
-from composable_atorch.auto.preflight import PreflightResult, preflight
-from composable_atorch.auto.space import ABSENT, Enumeration, Point, SearchSpace, block_classes
+from composable_atorch.auto.predict import Estimator, Predictor, default_estimator
+from composable_atorch.auto.preflight import preflight
+from composable_atorch.auto.records import SearchResult, TrialRecord
+from composable_atorch.auto.space import ABSENT, Enumeration, Point, SearchSpace, block_classes, pipeline_degree
 from composable_atorch.auto.trial import TrialResult, TrialSettings, check_picklable, run_trial
 from composable_atorch.auto.worker import Workload
 from composable_atorch.core.plan import Plan
@@ -32,63 +38,6 @@ __all__ = ["Budget", "SearchResult", "SpaceOptions", "StudyOptions", "TrialRecor
 #: Consecutive proposals that are invalid or already measured before an untried neighbour of the
 #: best plan is enqueued (samplers on small categorical spaces keep proposing their favourite).
 MAX_REPEATS = 3
-
-
-@dataclass
-class TrialRecord:
-    """One trial of the study as the report shows it."""
-
-    number: int
-    status: str  # ok | infeasible | failed | invalid | duplicate
-    assignment: dict[str, str]
-    plan_json: str | None = None
-    steps: tuple[str, ...] = ()
-    result: TrialResult | None = None
-    reason: str | None = None
-
-    @classmethod
-    def from_frozen(cls, trial) -> TrialRecord:
-        attrs = trial.user_attrs
-        result = TrialResult.from_dict(attrs["result"]) if attrs.get("result") else None
-        return cls(
-            number=trial.number, status=attrs.get("status", trial.state.name.lower()),
-            assignment=dict(attrs.get("assignment") or trial.params), plan_json=attrs.get("plan_json"),
-            steps=tuple(attrs.get("steps", ())), result=result, reason=attrs.get("reason"),
-        )
-
-    @property
-    def measured(self) -> bool:
-        return self.status in ("ok", "infeasible", "failed")
-
-    @property
-    def plan_label(self) -> str:
-        chosen = [label for kind, label in sorted(self.assignment.items()) if label != ABSENT]
-        return " | ".join(chosen) or "(no transforms)"
-
-
-@dataclass
-class SearchResult:
-    study: Any  # optuna.Study
-    space: SearchSpace
-    enumeration: Enumeration
-    records: list[TrialRecord]
-    best: TrialRecord | None
-    best_plan: Plan | None
-    memory_limit: int | None
-    wall_time: float
-    #: runs this call made / proposals compose() rejected / proposals of plans already measured
-    measured_now: int = 0
-    invalid_proposals: int = 0
-    duplicate_proposals: int = 0
-    #: runner calls on plans not among the enumeration's valid plans (an independent check: zero)
-    dry_runs_on_invalid: int = 0
-    stopped_by: str = ""
-    #: the workload's one step with no plan before the study (None: skipped)
-    preflight: PreflightResult | None = None
-
-    @property
-    def measured(self) -> list[TrialRecord]:
-        return [r for r in self.records if r.measured]
 
 
 def make_sampler(sampler: Any, seed: int | None, n_startup_trials: int):
@@ -116,6 +65,15 @@ class ProcessRunner:
         return run_trial(plan.to_json(), self.workload, replace(self.settings, timeout=timeout))
 
 
+def needs_criterion(plan: Plan) -> str | None:
+    """Why a workload without ``criterion`` cannot train ``plan`` (a pipeline runs the loss inside its
+    schedule, on the last stage's output: ``loss_fn(model, batch)`` has no place there)."""
+    if pipeline_degree(plan) > 1:
+        return ("RequirementError: a pipeline plan needs Workload.criterion(output, targets) and batches of "
+                "(inputs, targets); this workload gives loss_fn(model, batch) only")
+    return None
+
+
 def _example_model(model_fn):
     """The model, built on the meta device when it can be (no memory), to find its blocks."""
     import torch
@@ -135,6 +93,7 @@ LEGACY_KEYWORDS = {
     "excluded": "space", "included": "space", "start_from": "space", "allow_compile": "space", "customize": "space",
     "storage": "study", "study_name": "study", "seed": "study", "sampler": "study", "n_startup_trials": "study",
     "baseline_first": "study", "preflight": "study", "batch_size": "workload", "loader_kwargs": "workload",
+    "memory_margin": "budget", "predict": "study", "prior": "study", "predict_ahead_s": "study",
 }
 
 
@@ -170,6 +129,7 @@ def search(
     env: Environment | None = None,
     runner: Callable[..., TrialResult] | None = None,
     progress: bool = True,
+    estimator: Estimator | None = None,
     **legacy: Any,
 ) -> SearchResult:
     """Search the plans of the registered transforms for the fastest one that fits the memory budget.
@@ -180,6 +140,9 @@ def search(
     ``space`` which plans are searched, ``study`` how the optuna study runs (see :mod:`.policy`).
     ``runner(plan, timeout=...)`` replaces the process runner (benchmarks replay measured tables
     with it). ``env`` overrides the detected environment (its world size is ``trial.world_size``).
+    ``estimator`` replaces :func:`composable_atorch.estimate.estimate` for the predictions (used
+    when ``study.predict``; see :mod:`.predict`); a :class:`~.predict.Predictor` is used as it is
+    (its cache shared between searches).
 
     The 0.x call ``search(model_fn, optim_fn, dataset, loss_fn, world_size=..., batch_size=...,
     n_trials=..., ...)`` still works: its keywords are sorted into the same policies
@@ -202,7 +165,11 @@ def search(
     if study.preflight:
         checked = preflight(workload)  # raises WorkloadError: no plan can fix the workload itself
     env = (env or Environment.detect()).with_(world_size=trial.world_size)
-    loop = _Loop(workload, trial, budget, space, study, env, runner, progress)
+    predictor = None
+    if study.predict:
+        estimator = estimator or default_estimator()
+        predictor = estimator if isinstance(estimator, Predictor) or estimator is None else Predictor(estimator, workload, env)
+    loop = _Loop(workload, trial, budget, space, study, env, runner, progress, predictor)
     result = loop.run()
     result.preflight = checked
     return result
@@ -212,7 +179,7 @@ class _Loop:
     """The ask/tell loop, one method per outcome of a proposal: invalid, duplicate, failed, measured."""
 
     def __init__(self, workload, trial: TrialSettings, budget: Budget, space: SpaceOptions, study: StudyOptions,
-                 env: Environment, runner, progress: bool):
+                 env: Environment, runner, progress: bool, predictor: Predictor | None = None):
         import optuna
 
         from composable_atorch.core.transform import SearchContext
@@ -223,7 +190,8 @@ class _Loop:
                                 batch_size=workload.batch_size, allow_compile=space.allow_compile)
         start_from = space.start_from
         self.space = SearchSpace(context, excluded=space.excluded, included=space.included,
-                                 extra=start_from.requested if start_from else (), customize=space.customize)
+                                 extra=start_from.requested if start_from else (), customize=space.customize,
+                                 admit=None if workload.criterion is not None else needs_criterion)
         self.enumeration = self.space.enumerate()
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         url = study.url
@@ -237,17 +205,87 @@ class _Loop:
             rec = TrialRecord.from_frozen(t)
             if rec.measured and not t.user_attrs.get("retryable") and t.user_attrs.get("plan_key"):
                 self.seen.setdefault(t.user_attrs["plan_key"], t.number)
+        self.rng = random.Random(study.seed)
+        self.predictor, self.margin, self.predictions, self.prediction_s = predictor, budget.memory_margin, {}, 0.0
+        self.earlier_skips = {t.user_attrs.get("plan_key"): t.number for t in self.study.trials
+                              if t.user_attrs.get("status") == "predicted-infeasible"}
+        if predictor is not None:
+            self._predict_ahead(study.predict_ahead_s)
         untried = [k for k in self.enumeration.valid if k not in self.seen]
         n = budget.n_trials
         self.target = len(untried) if n is None else min(n, len(untried))
-        self.rng = random.Random(study.seed)
-        self.counts = {"measured": 0, "invalid": 0, "duplicate": 0, "dry_invalid": 0}
+        self.counts = {"measured": 0, "invalid": 0, "duplicate": 0, "dry_invalid": 0, "skipped": 0}
         self.repeats = 0
         first = [start_from] if start_from is not None else []
         if study.baseline_first:
             first.append(None)  # the plan with no transforms: the reference every other plan is against
         for plan in first:
             self._enqueue_first(plan)
+        self.prior_labels = self._enqueue_prior(study.prior)
+
+    # -- predictions ------------------------------------------------------------------------
+    def _predict_ahead(self, seconds: float) -> None:
+        """Predict valid plans not measured yet, for up to ``seconds`` (in a seeded random order, so a
+        cut-off favours no knob); record those over the budget, never to run. Plans left are
+        predicted when the sampler proposes them."""
+        import optuna
+
+        start = time.monotonic()
+        keys = [k for k in self.enumeration.valid if k not in self.seen]
+        self.rng.shuffle(keys)
+        for key in keys:
+            if time.monotonic() - start > seconds:
+                break
+            if self._prediction(key).over(self.limit, self.margin):
+                if key in self.earlier_skips:  # a resumed study recorded it already
+                    self.seen[key] = self.earlier_skips[key]
+                    continue
+                self.study.enqueue_trial(dict(self.enumeration.valid[key].assignment), skip_if_exists=False)
+                trial = self.study.ask()
+                trial.set_user_attr("assignment", dict(self.enumeration.valid[key].assignment))
+                self._skip(trial, key)
+                self.study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+        self.prediction_s = time.monotonic() - start
+
+    def _prediction(self, key: str):
+        if key not in self.predictions:
+            self.predictions[key] = self.predictor(self.enumeration.valid[key].plan)
+        return self.predictions[key]
+
+    def _skip(self, trial, key: str) -> None:
+        """Record a plan predicted over the budget on ``trial`` (told as pruned and infeasible by the caller)."""
+        point, pred = self.enumeration.valid[key], self.predictions[key]
+        for name, value in (("plan_key", key), ("steps", list(point.plan.names)), ("plan_json", point.plan.to_json(indent=None)),
+                            ("status", "predicted-infeasible"), ("predicted", pred.to_dict())):
+            trial.set_user_attr(name, value)
+        trial.set_user_attr("reason", f"predicted peak {pred.peak_bytes / 2**20:.1f} MiB x (1 + margin {self.margin:g}) > "
+                                      f"budget {self.limit / 2**20:.1f} MiB; not run")
+        trial.set_constraint("memory", (pred.peak_bytes - self.limit) / self.limit)
+        self.seen[key] = trial.number
+
+    def _enqueue_prior(self, count: int) -> tuple[str, ...]:
+        """Enqueue the ``count`` plans predicted fastest (:attr:`Prediction.speed_key`) among those
+        predicted to fit and not measured yet; ties keep the seeded random order of the predictions."""
+        ranked = [(p.speed_key, i, k) for i, (k, p) in enumerate(self.predictions.items())
+                  if p.speed_key is not None and k not in self.seen]
+        chosen = [k for _, _, k in sorted(ranked)[:count]]
+        for key in chosen:
+            self.study.enqueue_trial(dict(self.enumeration.valid[key].assignment), skip_if_exists=False)
+        return tuple(TrialRecord(0, "", dict(self.enumeration.valid[k].assignment)).plan_label for k in chosen)
+
+    def prediction_note(self) -> str:
+        if self.predictor is None:
+            return "no predictions (no estimator)"
+        preds = list(self.predictions.values())
+        known, timed = sum(p.known for p in preds), sum(p.step_time_s is not None for p in preds)
+        why = next((p.reason for p in preds if not p.known), None)
+        return (f"{known} of {len(self.enumeration.valid)} valid plans predicted ({timed} with a step time; "
+                f"{self.prediction_s:.1f} s ahead of the study, the rest when proposed); "
+                f"{sum(r == 'predicted-infeasible' for r in self._statuses())} predicted over the budget, not run"
+                + (f"; no prediction for some: {why}" if why else ""))
+
+    def _statuses(self) -> list[str]:
+        return [t.user_attrs.get("status", "") for t in self.study.trials]
 
     def _enqueue_first(self, plan: Plan | None) -> None:
         if plan is None:  # the baseline: what compose() makes of no request (at world > 1, data parallel)
@@ -282,6 +320,8 @@ class _Loop:
         n_trials, time_limit = self.budget.n_trials, self.budget.time_limit
         if self.counts["measured"] >= self.target:
             return "every valid plan measured" if n_trials is None or self.target < n_trials else f"n_trials={n_trials}"
+        if all(k in self.seen for k in self.enumeration.valid):
+            return "every valid plan measured or predicted over the budget"
         if remaining is not None and remaining <= 0:
             return f"time_limit={time_limit:g} s"
         return None
@@ -310,6 +350,8 @@ class _Loop:
             best_plan=Plan.from_json(best.plan_json, env=self.env) if best else None, memory_limit=self.limit,
             wall_time=time.monotonic() - start, measured_now=c["measured"], invalid_proposals=c["invalid"],
             duplicate_proposals=c["duplicate"], dry_runs_on_invalid=c["dry_invalid"], stopped_by=stopped_by,
+            memory_margin=self.budget.memory_margin, prediction_note=self.prediction_note(),
+            prediction_s=self.prediction_s, prior_labels=self.prior_labels,
         )
 
     def _step(self, remaining: float | None) -> None:
@@ -327,6 +369,8 @@ class _Loop:
         trial.set_user_attr("steps", list(point.plan.names))
         if point.key in self.seen:
             return self._tell_duplicate(trial, point)
+        if self.predictor is not None and self._prediction(point.key).over(self.limit, self.margin):
+            return self._tell_skipped(trial, point)
         self.repeats = 0
         # an independent check on compose(): the plan must be one the enumeration found valid
         self.counts["dry_invalid"] += point.key not in self.enumeration.valid
@@ -335,6 +379,8 @@ class _Loop:
         result = self.runner(point.plan, timeout=timeout)
         self.counts["measured"] += 1
         trial.set_user_attr("plan_json", point.plan.to_json(indent=None))
+        if point.key in self.predictions:
+            trial.set_user_attr("predicted", self.predictions[point.key].to_dict())
         trial.set_user_attr("result", {k: v for k, v in result.to_dict().items() if k not in ("losses", "sample_ids")})
         label = TrialRecord(trial.number, "", assignment).plan_label
         if not result.ok:
@@ -351,6 +397,17 @@ class _Loop:
         trial.set_user_attr("reason", point.error)
         trial.set_constraint("valid", 1.0)
         self.study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+
+    def _tell_skipped(self, trial, point: Point) -> None:
+        """A plan predicted over the memory budget: recorded with its prediction, not run (no trial cost)."""
+        import optuna
+
+        self.counts["skipped"] += 1
+        self.repeats += 1
+        self._skip(trial, point.key)
+        self.study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+        self.bar.console.print(f"  #{trial.number} {TrialRecord(trial.number, '', dict(point.assignment)).plan_label}: "
+                               f"[dim]predicted over the budget, not run[/dim]")
 
     def _tell_duplicate(self, trial, point: Point) -> None:
         import optuna
@@ -395,6 +452,8 @@ class _Loop:
 def _neighbour(study, enumeration: Enumeration, seen: dict[str, int], rng: random.Random) -> dict[str, str]:
     """An untried plan one knob (or the fewest knobs) away from the best feasible plan so far."""
     left = [enumeration.valid[k] for k in enumeration.valid if k not in seen]
+    if not left:  # every plan measured or predicted over the budget: any proposal is a repeat
+        return dict(rng.choice(list(enumeration.valid.values())).assignment)
     best = _best([TrialRecord.from_frozen(t) for t in study.trials])
     if best is None:
         return dict(rng.choice(left).assignment)

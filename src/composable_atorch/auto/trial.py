@@ -80,7 +80,7 @@ class TrialResult:
 
 def check_picklable(workload: Workload) -> None:
     """ConfigError naming the field that cannot reach a worker process (before any work)."""
-    for name in ("model_fn", "optim_fn", "dataset", "loss_fn", "loader_kwargs"):
+    for name in ("model_fn", "optim_fn", "dataset", "loss_fn", "loader_kwargs", "criterion"):
         try:
             pickle.dumps(getattr(workload, name))
         except Exception as exc:  # noqa: BLE001 - pickling can fail in many ways

@@ -6,11 +6,16 @@ starts its own session (``os.setsid``) so the parent can kill it and anything it
 ``killpg``, and asks the kernel to kill it if the parent dies (``PR_SET_PDEATHSIG``): a trial never
 leaves a process behind.
 
+Every plan trains through :func:`composable_atorch.train_step`, the one documented call that trains
+pipeline plans too (:func:`train_step` here adds accumulation windows and the sample record).
+
 Peak memory per rank: on CUDA ``torch.cuda.max_memory_allocated`` over one training step; on the
 CPU torch's ``MemTracker`` (torch.distributed._tools) over one training step, with the model's
 parameters, buffers and the optimizer's state registered before the step — the peak bytes of
 every tensor storage the plan holds (parameters, gradients, optimizer state, activations,
-temporaries). Process RSS is not used: on this machine it got the direction wrong.
+temporaries). Process RSS is not used: on this machine it got the direction wrong. The measured
+step's batches are fetched before the tracker starts (:func:`prefetch`): the input batch is not the
+plan's cost.
 """
 
 from __future__ import annotations
@@ -39,6 +44,13 @@ class Workload:
     ``model_fn()`` builds a fresh model; ``optim_fn(model)`` its optimizer (an optimizer class is
     called with ``model.parameters()``); ``loss_fn(model, batch)`` runs the forward and returns the
     loss of one batch; ``batch_size`` is the global batch (strong scaling).
+
+    ``criterion(output, targets)``, when given, is the same loss in the shape of
+    :func:`composable_atorch.train_step` for loaders that yield ``(inputs, targets)``: with it every
+    plan trains through ``train_step(model, optim, inputs, targets, criterion)``, pipeline plans
+    included (a pipeline runs the loss inside its schedule, on the last stage's output, so
+    ``loss_fn(model, batch)`` cannot train one). Without it plans train through the same call on
+    an adapter (:class:`WholeBatch`), and the search proposes no pipeline plan.
     """
 
     model_fn: Callable[[], Any]
@@ -48,6 +60,7 @@ class Workload:
     batch_size: int
     loader_kwargs: dict = field(default_factory=dict)
     seed: int = 0
+    criterion: Callable[[Any, Any], Any] | None = None
 
     def build(self):
         import torch
@@ -162,9 +175,53 @@ def sample_ids(batch) -> list[str] | None:
     return out
 
 
-def train_step(model, optim, data: Iterator, loss_fn, device: str, before_micro=None, seen: list | None = None) -> tuple[float, Any]:
-    """One optimizer step: as many micro-batches as the plan's accumulation asks for (each batch
-    this rank consumed is appended to ``seen`` when given)."""
+class WholeBatch:
+    """``loss_fn(model, batch)`` in the shape :func:`composable_atorch.train_step` takes: called on the
+    batch as the "model", it returns the loss as the "output" (:func:`loss_of_output` passes it on)."""
+
+    def __init__(self, model, loss_fn):
+        self.model, self.loss_fn = model, loss_fn
+
+    def __getattr__(self, name):  # what train_step reads off the model (e.g. its loss group) is the model's
+        if name in ("model", "loss_fn"):
+            raise AttributeError(name)
+        return getattr(self.model, name)
+
+    def __call__(self, batch):
+        loss = self.loss_fn(self.model, batch)
+        return loss[0] if isinstance(loss, list | tuple) else loss
+
+
+def loss_of_output(output, _targets):
+    """The loss :class:`WholeBatch` computed already."""
+    return output
+
+
+def needs_criterion(model) -> str | None:
+    """Why ``model`` (as a plan returned it) cannot train through ``loss_fn(model, batch)``: a pipeline stage."""
+    from composable_atorch.runtime.train_step import PIPELINE_ATTR
+
+    if getattr(model, PIPELINE_ATTR, None) is None:
+        return None
+    return ("this plan is a pipeline: its loss runs inside the schedule on the last stage's output, so it needs "
+            "Workload.criterion(output, targets) and a loader of (inputs, targets) batches")
+
+
+def step_call(model, batch, loss_fn, criterion) -> tuple[Any, Any, Any, Any]:
+    """``(model, inputs, targets, loss_fn)`` for :func:`composable_atorch.train_step` on one batch."""
+    if criterion is not None:
+        inputs, targets = batch
+        return model, inputs, targets, criterion
+    return WholeBatch(model, loss_fn), batch, None, loss_of_output
+
+
+def train_step(model, optim, data: Iterator, loss_fn, device: str, before_micro=None, seen: list | None = None,
+               *, criterion=None) -> tuple[float, Any]:
+    """One optimizer step through :func:`composable_atorch.train_step` (the call that trains every plan):
+    as many micro-batches as the plan's accumulation asks for (each batch this rank consumed is
+    appended to ``seen`` when given). Returns the step's mean loss and its last batch."""
+    from composable_atorch.runtime.train_step import train_step as one_step
+
     micro = int(getattr(optim, "accumulation_steps", 1))
     total, batch = 0.0, None
     for _ in range(micro):
@@ -173,14 +230,18 @@ def train_step(model, optim, data: Iterator, loss_fn, device: str, before_micro=
         batch = to_device(next(data), device)
         if seen is not None:
             seen.append(batch)
-        loss = loss_fn(model, batch)
-        if isinstance(loss, list | tuple):
-            loss = loss[0]
-        optim.backward(loss)
-        optim.step()
-        optim.zero_grad()
-        total += float(loss.detach())
+        target_model, inputs, targets, fn = step_call(model, batch, loss_fn, criterion)
+        total += float(one_step(target_model, optim, inputs, targets, fn))
     return total / micro, batch
+
+
+def prefetch(optim, data: Iterator, device: str) -> list:
+    """The next optimizer step's micro-batches, fetched and on ``device``: the measured step runs on
+    these (``train_step(..., iter(prefetch(...)), ...)``) so the tracker sees forward, backward and
+    step only. A batch fetched inside the tracked step is a new view of the dataset's storage (a
+    TextDataset slices one corpus tensor), which torch's MemTracker counts whole, as an activation;
+    the estimate leaves the input batch out too."""
+    return [to_device(next(data), device) for _ in range(int(getattr(optim, "accumulation_steps", 1)))]
 
 
 def _batch_len(batch) -> int:
@@ -202,13 +263,29 @@ def peak_bytes_of_step(step: Callable[..., Any], model, optim, device: str) -> t
         torch.cuda.synchronize()
         return int(torch.cuda.max_memory_allocated()), "torch.cuda.max_memory_allocated over one step"
     from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.nn.modules.module import register_module_forward_pre_hook
+
+    from composable_atorch.runtime.train_step import PIPELINE_ATTR
 
     tracker = MemTracker()
     inner = getattr(optim, "optimizer", optim)
     tracker.track_external(model, inner)
-    with tracker:
-        # per-module stats are per forward; the global peak survives resets between micro-batches
-        step(before_micro=tracker.reset_mod_stats)
+
+    def reset_per_microbatch(module, _args):
+        if module is model:
+            tracker.reset_mod_stats()
+
+    # a pipeline schedule calls its stage once per micro-batch inside one step, which MemTracker's
+    # per-module stats refuse: reset them before each call (a global hook registered before the
+    # tracker's own runs first). The global peak survives resets, as between accumulation micro-batches.
+    handle = register_module_forward_pre_hook(reset_per_microbatch) if hasattr(model, PIPELINE_ATTR) else None
+    try:
+        with tracker:
+            # per-module stats are per forward; the global peak survives resets between micro-batches
+            step(before_micro=tracker.reset_mod_stats)
+    finally:
+        if handle is not None:
+            handle.remove()
     peak = tracker.get_tracker_snapshot("peak")
     total = sum(int(snap.get("Total", 0)) for snap in peak.values())
     return total, "torch MemTracker peak over one step (parameters, gradients, optimizer state, activations, temporaries)"
@@ -287,18 +364,22 @@ def _run(rank: int, spec: RankSpec, device: str, progress) -> dict:
     plan = Plan.from_json(spec.plan_json)  # composed again here: checked against this very process
     model, optim, loader = plan(model, optim, loader)
     data = batches(loader)
-    loss_fn = spec.workload.loss_fn
+    loss_fn, criterion = spec.workload.loss_fn, spec.workload.criterion
+    if criterion is None and (why := needs_criterion(model)):
+        from composable_atorch.errors import ConfigError
+
+        raise ConfigError("Workload.criterion", None, why)
     if spec.mode == "train":
         losses = []
         for i in range(spec.train_steps):
-            loss, _ = train_step(model, optim, data, loss_fn, device)
+            loss, _ = train_step(model, optim, data, loss_fn, device, criterion=criterion)
             losses.append(loss)
             if progress is not None and rank == 0:
                 progress.put((i + 1, loss))
         return {"losses": losses}
     losses, batch = [], None
     for _ in range(spec.warmup_steps):
-        loss, batch = train_step(model, optim, data, loss_fn, device)
+        loss, batch = train_step(model, optim, data, loss_fn, device, criterion=criterion)
         losses.append(loss)
     dist.barrier()
     start = time.perf_counter()
@@ -306,7 +387,7 @@ def _run(rank: int, spec: RankSpec, device: str, progress) -> dict:
     for _ in range(spec.measure_steps):
         t0 = time.perf_counter()
         consumed.append([])
-        loss, batch = train_step(model, optim, data, loss_fn, device, seen=consumed[-1])  # .item() inside: the step is done
+        loss, batch = train_step(model, optim, data, loss_fn, device, seen=consumed[-1], criterion=criterion)  # .item() inside: the step is done
         step_times.append(time.perf_counter() - t0)
         losses.append(loss)
     dist.barrier()
@@ -317,8 +398,10 @@ def _run(rank: int, spec: RankSpec, device: str, progress) -> dict:
         [i for got in step for i in got] for step in per_step]
     peak, method = None, None
     if spec.measure_memory:
+        fetched = prefetch(optim, data, device)  # before the tracker: it measures forward/backward/step only
+
         def step(before_micro=None):
-            return train_step(model, optim, data, loss_fn, device, before_micro)
+            return train_step(model, optim, iter(fetched), loss_fn, device, before_micro, criterion=criterion)
 
         peak, method = peak_bytes_of_step(step, model, optim, device)
     return {

@@ -12,6 +12,7 @@ import sys
 COMMANDS = {
     "demo": ("composable_atorch.cli.demo", "train the built-in GPT on the built-in corpus with a plan"),
     "search": ("composable_atorch.cli.search", "auto-search the fastest plan that fits memory"),
+    "estimate": ("composable_atorch.cli.estimate", "predict per-rank memory of a plan (nothing real allocated)"),
     "explain": ("composable_atorch.cli.explain", "print explain() of a saved plan JSON"),
     "launch": ("composable_atorch.cli.launch", "run a training script on N processes (thin layer over torchrun)"),
 }

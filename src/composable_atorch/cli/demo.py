@@ -33,6 +33,9 @@ TASK = GPTTask(seq_len=128, d_model=128, n_layer=4, n_head=4, lr=3e-3, batch_siz
 #: Left out of the demo's search, with the reason: fp8 on a CPU is emulated (no speed-up, ~10 s
 #: import per trial); compile's cold inductor builds take minutes per trial here.
 DEMO_EXCLUDED = ("fp8",)
+#: Seconds of predictions before the demo's study (a few hundred plans at ~1-2 s each: the rest are
+#: predicted when the sampler proposes them, each before it could cost a trial).
+DEMO_PREDICT_AHEAD_S = 20.0
 
 
 def train(plan_json: str, *, world_size: int, steps: int, console: Console, timeout: float = 900.0) -> list[float] | None:
@@ -76,9 +79,10 @@ def main(argv: list[str]) -> int:
             result = search(
                 TASK.workload(args.seed), trial=TrialSettings(world_size=args.world_size, measure_steps=5), env=env,
                 budget=Budget(n_trials=args.trials, time_limit=args.time_limit, memory_limit=args.memory_limit),
-                space=SpaceOptions(excluded=DEMO_EXCLUDED), study=StudyOptions(seed=args.seed),
+                space=SpaceOptions(excluded=DEMO_EXCLUDED), study=StudyOptions(seed=args.seed, predict_ahead_s=DEMO_PREDICT_AHEAD_S),
             )
             console.print(report.table(result))
+            console.print(f"predictions: {result.prediction_note}; {result.over_budget_runs} run(s) over the memory budget")
             written = report.write_all(result, out)
             for what, path in written.items():
                 console.print(f"{what}: {path}")

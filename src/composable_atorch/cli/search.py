@@ -44,6 +44,9 @@ def parser(prog: str = "python -m composable_atorch search") -> argparse.Argumen
     p.add_argument("--trials", type=int, default=None, help="plans to measure (default: every valid plan)")
     p.add_argument("--time-limit", type=float, default=None, help="seconds for the whole search")
     p.add_argument("--memory-limit", default=None, help="peak bytes per rank, e.g. 40MiB; over-budget plans are infeasible")
+    p.add_argument("--memory-margin", type=float, default=0.03,
+                   help="safety margin on predicted memory: plans predicted over limit / (1 + margin) are not run")
+    p.add_argument("--no-predict", action="store_true", help="measure every proposed plan; no predictions first")
     p.add_argument("--exclude", default=None, help="comma-separated transform names to leave out")
     p.add_argument("--include", default=None, help="comma-separated transform names every plan must have")
     p.add_argument("--compile", action="store_true", help="let torch.compile join the search (cold compiles take minutes)")
@@ -73,9 +76,11 @@ def main(argv: list[str]) -> int:
         result = search(
             workload,
             trial=TrialSettings(world_size=args.world_size, measure_steps=5, timeout=args.trial_timeout),
-            budget=Budget(n_trials=args.trials, time_limit=args.time_limit, memory_limit=args.memory_limit),
+            budget=Budget(n_trials=args.trials, time_limit=args.time_limit, memory_limit=args.memory_limit,
+                          memory_margin=args.memory_margin),
             space=SpaceOptions(excluded=_names(args.exclude), included=_names(args.include), allow_compile=args.compile),
-            study=StudyOptions(storage=args.storage, study_name=args.study_name, seed=args.seed, sampler=args.sampler),
+            study=StudyOptions(storage=args.storage, study_name=args.study_name, seed=args.seed, sampler=args.sampler,
+                               predict=not args.no_predict),
         )
     except CompositionError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -262,6 +262,21 @@ class DefaultOwner:
 
 
 @dataclass(frozen=True)
+class Cost:
+    """How a step changes a rank's memory, for ``composable_atorch.estimate`` (data only).
+
+    The estimate runs each step in a fake world (meta/fake tensors, torch's fake process group) and
+    lets torch's MemTracker see what it costs, so most steps need to say nothing. ``simulated=False``
+    marks an engine that cannot run there (DDP's C++ reducer needs real storage, pipelining
+    real send/recv): the estimate leaves it out and adds ``grad_copies`` extra copies of the
+    local gradients it would hold (DDP's buckets), reported as temporary bytes.
+    """
+
+    simulated: bool = True
+    grad_copies: float = 0.0
+
+
+@dataclass(frozen=True)
 class Contract:
     stage: Stage
     requires: tuple[Requirement, ...] = ()
@@ -279,3 +294,5 @@ class Contract:
     renames: bool = False
     #: Roles this transform fills by default in some environments (see :class:`DefaultOwner`).
     defaults: tuple[DefaultOwner, ...] = ()
+    #: How the step changes per-rank memory, for the estimate (see :class:`Cost`).
+    cost: Cost = Cost()

@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from composable_atorch.core.contract import Conflict, Contract, DefaultOwner, Implication, MinWorldSize, Stage
+from composable_atorch.core.contract import Conflict, Contract, Cost, DefaultOwner, Implication, MinWorldSize, Stage
 from composable_atorch.core.transform import ApplyContext, TrainState, Transform
 from composable_atorch.errors import ConfigError
 from composable_atorch.runtime.layout import ParallelContext, make_context, normalize_groups, plan_layout
@@ -182,6 +182,8 @@ class Ddp(Transform):
             Conflict("zero2", DDP_VS_ZERO2, "drop ddp: zero2 synchronizes gradients itself"),
             ZERO_DIM_CONFLICT,
         ),
+        # the C++ reducer needs real storage; its buckets hold one more copy of the gradients
+        cost=Cost(simulated=False, grad_copies=1.0),
     )
 
     find_unused_parameters: bool = False

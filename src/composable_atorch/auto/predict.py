@@ -1,0 +1,136 @@
+"""Predictions before any run: a plan's per-rank peak memory and step time, from ``estimate``.
+
+The search asks for a prediction of every valid plan of its space once, before the study: a plan
+predicted over the memory budget is not run (it is recorded as infeasible with the prediction, at
+no trial cost), and the plans predicted fastest among those that fit are measured first (a prior
+for the sampler). Nothing here allocates a real tensor: the model is built on the meta device and
+:func:`composable_atorch.estimate.estimate` works on fake tensors and the fake process group.
+
+:func:`estimate_plan` is the one place that calls the estimator (its interface is
+``estimate(plan, model, batch, *, world_size, device) -> est`` with ``est.ranks[i].peak``,
+``est.peak`` and ``est.step_time_s``), so a change there is one edit here. Tests pass a stand-in
+estimator with the same interface.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from composable_atorch.auto.space import plan_key
+from composable_atorch.auto.worker import Workload
+from composable_atorch.core.plan import Plan
+from composable_atorch.environment import Environment
+
+#: ``estimator(plan, model, batch, *, world_size, device) -> estimate`` (see the module doc)
+Estimator = Callable[..., Any]
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What the estimator said of one plan (bytes per rank; seconds per optimizer step), or why it said nothing."""
+
+    peak_bytes: int | None = None  # max over ranks
+    peak_bytes_per_rank: tuple[int, ...] = field(default_factory=tuple)
+    step_time_s: float | None = None
+    #: floating-point operations per step per rank (recomputation included), where counted
+    flops: int | None = None
+    reason: str | None = None  # why there is no prediction
+
+    @property
+    def known(self) -> bool:
+        return self.peak_bytes is not None
+
+    def over(self, limit: int | None, margin: float) -> bool:
+        """Predicted over the budget: ``peak x (1 + margin) > limit``; False when unknown or no limit.
+
+        The margin is the prediction's allowance for error: a plan predicted within it of the limit
+        is treated as over (not run), so an under-prediction by less than the margin never costs a
+        trial that runs over the budget.
+        """
+        return limit is not None and self.peak_bytes is not None and self.peak_bytes * (1.0 + margin) > limit
+
+    @property
+    def speed_key(self) -> tuple[int, float] | None:
+        """How fast the plan is predicted to be, smaller first: the step time where the estimator
+        gives one; else the FLOPs per rank (a CPU has no torch runtime estimator: FLOPs tell
+        recomputation and model sharding apart, not one communication engine from another)."""
+        if self.step_time_s is not None:
+            return (0, self.step_time_s)
+        return None if self.flops is None else (1, float(self.flops))
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "peak_bytes_per_rank": list(self.peak_bytes_per_rank)}
+
+    @classmethod
+    def from_dict(cls, data: dict | None) -> Prediction | None:
+        if not data:
+            return None
+        fields = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        fields["peak_bytes_per_rank"] = tuple(fields.get("peak_bytes_per_rank") or ())
+        return cls(**fields)
+
+
+def default_estimator() -> Estimator | None:
+    """:func:`composable_atorch.estimate.estimate`, or None where that package is not built yet."""
+    try:
+        from composable_atorch.estimate import estimate
+    except ImportError:
+        return None
+    return estimate
+
+
+def estimate_plan(estimator: Estimator, plan: Plan, model, batch, *, world_size: int, device: str, **options) -> Prediction:
+    """Call the estimator on one plan and keep what the search uses: peak per rank, step time, FLOPs.
+    ``options`` go to the estimator as they are (the workload's ``loss_fn`` and ``optimizer``)."""
+    est = estimator(plan, model, batch, world_size=world_size, device=device, **options)
+    per_rank = tuple(int(r.peak) for r in est.ranks)
+    peak = est.peak if est.peak is not None else max(per_rank, default=None)
+    step, flops = getattr(est, "step_time_s", None), getattr(est, "flops", None)
+    return Prediction(None if peak is None else int(peak), per_rank, None if step is None else float(step),
+                      None if flops is None else int(flops))
+
+
+class Predictor:
+    """Predicts plans of one workload at one environment, each plan once (by :func:`plan_key`).
+
+    The model is built fresh on the meta device for every plan (a plan may change the model it
+    is given); the batch is the first global batch of the workload's dataset, as its loader yields
+    it (the plan splits it over the data dimension, as in a trial); the workload's loss and
+    optimizer go with them. An estimator that raises gives no prediction for that plan (the plan
+    then runs, as without predictions), with the reason. ``cache`` may be shared between searches
+    of the same workload (the benchmark replays many).
+    """
+
+    def __init__(self, estimator: Estimator, workload: Workload, env: Environment, cache: dict | None = None):
+        self.estimator, self.workload, self.env = estimator, workload, env
+        self.cache: dict[str, Prediction] = {} if cache is None else cache
+        self._batch = None
+
+    def batch(self):
+        if self._batch is None:
+            from torch.utils.data import DataLoader
+
+            kwargs = {"drop_last": True, **self.workload.loader_kwargs, "shuffle": False}
+            kwargs.pop("generator", None)
+            self._batch = next(iter(DataLoader(self.workload.dataset, batch_size=self.workload.batch_size, **kwargs)))
+        return self._batch
+
+    def model(self):
+        import torch
+
+        torch.manual_seed(self.workload.seed)
+        with torch.device("meta"):
+            return self.workload.model_fn()
+
+    def __call__(self, plan: Plan) -> Prediction:
+        key = plan_key(plan)
+        if key not in self.cache:
+            try:
+                self.cache[key] = estimate_plan(self.estimator, plan, self.model(), self.batch(),
+                                                world_size=self.env.world_size, device=self.env.device,
+                                                loss_fn=self.workload.loss_fn, optimizer=self.workload.optim_fn)
+            except Exception as exc:  # noqa: BLE001 - no prediction: the plan is measured instead
+                self.cache[key] = Prediction(reason=f"{type(exc).__name__}: {exc}"[:300])
+        return self.cache[key]

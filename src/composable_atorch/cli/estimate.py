@@ -1,0 +1,93 @@
+"""``python -m composable_atorch estimate PLAN.json --model gpt|llama-7b|hf:<config.json> ...``
+
+Prints each rank's predicted memory (parameters, gradients, optimizer state, activations,
+temporary buffers, peak) and whether it fits ``--device-memory``. Nothing real is allocated: the
+model is built on the meta device and simulated (see ``composable_atorch.estimate``).
+
+``--batch`` is the batch *per data-parallel rank* (as in published tables); the global batch the
+plan's loader sees is ``batch x world_size / (tensor x pipeline degree)``, computed by the estimate
+itself from the plan. Token ids of ``--seq`` stand for the batch; the loss is the model's own (HF)
+or next-token cross-entropy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from composable_atorch.errors import CompositionError
+
+#: Llama-2-7B's published shape (no download): hidden 4096, 32 layers, 32 heads, MLP 11008, vocab 32000
+LLAMA_7B = dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096, rms_norm_eps=1e-5)
+
+
+def build_model(spec: str, seq: int):
+    """A function building the model on the meta device (the estimate calls it there)."""
+    if spec == "gpt":
+        from composable_atorch.models import GPT, GPTConfig
+
+        return lambda: GPT(GPTConfig(seq_len=seq))
+    if spec == "llama-7b" or spec.startswith("hf:"):
+        from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
+
+        config = LlamaConfig(**LLAMA_7B) if spec == "llama-7b" else AutoConfig.from_pretrained(spec[3:])
+        return lambda: AutoModelForCausalLM.from_config(config)
+    from composable_atorch.errors import ConfigError
+
+    raise ConfigError("--model", spec, "gpt, llama-7b, or hf:<path to a config.json>")
+
+
+def data_degree(plan_data: dict, world: int) -> int:
+    """Ranks that split the batch: the world over the plan's tensor and pipeline degrees."""
+    from composable_atorch.core.plan import Plan
+    from composable_atorch.environment import Environment
+
+    plan = Plan.from_dict(plan_data, env=Environment.detect().with_(world_size=world))
+    model_parallel = 1
+    for t in plan.transforms:
+        groups = getattr(t, "groups", None) or ()
+        for entry in groups:
+            if isinstance(entry, list | tuple) and len(entry) == 2 and entry[0] in ("tensor", "pipeline"):
+                model_parallel *= int(entry[1])
+    return max(1, world // model_parallel)
+
+
+def main(argv: list[str]) -> int:
+    from composable_atorch.estimate import estimate, parse_bytes
+    from composable_atorch.estimate.core import as_plan_dict
+
+    parser = argparse.ArgumentParser(prog="python -m composable_atorch estimate", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("plan", help="a plan JSON file (plan.to_json(), best_plan.json)")
+    parser.add_argument("--model", default="gpt", help="gpt | llama-7b | hf:<config.json>")
+    parser.add_argument("--batch", type=int, default=4, help="samples per data-parallel rank")
+    parser.add_argument("--seq", type=int, default=1024, help="sequence length (tokens per sample)")
+    parser.add_argument("--world-size", type=int, default=1)
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--device-memory", default=None, help="bytes per device, e.g. 80GiB")
+    parser.add_argument("--margin", type=float, default=0.1, help="safety margin on the peak (fraction)")
+    parser.add_argument("--json", action="store_true", help="print the estimate as JSON")
+    args = parser.parse_args(argv)
+    try:
+        data = as_plan_dict(args.plan)
+        build = build_model(args.model, args.seq)
+        global_batch = args.batch * data_degree(data, args.world_size)
+        shape = torch.Size([global_batch, args.seq])
+        batch = {"input_ids": shape, "labels": shape} if args.model != "gpt" else (shape, shape)
+        est = estimate(data, build, batch, world_size=args.world_size, device=args.device)
+        limit = parse_bytes(args.device_memory, "--device-memory") if args.device_memory else None
+    except CompositionError as exc:
+        print(f"error: {exc}")
+        return 2
+    if args.json:
+        print(json.dumps({**est.to_dict(), "fits": None if limit is None else est.fits(limit, args.margin)}, indent=2))
+    else:
+        print(f"{args.model}, {args.batch} x {args.seq} tokens per rank, world {args.world_size}")
+        print(est.table())
+        if limit is not None:
+            ok = est.fits(limit, args.margin)
+            print(f"{'fits' if ok else 'does NOT fit'} in {args.device_memory} per device (peak + {args.margin:.0%} margin)")
+    return 0 if limit is None or est.fits(limit, args.margin) else 1

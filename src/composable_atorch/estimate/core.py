@@ -1,0 +1,122 @@
+"""estimate(plan, model, batch, *, world_size, ...): per-rank memory of a plan before anything runs.
+
+The plan is composed again for the world asked for (so a world size it cannot use is refused
+before any work), each distinct rank is simulated once (:mod:`.simulate`), and the MemTracker
+categories become a :class:`~.result.RankCost`. Ranks of a plan without a pipeline hold the same
+shapes (shards are equal up to padding), so rank 0 stands for all of them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from composable_atorch.core.compose import compose
+from composable_atorch.core.plan import Plan
+from composable_atorch.core.transform import Transform
+from composable_atorch.environment import Environment
+from composable_atorch.errors import CompositionError, ConfigError
+from composable_atorch.estimate.inputs import check_batch, check_world_size, meta_model
+from composable_atorch.estimate.result import Estimate, RankCost
+from composable_atorch.estimate.simulate import simulate_rank
+
+DEVICES = ("cuda", "cpu")
+
+#: MemTracker category -> RankCost field (buffers travel with the parameters)
+_KINDS = {"Parameter": "parameters", "Buffer": "parameters", "Gradient": "gradients", "Optstate": "optimizer",
+          "Activation": "activations", "Temp": "temporary", "Other": "temporary"}
+
+
+def as_plan_dict(plan: Any) -> dict:
+    """A Plan, a transform (``fsdp() | amp()`` is already a Plan), a plan's dict, JSON text or a JSON file path."""
+    if isinstance(plan, Plan):
+        return plan.to_dict()
+    if isinstance(plan, Transform):
+        return compose(plan).to_dict()
+    if isinstance(plan, dict):
+        return plan
+    if isinstance(plan, str | os.PathLike):
+        text = str(plan)
+        if not text.lstrip().startswith("{") and os.path.exists(text):
+            with open(text) as f:
+                text = f.read()
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError("plan", str(plan)[:60], f"a Plan, a transform, or plan JSON (text or a file path): {exc.msg}") from None
+    raise ConfigError("plan", type(plan).__name__, "a Plan, a transform, or plan JSON (text or a file path)")
+
+
+def compose_for(data: dict, env: Environment) -> Plan:
+    """The plan composed for ``env``; a world size it cannot use is a ConfigError naming the fix."""
+    try:
+        return Plan.from_dict(data, env=env)
+    except CompositionError as exc:
+        raise ConfigError(
+            "world_size", env.world_size,
+            f"a world size this plan can use ({type(exc).__name__}: {exc}); change world_size or the plan's degrees",
+        ) from exc
+
+
+def estimate(plan: Any, model: Any, batch: Any, *, world_size: int, device: str = "cuda", loss_fn=None,
+             optimizer=None, step_time: bool = True) -> Estimate:
+    """Predict each rank's memory (and, where torch can, the step time) of ``plan`` on ``world_size`` ranks.
+
+    ``model``: a module (on the meta device, built under ``record_module_init``, or anywhere: only
+    shapes are read and it is not changed) or a function building one (called on meta).
+    ``batch``: one batch as the loader yields it — the *global* batch, as everywhere in this
+    library — as tensors (meta is fine) or shapes (``torch.Size`` stands for int64 token ids).
+    ``loss_fn(model, batch) -> loss`` (default: HF ``.loss`` for dict batches, next-token
+    cross-entropy for ``(inputs, targets)``); ``optimizer``: None (AdamW), a class or
+    ``f(model) -> optimizer``. ``device`` is the target the plan is checked against; the
+    simulation itself runs on fake CPU tensors (see :mod:`.simulate`).
+    """
+    world_size = check_world_size(world_size)
+    if device not in DEVICES:
+        raise ConfigError("device", device, " or ".join(DEVICES))
+    global_batch = check_batch(batch)
+    model = meta_model(model)
+    data = as_plan_dict(plan)
+    here = Environment.detect().with_(world_size=world_size)
+    target = here if here.device == device else here.with_(device=device, compute_capability=(8, 0) if device == "cuda" else None)
+    target_plan = compose_for(data, target)
+    sim_plan = compose_for(data, here.with_(device="cpu", compute_capability=None))
+    notes = []
+    if target_plan.names != sim_plan.names:
+        notes.append(f"on {device} the plan has steps {list(target_plan.names)}; simulated on the CPU: {list(sim_plan.names)}")
+    if device != "cpu":
+        notes.append("simulated with fake CPU tensors: the CUDA caching allocator's rounding and fragmentation, "
+                     "cuBLAS/NCCL workspaces and the CUDA context are not counted")
+    # DDP's gradient buckets (the contract's grad_copies) live in its C++ reducer from its
+    # construction on: on CUDA max_memory_allocated counts them the whole step (added to the peak
+    # here); the CPU trial's MemTracker first sees them when the backward writes into them, so on
+    # the CPU the simulation holds them from the backward on (simulate.buckets_from_backward)
+    whole_step = device == "cuda"
+    run = simulate_rank(sim_plan, model, batch, global_batch=global_batch, rank=0, loss_fn=loss_fn,
+                        optimizer=optimizer, step_time=step_time and device == "cuda", buckets_in_backward=not whole_step)
+    for name in run.skipped:
+        notes.append(f"{name} cannot run in the fake world: left out, its cost added from its contract")
+    cost = to_rank_cost(run.by_kind, run.extra_temporary if whole_step else 0)
+    if run.extra_temporary:
+        notes.append(f"DDP's gradient buckets ({run.extra_temporary / 2**20:.1f} MiB) are in the peak "
+                     + ("for the whole step (allocated when DDP is built)" if whole_step else
+                        "from the backward on (where the CPU trial's MemTracker first sees them; on CUDA: the whole step)"))
+    extra = {"memtracker": run.by_kind, "ddp_bucket_bytes": run.extra_temporary} if run.extra_temporary else {"memtracker": run.by_kind}
+    if run.step_time_s is None:
+        extra["step_time_reason"] = ("torch's RuntimeEstimator needs a CUDA device (none here)" if device == "cuda"
+                                     else "torch's RuntimeEstimator models CUDA devices only")
+    return Estimate(
+        ranks=[cost] * world_size, world_size=world_size, device=device, steps=tuple(sim_plan.names),
+        notes=tuple(notes), step_time_s=run.step_time_s, step_time_mode=run.step_time_mode, flops=run.flops,
+        micro_batch=run.micro_batch, micro_batches=run.micro_batches, extra=extra,
+    )
+
+
+def to_rank_cost(by_kind: dict[str, int], extra_temporary: int = 0, stage: int | None = None) -> RankCost:
+    fields = dict.fromkeys(("parameters", "gradients", "optimizer", "activations", "temporary"), 0)
+    for kind, n in by_kind.items():
+        if kind in _KINDS:
+            fields[_KINDS[kind]] += int(n)
+    fields["temporary"] += int(extra_temporary)
+    return RankCost(**fields, peak=int(by_kind.get("Total", sum(fields.values()) - extra_temporary)) + int(extra_temporary), stage=stage)

@@ -1,0 +1,267 @@
+"""One rank of a plan in a fake world: fake tensors, torch's fake process group, torch's MemTracker.
+
+Why simulate instead of adding up formulas: the transforms are torch's own engines (FSDP2, DTensor
+tensor parallel, composable checkpoint, autocast), and what they keep alive at the peak depends on
+their hooks and on the order of frees — a formula per transform would drift from the engine.
+Here the real engines run on ``FakeTensorMode`` tensors (shapes, dtypes and storages, no data, no
+memory) over torch's fake process group (collectives are no-ops, shapes and placements real), and
+the very tracker the trial worker measures with (``torch.distributed._tools.MemTracker``) sees the
+peak of one training step. Steps whose contract says they cannot run there (``Cost.simulated``:
+DDP's C++ reducer needs real storage) are left out and their cost is added from the contract.
+
+The process group is global state: the simulation needs this process to have none (it makes a
+fake one and destroys it after). The device mesh is built outside the fake mode (it reads its rank
+table's values); only the training step runs under it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+
+from composable_atorch.core.plan import Plan
+from composable_atorch.core.transform import ApplyContext, TrainState
+from composable_atorch.estimate.inputs import EstimateError, default_loss, fake_batch, make_optimizer
+from composable_atorch.runtime.optim import PlanOptimizer, parameter_names, rebuild_optimizer
+
+
+@dataclass
+class RankRun:
+    """What one simulated rank measured (bytes by MemTracker category at the peak)."""
+
+    by_kind: dict[str, int]
+    peak: int
+    micro_batch: int
+    micro_batches: int
+    grad_bytes: int
+    flops: int | None = None
+    step_time_s: float | None = None
+    step_time_mode: str | None = None
+    skipped: list[str] = field(default_factory=list)
+    extra_temporary: int = 0
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int, rank: int):
+    """torch's fake process group of ``world_size`` as ``rank``, destroyed on exit (one adapter for
+    the private testing API)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise EstimateError(
+            "estimate() needs a process without a process group (it simulates the ranks on torch's fake one)",
+            f"this process already has a {dist.get_backend()} group of {dist.get_world_size()}",
+            "call estimate() before init_process_group, or in a separate process (it allocates nothing real)",
+        )
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+class _NoHook:
+    def remove(self) -> None:
+        pass
+
+
+def frozen_safe_tracker():
+    """torch's MemTracker, kept from hooking frozen parameters (LoRA's base weights): before each
+    module's forward it registers a gradient hook on every parameter the module holds (under FSDP
+    the freshly unsharded ones too), and ``register_hook`` raises on one without
+    ``requires_grad``. A placeholder handle marks those as hooked already (one adapter for the
+    tracker's private table)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class Tracker(MemTracker):
+        def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
+            if install_grad_hooks:
+                for p in module.parameters():
+                    if not p.requires_grad and self._param_to_grad_hook_handles.get(p, None) is None:
+                        self._param_to_grad_hook_handles[p] = (_NoHook(), _NoHook())
+            return super()._track_module_params_and_buffers(module, install_grad_hooks=install_grad_hooks)
+
+    return Tracker()
+
+
+def materialize(model: torch.nn.Module) -> None:
+    """Replace every parameter and buffer by a fake CPU tensor of the same shape and dtype (call under
+    FakeTensorMode), keeping ties (one fake tensor per original)."""
+    memo: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for table, as_param in ((module._parameters, True), (module._buffers, False)):
+            for name, t in list(table.items()):
+                if t is None:
+                    continue
+                if id(t) not in memo:
+                    new = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+                    memo[id(t)] = torch.nn.Parameter(new, requires_grad=t.requires_grad) if as_param else new
+                table[name] = memo[id(t)]
+
+
+def apply_plan(plan: Plan, model, optim, loader) -> tuple[Any, PlanOptimizer, Any, list[str], float]:
+    """Plan.apply's loop, leaving out the steps whose contract says they cannot be simulated; returns
+    the triple, their names and the extra gradient copies their contracts declare."""
+    state = TrainState(model=model, optim=optim, loader=loader, param_names=parameter_names(model, optim))
+    ctx = ApplyContext(plan=plan, env=plan.env, strict=plan.strict)
+    skipped, grad_copies = [], 0.0
+    for step in plan.steps:
+        cost = step.transform.contract.cost
+        if not cost.simulated:
+            skipped.append(step.transform.describe())
+            grad_copies += cost.grad_copies
+            continue
+        state = step.transform.apply(state, ctx.for_step(step.transform))
+        if isinstance(state.optim, torch.optim.Optimizer):
+            state.optim = rebuild_optimizer(state.optim, state.param_names, state.model)
+    return state.model, PlanOptimizer(state.optim, state.hooks), state.loader, skipped, grad_copies
+
+
+def local_bytes(t: torch.Tensor) -> int:
+    t = t.to_local() if hasattr(t, "to_local") else t
+    return t.numel() * t.element_size()
+
+
+def simulate_rank(plan: Plan, model: torch.nn.Module, batch: Any, *, global_batch: int, rank: int,
+                  loss_fn=None, optimizer=None, warmup: int = 2, step_time: bool = False,
+                  buckets_in_backward: bool = True) -> RankRun:
+    """Simulate ``rank`` of ``plan`` (composed for the fake world's size) on a fresh copy of the
+    model's shapes; the model passed in is not changed. ``buckets_in_backward``: the contract's
+    extra gradient copies join the simulated step from the backward on (as the CPU trial sees
+    them, :func:`buckets_from_backward`); False leaves them to the caller (``extra_temporary``)."""
+    import copy
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    loss_fn = loss_fn or default_loss
+    with fake_world(plan.env.world_size, rank):
+        fake = FakeTensorMode(allow_non_fake_inputs=True)
+        with torch.device("meta"):
+            model = copy.deepcopy(model) if any(True for _ in model.parameters()) else model
+        with fake:
+            materialize(model)
+            optim = make_optimizer(optimizer, model)
+        loader = DataLoader(range(global_batch), batch_size=global_batch)
+        try:
+            model, optim, loader, skipped, grad_copies = apply_plan(plan, model, optim, loader)
+        except EstimateError:
+            raise
+        micro = int(getattr(loader, "batch_size", None) or global_batch)
+        steps = int(getattr(optim, "accumulation_steps", 1))
+        trained = [p for p in model.parameters() if p.requires_grad]
+        grad_bytes = sum(local_bytes(p) for p in trained)
+        bucket_bytes = int(grad_copies * grad_bytes)
+        with fake:
+            inputs = fake_batch(batch, global_batch, micro)
+
+            def step(before_micro=None):
+                for _ in range(steps):
+                    if before_micro is not None:
+                        before_micro()
+                    loss = loss_fn(model, inputs)
+                    if isinstance(loss, list | tuple):
+                        loss = loss[0]
+                    with buckets_from_backward(trained, grad_copies if buckets_in_backward else 0.0):
+                        optim.backward(loss)
+                        optim.step()
+                    optim.zero_grad()
+
+            try:
+                for _ in range(warmup):
+                    step()
+            except EstimateError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - name what failed
+                raise EstimateError(
+                    "one training step of the plan cannot run on fake tensors", exc,
+                    "pass loss_fn=(model, batch) -> loss matching your batch, and keep the forward free of "
+                    "value-dependent Python control flow (.item(), data-dependent shapes)",
+                ) from exc
+            tracker = frozen_safe_tracker()
+            tracker.track_external(model, getattr(optim, "optimizer", optim))
+            with tracker:
+                step(before_micro=tracker.reset_mod_stats)
+            snap = tracker.get_tracker_snapshot("peak")
+            by_kind: dict[str, int] = {}
+            for dev_snap in snap.values():
+                for kind, n in dev_snap.items():
+                    key = kind if isinstance(kind, str) else kind.value
+                    by_kind[key] = by_kind.get(key, 0) + int(n)
+            counter = FlopCounterMode(display=False)
+            with counter:
+                step()
+            flops = int(counter.get_total_flops())
+            run = RankRun(by_kind=by_kind, peak=by_kind.get("Total", 0), micro_batch=micro, micro_batches=steps,
+                          grad_bytes=grad_bytes, flops=flops, skipped=skipped, extra_temporary=bucket_bytes)
+            if step_time:
+                run.step_time_s, run.step_time_mode = runtime_of(step)
+        return run
+
+
+#: DDP's bucket caps (torch's defaults): the first bucket 1 MiB, the rest 25 MiB
+BUCKET_CAPS = (2**20, 25 * 2**20)
+
+
+def bucket_sizes(params: list[torch.Tensor], copies: float) -> list[tuple[int, int]]:
+    """``(index of the first parameter whose gradient is ready, bytes)`` per bucket: parameters in
+    the order their gradients are ready (reverse registration, as DDP's rebuilt buckets), filled up
+    to torch's default caps, times the contract's ``copies``."""
+    out, size, first = [], 0, None
+    for i in range(len(params) - 1, -1, -1):
+        first = i if first is None else first
+        size += local_bytes(params[i])
+        if size >= BUCKET_CAPS[0 if not out else 1]:
+            out.append((first, int(size * copies)))
+            size, first = 0, None
+    if size:
+        out.append((first, int(size * copies)))
+    return out
+
+
+@contextlib.contextmanager
+def buckets_from_backward(params: list[torch.Tensor], copies: float):
+    """Stand-in for buffers a step left out of the fake world (DDP's gradient buckets, the contract's
+    ``grad_copies``): each bucket is a fake tensor made when the gradient of its first parameter
+    is ready, held to the end of the block (the optimizer step).
+
+    Why from the backward: DDP's reducer allocates its buckets when it is built, before a tracker
+    starts, so torch's MemTracker (the trial's measurement on the CPU) first sees a bucket when the
+    backward writes a ready gradient into it; from then on it counts in the peak. A plan whose peak
+    is in the backward (checkpointing) carries them; one whose peak ends the forward does not.
+    On CUDA ``max_memory_allocated`` counts them the whole step (:func:`~.core.estimate` adds them)."""
+    held: list = []
+    handles = []
+    if copies > 0:
+        for first, nbytes in bucket_sizes(params, copies):
+            def make(_param, nbytes=nbytes):
+                held.append(torch.empty(nbytes, dtype=torch.uint8, device=_param.device))
+
+            handles.append(params[first].register_post_accumulate_grad_hook(make))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+        held.clear()
+
+
+def runtime_of(step) -> tuple[float | None, str | None]:
+    """torch's RuntimeEstimator (roofline cost model) over one step; it needs a CUDA device."""
+    if not torch.cuda.is_available():
+        return None, None
+    from torch.distributed._tools.runtime_estimator import RuntimeEstimator
+
+    mode = "operator-level-cost-model"
+    try:
+        est = RuntimeEstimator()
+        with est(estimate_mode_type=mode):
+            step()
+        return est.total_runtime / 1e3, f"torch RuntimeEstimator {mode}"
+    except Exception:  # noqa: BLE001 - no estimate rather than a wrong one
+        return None, None

@@ -1,0 +1,145 @@
+"""composable_atorch.estimate: predicted peak per rank vs the trial's own measurement, and bad input.
+
+Measured here the way the trial worker measures (``auto.worker.peak_bytes_of_step``, torch
+MemTracker over one step after two warm-up steps), with the step's batch made before the tracker
+starts; predicted with nothing real allocated (meta model, fake tensors, fake process group).
+Bound (issue 12): within 10 % per plan.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import composable_atorch as ca
+import composable_atorch.estimate as estimate_pkg
+from composable_atorch.auto.builtin import GPTTask
+from composable_atorch.errors import ConfigError
+from composable_atorch.estimate import EstimateError, estimate
+from composable_atorch.models import Block
+
+TASK = GPTTask(seq_len=64, d_model=64, n_layer=2, n_head=4, batch_size=8)
+BOUND = 0.10
+
+
+def measure(plan_json: str, world: int) -> int:
+    """The trial's peak of one step of ``plan_json`` in this process (a group of ``world`` exists)."""
+    from composable_atorch.auto.worker import peak_bytes_of_step, prefetch, train_step
+
+    torch.manual_seed(0)
+    model = TASK.model()
+    optim = TASK.optimizer(model)
+    loader = torch.utils.data.DataLoader(range(TASK.batch_size), batch_size=TASK.batch_size)
+    model, optim, loader = ca.Plan.from_json(plan_json)(model, optim, loader)
+    micro = loader.batch_size
+    tokens = torch.randint(0, 256, (micro, TASK.seq_len))
+    data = iter([(tokens, tokens.clone())] * (3 * int(getattr(optim, "accumulation_steps", 1))))
+    for _ in range(2):
+        train_step(model, optim, data, TASK.loss, "cpu")
+    fetched = prefetch(optim, data, "cpu")  # as the worker does: the batch is fetched before the tracker
+    peak, _ = peak_bytes_of_step(lambda before_micro=None: train_step(model, optim, iter(fetched), TASK.loss, "cpu", before_micro),
+                                 model, optim, "cpu")
+    return peak
+
+
+def predict(plan_json: str, world: int) -> int:
+    shape = torch.Size([TASK.batch_size, TASK.seq_len])
+    return estimate(plan_json, TASK.model, (shape, shape), world_size=world, device="cpu", loss_fn=TASK.loss,
+                    optimizer=TASK.optimizer).peak
+
+
+def _measure_many(rank, world, plans):
+    return [measure(p, world) for p in plans]
+
+
+def test_world_1_plans_within_bound():
+    env = ca.Environment.detect().with_(world_size=1)
+    for plan in (ca.compose(env=env), ca.compose(ca.checkpoint(Block), ca.amp("bf16"), env=env),
+                 ca.compose(ca.accumulate(2), env=env)):
+        text = plan.to_json()
+        measured, predicted = measure(text, 1), predict(text, 1)
+        assert abs(predicted - measured) / measured <= BOUND, (plan.names, predicted, measured)
+
+
+@pytest.mark.dist
+def test_world_2_plans_within_bound():
+    from _dist import run_world
+
+    env = ca.Environment.detect().with_(world_size=2)
+    plans = [ca.compose(p, env=env).to_json() for p in (
+        ca.fsdp(wrap=Block), ca.zero2() | ca.checkpoint(Block), ca.ddp() | ca.amp("bf16"), ca.ddp() | ca.zero1(),
+        # the peak is in the backward, where DDP's buckets count (they were 12-17 % under before)
+        ca.checkpoint(Block) | ca.ddp(), ca.checkpoint(Block) | ca.ddp() | ca.zero1())]
+    measured = run_world(_measure_many, 2, plans)
+    for i, text in enumerate(plans):
+        peak = max(m[i] for m in measured)
+        predicted = predict(text, 2)
+        assert abs(predicted - peak) / peak <= BOUND, (text, predicted, peak)
+
+
+def test_ddp_buckets_follow_torch_caps_and_count_on_cuda_all_step():
+    from composable_atorch.estimate.simulate import BUCKET_CAPS, bucket_sizes
+
+    params = [torch.empty(2**18) for _ in range(4)] + [torch.empty(2**16)]  # 4 x 1 MiB + 256 KiB fp32
+    buckets = bucket_sizes(params, 1.0)
+    assert buckets[0] == (4, 2**18 + 2**20)  # the last-registered parameter is ready first; first cap 1 MiB
+    assert sum(n for _, n in buckets) == sum(p.numel() * 4 for p in params) and BUCKET_CAPS[1] == 25 * 2**20
+    shape = torch.Size([TASK.batch_size, TASK.seq_len])
+    env = ca.Environment.detect().with_(world_size=2)
+    plan = ca.compose(ca.ddp(), env=env)
+    kw = dict(world_size=2, loss_fn=TASK.loss, optimizer=TASK.optimizer)
+    cpu, cuda = estimate(plan, TASK.model, (shape, shape), device="cpu", **kw), estimate(plan, TASK.model, (shape, shape), device="cuda", **kw)
+    buckets = cuda.extra["ddp_bucket_bytes"]
+    assert buckets == sum(p.numel() * 4 for p in TASK.model().parameters())
+    assert cuda.peak == cuda.extra["memtracker"]["Total"] + buckets  # on CUDA: held the whole step
+    assert cpu.peak == cpu.extra["memtracker"]["Total"]  # on the CPU: inside the simulated step, from the backward on
+
+
+def _half_frozen():
+    model = TASK.model()
+    for name, p in model.named_parameters():
+        p.requires_grad_(name.startswith("head"))  # frozen base weights, as LoRA leaves them
+    return model
+
+
+def test_frozen_parameters_are_estimated_under_fsdp():
+    # torch's MemTracker hooks every parameter a module's forward touches and raised on frozen ones
+    shape = torch.Size([TASK.batch_size, TASK.seq_len])
+    kw = dict(world_size=2, device="cpu", loss_fn=TASK.loss,
+              optimizer=lambda m: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad]))
+    frozen = estimate(ca.fsdp(wrap=Block), _half_frozen, (shape, shape), **kw)
+    full = estimate(ca.fsdp(wrap=Block), TASK.model, (shape, shape), **kw)
+    assert 0 < frozen.ranks[0].optimizer < full.ranks[0].optimizer
+
+
+def test_result_interface():
+    shape = torch.Size([TASK.batch_size, TASK.seq_len])
+    est = estimate_pkg(ca.fsdp(wrap=Block), TASK.model, (shape, shape), world_size=4, device="cpu", loss_fn=TASK.loss)
+    assert len(est.ranks) == 4 and est.peak == max(r.peak for r in est.ranks)
+    r = est.ranks[0]
+    assert r.parameters > 0 and r.optimizer > 0 and r.activations > 0
+    assert est.fits(est.peak * 2) and not est.fits(est.peak) and est.fits(est.peak, margin=0.0)
+    assert "peak" in est.table() and est.to_dict()["peak"] == est.peak
+    assert est.step_time_s is None and est.step_time_mode is None  # no CUDA here: torch's RuntimeEstimator needs one
+    # sharding divides the states: world 4 holds less than world 1
+    one = estimate(ca.compose(), TASK.model, (shape, shape), world_size=1, device="cpu", loss_fn=TASK.loss)
+    assert r.parameters < one.ranks[0].parameters
+
+
+def test_bad_input_is_typed_and_names_the_fix():
+    shape = torch.Size([8, 64])
+
+    def needs_values():
+        m = TASK.model()
+        float(m.head.weight.sum())  # reads values: cannot run on meta
+        return m
+
+    with pytest.raises(EstimateError, match="meta device"):
+        estimate(ca.compose(), needs_values, (shape, shape), world_size=1, device="cpu")
+    with pytest.raises(ConfigError, match="batch"):
+        estimate(ca.compose(), TASK.model, {"a": 3}, world_size=1, device="cpu")
+    with pytest.raises(ConfigError, match="world_size"):
+        estimate(ca.compose(), TASK.model, (shape, shape), world_size=0, device="cpu")
+    with pytest.raises(ConfigError, match="world_size"):
+        tp2 = ca.compose(ca.mixed_parallel(tensor=2), env=ca.Environment.detect().with_(world_size=2))
+        estimate(tp2, TASK.model, (shape, shape), world_size=3, device="cpu")

@@ -1,0 +1,192 @@
+"""The search uses predictions: plans predicted over the budget cost no trial, the predicted-fastest
+plans that fit run first, and the report shows predicted and measured memory side by side.
+
+The estimator here is a stand-in with the interface of ``composable_atorch.estimate.estimate``
+(injected with ``search(..., estimator=)``); the runner is synthetic (these tests are about the
+study, not the measurement): its memory and speed follow from the plan's steps.
+"""
+
+import json
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+import composable_atorch as ca
+from composable_atorch.auto import report
+from composable_atorch.auto.policy import Budget, SpaceOptions, StudyOptions
+from composable_atorch.auto.predict import Prediction, Predictor, estimate_plan
+from composable_atorch.auto.space import plan_key
+from composable_atorch.auto.study import search
+from composable_atorch.auto.trial import TrialResult, TrialSettings
+from composable_atorch.auto.worker import Workload
+from composable_atorch.data import TextDataset
+from composable_atorch.environment import Environment
+from composable_atorch.errors import ConfigError
+from composable_atorch.models import GPT
+
+from auto_faults import adamw, lm_step
+
+MiB = 2**20
+KEPT = ("amp", "checkpoint")
+
+
+def workload():
+    return Workload(GPT, adamw, TextDataset(16, limit=64), lm_step, 16)
+
+
+def true_peak(names) -> int:
+    return (10 if "checkpoint" in names else 30) * MiB + (2 * MiB if "amp" not in names else 0)
+
+
+def true_speed(names) -> float:
+    return 100.0 - (20 if "checkpoint" in names else 0) + (5 if "amp" in names else 0)
+
+
+class Runner:
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, plan, *, timeout):
+        self.calls.append(plan_key(plan))
+        return TrialResult(status="ok", samples_per_s=true_speed(plan.names), peak_bytes=true_peak(plan.names))
+
+
+@dataclass
+class Rank:
+    peak: int
+    parameters: int = 0
+    gradients: int = 0
+    optimizer: int = 0
+    activations: int = 0
+    temporary: int = 0
+
+
+@dataclass
+class Est:
+    ranks: list
+    step_time_s: float | None
+
+    @property
+    def peak(self):
+        return max(r.peak for r in self.ranks)
+
+
+class Stub:
+    """Predicts ``true_peak x scale`` and the true step time; records what it was given."""
+
+    def __init__(self, scale=1.0, timed=True, fail=False):
+        self.scale, self.timed, self.fail, self.calls = scale, timed, fail, []
+
+    def __call__(self, plan, model, batch, *, world_size, device, loss_fn=None, optimizer=None):
+        self.calls.append((plan, model, batch, world_size, device, loss_fn, optimizer))
+        if self.fail:
+            raise RuntimeError("cannot estimate this plan")
+        peak = int(true_peak(plan.names) * self.scale)
+        return Est([Rank(peak), Rank(peak - 1)], 16 / true_speed(plan.names) if self.timed else None)
+
+
+def run(memory_limit=None, estimator=None, margin=0.03, n_trials=None, prior=3, **study):
+    runner = Runner()
+    result = search(workload(), trial=TrialSettings(world_size=2),
+                    budget=Budget(n_trials=n_trials, memory_limit=memory_limit, memory_margin=margin),
+                    space=SpaceOptions(excluded=tuple(sorted(set(ca.registry()) - set(KEPT)))),
+                    study=StudyOptions(seed=0, preflight=False, prior=prior, **study), runner=runner,
+                    progress=False, estimator=estimator)
+    return result, runner
+
+
+def test_plans_predicted_over_the_budget_are_recorded_with_the_prediction_and_never_run(tmp_path):
+    stub = Stub()
+    result, runner = run(memory_limit="20MiB", estimator=stub)
+    valid = result.enumeration.valid
+    assert len(valid) == 8 and len(stub.calls) == 8  # every valid plan predicted once
+    skipped = result.skipped
+    assert len(skipped) == 2 and all("checkpoint" not in r.steps for r in skipped)
+    assert all(r.predicted.peak_bytes == true_peak(r.steps) and "predicted peak" in r.reason for r in skipped)
+    assert {plan_key(ca.Plan.from_json(r.plan_json, env=result.space.env)) for r in skipped}.isdisjoint(runner.calls)
+    assert len(runner.calls) == 6 and result.over_budget_runs == 0  # every run fit: none over the budget
+    assert result.stopped_by == "every valid plan measured" and "checkpoint" in result.best.steps
+    # the trials table, trials.json and the HTML report show predicted and measured memory side by side
+    rows = report.rows(result)
+    ran = [r for r in rows if r["status"] == "ok"]
+    assert len(ran) == 6 and all(r["predicted_mib"] == r["peak_mib"] for r in ran)
+    assert [r["status"] for r in rows[-2:]] == ["predicted-infeasible"] * 2 and all(r["peak_mib"] is None for r in rows[-2:])
+    written = report.write_all(result, tmp_path)
+    data = json.loads(written["trials"].read_text())
+    assert data["summary"]["skipped_by_prediction"] == 2 and data["summary"]["runs_over_budget"] == 0
+    page = written["report"].read_text()
+    assert "predicted MiB" in page and "measured peak MiB" in page
+    text = report.text_table(result)
+    assert "predicted MiB" in text and "2 predicted over the budget" in text and "0 run(s) over the budget anyway" in text
+    # the stub saw a meta-device model, the global batch and the world size
+    _, model, batch, world, device, loss_fn, optimizer = stub.calls[0]
+    assert next(model.parameters()).is_meta and batch[0].shape[0] == 16 and world == 2 and device == result.space.env.device
+    assert loss_fn is lm_step and optimizer is adamw  # the workload's own loss and optimizer
+
+
+def test_plans_not_predicted_ahead_are_predicted_when_proposed_and_skipped_at_no_cost():
+    stub = Stub()
+    result, runner = run(memory_limit="20MiB", estimator=stub, predict_ahead_s=0)
+    assert len(result.skipped) == 2 and len(runner.calls) == 6 and result.over_budget_runs == 0
+    assert len(stub.calls) == 8 and "0.0 s ahead" in result.prediction_note
+    # n_trials beyond what fits: the study stops when every plan is measured or predicted over
+    result, runner = run(memory_limit="11MiB", estimator=Stub(), predict_ahead_s=0, n_trials=8)
+    assert len(runner.calls) == 3 and len(result.skipped) == 5
+    assert result.stopped_by in ("every valid plan measured", "every valid plan measured or predicted over the budget")
+
+
+def test_the_safety_margin_skips_plans_predicted_just_under_the_budget():
+    # amp+checkpoint: 10 MiB; checkpoint: 12 MiB (3 plans each). A 12.2 MiB budget: 12 MiB fits only without margin
+    no_margin, runner = run(memory_limit=int(12.2 * MiB), estimator=Stub(), margin=0.0)
+    assert len(no_margin.skipped) == 2 and len(runner.calls) == 6
+    margin, runner = run(memory_limit=int(12.2 * MiB), estimator=Stub(), margin=0.05)
+    assert len(margin.skipped) == 5 and len(runner.calls) == 3
+    assert all(r.status == "ok" for r in margin.measured) and margin.over_budget_runs == 0
+    with pytest.raises(ConfigError, match="memory_margin"):
+        Budget(memory_margin=1.5)
+
+
+def test_a_low_prediction_costs_a_run_over_the_budget_and_it_is_counted():
+    result, runner = run(memory_limit="20MiB", estimator=Stub(scale=0.6), margin=0.0)  # 30 MiB predicted as 18
+    assert result.skipped == [] and len(runner.calls) == 8
+    assert result.over_budget_runs == 2
+    assert "2 run(s) over the budget anyway" in report.text_table(result)
+
+
+def test_the_first_trials_are_the_plans_predicted_fastest_among_those_that_fit():
+    result, runner = run(memory_limit="20MiB", estimator=Stub(), n_trials=3, prior=2, baseline_first=False)
+    first = [r for r in result.records if r.status == "ok"][:2]
+    # the fitting plans (checkpoint) predicted fastest: amp + checkpoint (85 samples/s against 80)
+    assert all({"amp", "checkpoint"} <= set(r.steps) for r in first) and len({r.plan_label for r in first}) == 2
+    assert list(result.prior_labels) == [r.plan_label for r in first]
+    assert result.measured_now == 3
+    # no memory limit: the prior is the fastest plans overall; the baseline, when asked for, still runs first
+    result, _ = run(estimator=Stub(), n_trials=3, prior=2)
+    ran = [r for r in result.records if r.status == "ok"]
+    assert "amp" not in ran[0].steps and "checkpoint" not in ran[0].steps  # the baseline
+    assert set(ran[1].steps) >= {"amp"} and "checkpoint" not in ran[1].steps
+
+
+def test_without_a_prediction_every_plan_runs_and_the_report_says_why():
+    result, runner = run(memory_limit="20MiB", estimator=Stub(fail=True))
+    assert result.skipped == [] and len(runner.calls) == 8 and result.over_budget_runs == 2
+    assert "cannot estimate this plan" in result.prediction_note
+    untimed, _ = run(memory_limit="20MiB", estimator=Stub(timed=False), n_trials=2, baseline_first=False)
+    assert untimed.prior_labels == () and len(untimed.skipped) == 2  # memory still used, no prior without a time
+    off, runner = run(memory_limit="20MiB", estimator=Stub(), predict=False)
+    assert off.skipped == [] and len(runner.calls) == 8 and off.prediction_note.startswith("no predictions")
+
+
+def test_estimate_plan_reads_the_agreed_interface():
+    env = Environment.detect().with_(world_size=2)
+    plan = ca.compose(env=env)
+    pred = estimate_plan(Stub(), plan, None, None, world_size=2, device="cpu")
+    assert pred == Prediction(true_peak(plan.names), (true_peak(plan.names), true_peak(plan.names) - 1), 16 / true_speed(plan.names))
+    assert pred.speed_key == (0, pred.step_time_s) and Prediction(1, flops=7).speed_key == (1, 7.0)
+    assert Prediction.from_dict(pred.to_dict()) == pred
+    assert pred.over(pred.peak_bytes, 0.01) and not pred.over(pred.peak_bytes, 0.0) and not pred.over(None, 0.5)
+    predictor = Predictor(Stub(), workload(), env)
+    assert predictor(plan) is predictor(plan) and len(predictor.estimator.calls) == 1  # once per plan
+    with torch.device("meta"):
+        assert predictor.model().tok.weight.is_meta
