@@ -590,7 +590,8 @@ def main(argv=None) -> int:
         console.print(layout_table("Llama-2-7B shape (meta device) on the fake process group, fp32 + AdamW", mp_report["fake"], 2**30, "GiB", cross_check=False))
         console.print(HOW)
         rep = mp_report["tp_replicated"]
-        console.print(f"tensor_parallel('auto') on HF Llama shards what HF's base_model_tp_plan names (the layers' projections); the rest "
+        console.print(f"tensor_parallel('auto') on HF Llama shards what transformers' tp_plan names (the layers' projections, "
+                      f"the head with gathered logits; not the embedding, whose DTensor gradient would be replicated); the rest "
                       f"stays whole on every tensor rank: {rep['bytes'] / 2**30:.3f} GiB of the 7B's fp32 parameters (largest: {', '.join(rep['largest'])}).")
         if mp_report["not_on_fake"]:
             console.print(f"not run on the fake group (the family's engine needs real collectives): {', '.join(mp_report['not_on_fake'])}")

@@ -64,7 +64,8 @@ def test_study_at_world_2_records_crash_and_hang_and_leaves_no_process(tmp_path)
     settings = TrialSettings(world_size=2, warmup_steps=1, measure_steps=2)
     runner = RecordingRunner(ProcessRunner(Workload(model_fn, adamw, dataset, lm_step, 8), settings))
     result = search(model_fn, adamw, dataset, lm_step, world_size=2, batch_size=8, excluded=all_but("amp", "accumulate"),
-                    trial_timeout=30, seed=0, progress=False, runner=runner, preflight=False)  # no forward in this process
+                    trial_timeout=30, seed=0, progress=False, runner=runner, preflight=False,
+                    predict=False)  # no forward in this process: preflight and predictions run the model here
     valid = result.enumeration.valid
     assert len(valid) == 6  # amp {absent, bf16} x accumulate {absent, 2, 4}
     assert sorted(runner.plans) == sorted(valid)  # every valid plan ran exactly once, nothing else

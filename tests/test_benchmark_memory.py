@@ -42,7 +42,12 @@ def test_checkpointing_reduces_measured_activation_bytes():
 
 # -- model-parallel rows (issue 10): the fake-group way on a tiny Llama, in this process ------------
 
-TP_SHARDED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # HF Llama's base_model_tp_plan
+# HF Llama's tp_plan: base_model_tp_plan's projections, plus the model-level lm_head (colwise, logits gathered)
+TP_SHARDED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
+
+
+def _module(name: str) -> str:
+    return name.split(".")[-2]  # the module a parameter belongs to
 
 
 def _whole_bytes():
@@ -59,7 +64,7 @@ def test_tp2_fsdp4_holds_one_eighth_of_sharded_layers_and_one_quarter_of_the_res
     whole = _whole_bytes()
     assert stages is None and rows.keys() == whole.keys()
     for name, (param, grad, adam) in rows.items():
-        sharded = name.split(".")[-2] in TP_SHARDED
+        sharded = _module(name) in TP_SHARDED
         assert param * (8 if sharded else 4) == whole[name], name  # tiny sizes divide exactly: no rounding
         assert grad == param, name
         assert adam == 2 * param + 4, name  # exp_avg, exp_avg_sq in the parameter's layout, a float32 step
@@ -73,7 +78,7 @@ def test_tp2_replicates_what_it_does_not_shard_and_the_data_dimension_replicates
     for lay in (memory.Layout("tp", tensor=2), memory.Layout("tp", tensor=2, data=2)):
         rows, _ = _per_name(lay)
         for name, (param, grad, _adam) in rows.items():
-            assert param * (2 if name.split(".")[-2] in TP_SHARDED else 1) == whole[name], (lay, name)
+            assert param * (2 if _module(name) in TP_SHARDED else 1) == whole[name], (lay, name)
             assert grad == param
 
 

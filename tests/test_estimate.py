@@ -143,3 +143,23 @@ def test_bad_input_is_typed_and_names_the_fix():
     with pytest.raises(ConfigError, match="world_size"):
         tp2 = ca.compose(ca.mixed_parallel(tensor=2), env=ca.Environment.detect().with_(world_size=2))
         estimate(tp2, TASK.model, (shape, shape), world_size=3, device="cpu")
+
+
+def test_trial_measurement_of_a_model_with_frozen_weights():
+    # the trial worker measures with the estimate's tracker: plain MemTracker raised on LoRA-style frozen weights
+    from composable_atorch.auto.worker import peak_bytes_of_step
+
+    model = _half_frozen()
+    optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    x = torch.randint(0, 64, (TASK.batch_size, TASK.seq_len))
+
+    def step(before_micro=None):
+        if before_micro is not None:
+            before_micro()
+        TASK.loss(model, (x, x)).backward()
+        optim.step()
+        optim.zero_grad()
+
+    peak, how = peak_bytes_of_step(step, model, optim, "cpu")
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert peak > weights and "MemTracker" in how

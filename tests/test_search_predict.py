@@ -190,3 +190,17 @@ def test_estimate_plan_reads_the_agreed_interface():
     assert predictor(plan) is predictor(plan) and len(predictor.estimator.calls) == 1  # once per plan
     with torch.device("meta"):
         assert predictor.model().tok.weight.is_meta
+
+
+def test_a_prediction_that_hangs_is_abandoned_and_the_plan_measured_instead():
+    import time
+
+    from composable_atorch.auto.predict import PredictionTimeout, time_limit
+
+    started = time.monotonic()
+    with pytest.raises(PredictionTimeout):
+        with time_limit(0.5):
+            time.sleep(30)  # a user forward that hangs for some plan
+    assert time.monotonic() - started < 5
+    with time_limit(5):  # no alarm left behind
+        time.sleep(0.1)

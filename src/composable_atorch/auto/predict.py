@@ -14,6 +14,9 @@ estimator with the same interface.
 
 from __future__ import annotations
 
+import contextlib
+import signal
+import threading
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -92,6 +95,31 @@ def estimate_plan(estimator: Estimator, plan: Plan, model, batch, *, world_size:
                       None if flops is None else int(flops))
 
 
+class PredictionTimeout(Exception):
+    """A prediction ran past :attr:`Predictor.timeout_s` (a user model that hangs for some plan)."""
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float):
+    """Raise :class:`PredictionTimeout` in this thread after ``seconds`` (SIGALRM; main thread on
+    POSIX only, elsewhere no limit): a hang inside Python code (a sleep, a loop) is interrupted."""
+    usable = seconds > 0 and hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
+    if not usable:
+        yield
+        return
+
+    def expired(_sig, _frame):
+        raise PredictionTimeout(f"no prediction within {seconds:g} s")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 class Predictor:
     """Predicts plans of one workload at one environment, each plan once (by :func:`plan_key`).
 
@@ -102,6 +130,10 @@ class Predictor:
     then runs, as without predictions), with the reason. ``cache`` may be shared between searches
     of the same workload (the benchmark replays many).
     """
+
+    #: a prediction runs the user's forward (on fake tensors) in this process: one that takes longer
+    #: than this is abandoned (no prediction; the plan is measured in its own processes instead)
+    timeout_s: float = 60.0
 
     def __init__(self, estimator: Estimator, workload: Workload, env: Environment, cache: dict | None = None):
         self.estimator, self.workload, self.env = estimator, workload, env
@@ -128,9 +160,10 @@ class Predictor:
         key = plan_key(plan)
         if key not in self.cache:
             try:
-                self.cache[key] = estimate_plan(self.estimator, plan, self.model(), self.batch(),
-                                                world_size=self.env.world_size, device=self.env.device,
-                                                loss_fn=self.workload.loss_fn, optimizer=self.workload.optim_fn)
+                with time_limit(self.timeout_s):
+                    self.cache[key] = estimate_plan(self.estimator, plan, self.model(), self.batch(),
+                                                    world_size=self.env.world_size, device=self.env.device,
+                                                    loss_fn=self.workload.loss_fn, optimizer=self.workload.optim_fn)
             except Exception as exc:  # noqa: BLE001 - no prediction: the plan is measured instead
                 self.cache[key] = Prediction(reason=f"{type(exc).__name__}: {exc}"[:300])
         return self.cache[key]

@@ -262,12 +262,12 @@ def peak_bytes_of_step(step: Callable[..., Any], model, optim, device: str) -> t
         step()
         torch.cuda.synchronize()
         return int(torch.cuda.max_memory_allocated()), "torch.cuda.max_memory_allocated over one step"
-    from torch.distributed._tools.mem_tracker import MemTracker
     from torch.nn.modules.module import register_module_forward_pre_hook
 
+    from composable_atorch.estimate.simulate import frozen_safe_tracker
     from composable_atorch.runtime.train_step import PIPELINE_ATTR
 
-    tracker = MemTracker()
+    tracker = frozen_safe_tracker()  # the estimate's tracker: LoRA's frozen base weights would make MemTracker raise
     inner = getattr(optim, "optimizer", optim)
     tracker.track_external(model, inner)
 

@@ -305,6 +305,8 @@ class TensorParallel(Transform):
                 styles[n] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
             elif is_conv1d(m):
                 styles[n] = _conv1d_style(kind, sp)
+            elif kind == "col" and kw.get("gather_output"):  # a head: its logits gathered, so any loss works
+                styles[n] = ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
             elif kind == "col":
                 styles[n] = ColwiseParallel(input_layouts=Shard(1) if sp else Replicate())
             else:

@@ -139,6 +139,31 @@ def is_conv1d(m) -> bool:
     return type(m).__name__ == "Conv1D" and hasattr(m, "nf") and getattr(m, "weight", None) is not None and m.weight.dim() == 2
 
 
+#: transformers' model-level styles (``model.tp_plan``) as this planner's entries. Its
+#: ``embedding_rowwise`` is left out of the auto plan: torch's DTensor gives a vocabulary-sharded
+#: embedding a *replicated* gradient (measured: Replicate() grad on a Shard(0) weight), so on every
+#: tensor rank the whole gradient exists each step and the saving is smaller than it looks;
+#: ``TPInfo().shard_vocab(...)`` still shards it when asked.
+_HF_MODEL_STYLES = {"colwise_gather_output": ("col", (("gather_output", True),))}
+
+
+def _hf_model_level(model: nn.Module, base: dict) -> list[tuple[str, str, tuple]]:
+    """The entries of transformers' whole-model plan beyond the base model's (Llama: ``lm_head``
+    colwise with gathered logits), used as shipped.
+
+    A head tied to the embedding is left to the base plan: one weight cannot be both a vocab-row
+    and a column shard (tensor_parallel shards a tied head with its embedding instead)."""
+    plan = getattr(model, "tp_plan", None) or getattr(model, "_tp_plan", None)
+    if not isinstance(plan, dict) or getattr(getattr(model, "config", None), "tie_word_embeddings", False):
+        return []
+    out = []
+    for pattern, style in plan.items():
+        if style in _HF_MODEL_STYLES and not any(pattern.endswith(p) for p in base):
+            kind, args = _HF_MODEL_STYLES[style]
+            out.append((kind, pattern, args))
+    return out
+
+
 def auto_plan(model: nn.Module) -> tuple:
     """The plan for ``model``, or TensorParallelPlanError naming the Linear layers it could not place."""
     entries: list[tuple[str, str, tuple]] = []
@@ -148,6 +173,7 @@ def auto_plan(model: nn.Module) -> tuple:
             kind = _HF_KINDS.get(style)
             if kind in ("col", "row"):
                 entries.append((kind, pattern, ()))
+        entries.extend(_hf_model_level(model, hf))
         for name, m in model.named_modules():
             if any(hasattr(m, a) for a in _HEAD_ATTRS) and any(isinstance(c, nn.Linear) for c in m.children()):
                 entries.append(("shrink", name, tuple(a for a in _HEAD_ATTRS if hasattr(m, a))))
