@@ -13,17 +13,17 @@ from helpers import gpt
 tf = pytest.importorskip("transformers")
 
 
-def hf_gpt2():
+def hf_gpt2(use_cache=False):
     torch.manual_seed(0)
-    cfg = tf.GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=64, use_cache=False,
+    cfg = tf.GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=64, use_cache=use_cache,
                         bos_token_id=0, eos_token_id=0, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)
     return tf.GPT2LMHeadModel(cfg), tf.models.gpt2.modeling_gpt2.GPT2Block
 
 
-def hf_llama():
+def hf_llama(use_cache=False):
     torch.manual_seed(0)
     cfg = tf.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=64, use_cache=False, bos_token_id=0, eos_token_id=0)
+                         num_key_value_heads=2, max_position_embeddings=64, use_cache=use_cache, bos_token_id=0, eos_token_id=0)
     return tf.LlamaForCausalLM(cfg), tf.models.llama.modeling_llama.LlamaDecoderLayer
 
 
@@ -54,6 +54,42 @@ def test_hf_decoder_layers_checkpoint_with_kwargs_bitwise_equal(make, reentrant)
     assert ref.keys() == got.keys() and len(ref) == len(names)
     for n in ref:
         assert torch.equal(ref[n], got[n]), n
+
+
+def cached_tokens(out) -> int:
+    """Key/value entries the model's returned cache holds (summed over layers)."""
+    cache = out.past_key_values
+    if cache is None:
+        return 0
+    return sum(0 if layer.keys is None else layer.keys.shape[-2] for layer in cache.layers)
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+@pytest.mark.parametrize("make", [hf_gpt2, hf_llama], ids=["gpt2", "llama"])
+def test_checkpointed_hf_layers_keep_no_kv_cache_in_training(make, reentrant):
+    """A config with use_cache=True (Llama-2's, GPT-2's): each layer's recompute used to append its
+    keys and values to the cache again, holding them twice over through the backward. Training
+    now runs the checkpointed layers without the cache (as HF's own gradient checkpointing);
+    gradients equal the uncheckpointed model's, and eval mode keeps the cache."""
+    ref_model, layer = make(use_cache=True)
+    ref = hf_grads(ref_model)
+    model, layer = make(use_cache=True)
+    plan = ca.compose(ca.checkpoint(layer, reentrant=reentrant))
+    applied = plan(model)
+    model = applied[0]
+    assert "key/value cache: dropped in training" in plan.explain(applied)
+    x = torch.randint(0, 128, (2, 16))
+    model.train()
+    out = model(input_ids=x, labels=x)
+    out.loss.backward()
+    assert cached_tokens(out) == 0, "no keys/values kept (nor appended again by the recompute) in training"
+    model.zero_grad(set_to_none=True)
+    got = hf_grads(model)
+    for n in ref:
+        assert torch.equal(ref[n], got[n]), n
+    model.eval()
+    with torch.no_grad():
+        assert cached_tokens(model(input_ids=x)) == 2 * 16, "eval mode keeps the cache: one entry per token per layer"
 
 
 class KwBlock(torch.nn.Module):

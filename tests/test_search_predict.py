@@ -78,7 +78,7 @@ class Stub:
     def __init__(self, scale=1.0, timed=True, fail=False):
         self.scale, self.timed, self.fail, self.calls = scale, timed, fail, []
 
-    def __call__(self, plan, model, batch, *, world_size, device, loss_fn=None, optimizer=None):
+    def __call__(self, plan, model, batch, *, world_size, device, loss_fn=None, optimizer=None, criterion=None):
         self.calls.append((plan, model, batch, world_size, device, loss_fn, optimizer))
         if self.fail:
             raise RuntimeError("cannot estimate this plan")
@@ -190,6 +190,23 @@ def test_estimate_plan_reads_the_agreed_interface():
     assert predictor(plan) is predictor(plan) and len(predictor.estimator.calls) == 1  # once per plan
     with torch.device("meta"):
         assert predictor.model().tok.weight.is_meta
+
+
+def test_pipeline_plans_are_predicted_per_stage_with_the_workloads_criterion():
+    """The real estimator on a pipeline plan: the workload's criterion reaches it (a pipeline's
+    loss runs inside the schedule), so the plan gets a prediction per stage instead of none."""
+    from composable_atorch.auto.builtin import GPTTask
+    from composable_atorch.estimate import estimate
+
+    env = Environment.detect().with_(world_size=2)
+    task = GPTTask(seq_len=32, d_model=32, n_layer=2, n_head=2, batch_size=8)
+    plan = ca.compose(ca.mixed_parallel(pipeline=2), env=env)
+    pred = Predictor(estimate, task.workload(), env)(plan)
+    assert pred.known, pred.reason
+    assert len(pred.peak_bytes_per_rank) == 2 and pred.peak_bytes_per_rank[0] != pred.peak_bytes_per_rank[1]
+    assert pred.peak_bytes == max(pred.peak_bytes_per_rank)
+    without = Workload(task.model, task.optimizer, task.dataset(), task.loss, task.batch_size)  # no criterion
+    assert "criterion" in Predictor(estimate, without, env)(plan).reason
 
 
 def test_a_prediction_that_hangs_is_abandoned_and_the_plan_measured_instead():

@@ -86,7 +86,8 @@ def default_estimator() -> Estimator | None:
 
 def estimate_plan(estimator: Estimator, plan: Plan, model, batch, *, world_size: int, device: str, **options) -> Prediction:
     """Call the estimator on one plan and keep what the search uses: peak per rank, step time, FLOPs.
-    ``options`` go to the estimator as they are (the workload's ``loss_fn`` and ``optimizer``)."""
+    ``options`` go to the estimator as they are (the workload's ``loss_fn``, ``optimizer`` and
+    ``criterion``)."""
     est = estimator(plan, model, batch, world_size=world_size, device=device, **options)
     per_rank = tuple(int(r.peak) for r in est.ranks)
     peak = est.peak if est.peak is not None else max(per_rank, default=None)
@@ -125,8 +126,8 @@ class Predictor:
 
     The model is built fresh on the meta device for every plan (a plan may change the model it
     is given); the batch is the first global batch of the workload's dataset, as its loader yields
-    it (the plan splits it over the data dimension, as in a trial); the workload's loss and
-    optimizer go with them. An estimator that raises gives no prediction for that plan (the plan
+    it (the plan splits it over the data dimension, as in a trial); the workload's loss, criterion
+    (a pipeline plan trains on it) and optimizer go with them. An estimator that raises gives no prediction for that plan (the plan
     then runs, as without predictions), with the reason. ``cache`` may be shared between searches
     of the same workload (the benchmark replays many).
     """
@@ -163,7 +164,8 @@ class Predictor:
                 with time_limit(self.timeout_s):
                     self.cache[key] = estimate_plan(self.estimator, plan, self.model(), self.batch(),
                                                     world_size=self.env.world_size, device=self.env.device,
-                                                    loss_fn=self.workload.loss_fn, optimizer=self.workload.optim_fn)
+                                                    loss_fn=self.workload.loss_fn, optimizer=self.workload.optim_fn,
+                                                    criterion=self.workload.criterion)
             except Exception as exc:  # noqa: BLE001 - no prediction: the plan is measured instead
                 self.cache[key] = Prediction(reason=f"{type(exc).__name__}: {exc}"[:300])
         return self.cache[key]

@@ -3,7 +3,11 @@
 The plan is composed again for the world asked for (so a world size it cannot use is refused
 before any work), each distinct rank is simulated once (:mod:`.simulate`), and the MemTracker
 categories become a :class:`~.result.RankCost`. Ranks of a plan without a pipeline hold the same
-shapes (shards are equal up to padding), so rank 0 stands for all of them.
+shapes (shards are equal up to padding), so rank 0 stands for all of them. Under a pipeline the
+ranks differ by stage: one rank per stage is simulated, in stage order (the first rank holding it;
+:mod:`.pipeline`), and every rank gets its stage's cost. For tensor x pipeline x data layouts one
+rank per stage is enough too: the tensor ranks of a stage hold equal shards of it (up to padding)
+and the data ranks equal copies.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from composable_atorch.core.transform import Transform
 from composable_atorch.environment import Environment
 from composable_atorch.errors import CompositionError, ConfigError
 from composable_atorch.estimate.inputs import check_batch, check_world_size, meta_model
+from composable_atorch.estimate.pipeline import Mailbox
 from composable_atorch.estimate.result import Estimate, RankCost
 from composable_atorch.estimate.simulate import simulate_rank
 
@@ -60,7 +65,7 @@ def compose_for(data: dict, env: Environment) -> Plan:
 
 
 def estimate(plan: Any, model: Any, batch: Any, *, world_size: int, device: str = "cuda", loss_fn=None,
-             optimizer=None, step_time: bool = True) -> Estimate:
+             optimizer=None, step_time: bool = True, steps: int = 1, criterion=None) -> Estimate:
     """Predict each rank's memory (and, where torch can, the step time) of ``plan`` on ``world_size`` ranks.
 
     ``model``: a module (on the meta device, built under ``record_module_init``, or anywhere: only
@@ -69,12 +74,23 @@ def estimate(plan: Any, model: Any, batch: Any, *, world_size: int, device: str 
     library — as tensors (meta is fine) or shapes (``torch.Size`` stands for int64 token ids).
     ``loss_fn(model, batch) -> loss`` (default: HF ``.loss`` for dict batches, next-token
     cross-entropy for ``(inputs, targets)``); ``optimizer``: None (AdamW), a class or
-    ``f(model) -> optimizer``. ``device`` is the target the plan is checked against; the
+    ``f(model) -> optimizer``. ``steps``: training steps measured after two warm-up steps (the
+    peak is their maximum); 2 also counts what one step keeps alive into the next, e.g. a loop
+    written ``outputs = model(**batch)`` holds the last outputs until the next forward returns
+    (give such a ``loss_fn``). ``criterion(output, targets) -> loss`` with ``(inputs, targets)``
+    batches, as the search's ``Workload.criterion``: a pipeline plan needs it (its loss runs inside
+    the schedule on the last stage's output; without it a ConfigError names the fix), and without a
+    ``loss_fn`` other plans train on it too (``criterion(model(inputs), targets)``, as
+    :func:`composable_atorch.train_step`). ``device`` is the target the plan is checked against; the
     simulation itself runs on fake CPU tensors (see :mod:`.simulate`).
     """
     world_size = check_world_size(world_size)
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ConfigError("steps", steps, "a positive int: the training steps measured after the warm-up")
     if device not in DEVICES:
         raise ConfigError("device", device, " or ".join(DEVICES))
+    if criterion is not None and not callable(criterion):
+        raise ConfigError("criterion", type(criterion).__name__, "None or a function (output, targets) -> loss")
     global_batch = check_batch(batch)
     model = meta_model(model)
     data = as_plan_dict(plan)
@@ -93,22 +109,38 @@ def estimate(plan: Any, model: Any, batch: Any, *, world_size: int, device: str 
     # here); the CPU trial's MemTracker first sees them when the backward writes into them, so on
     # the CPU the simulation holds them from the backward on (simulate.buckets_from_backward)
     whole_step = device == "cuda"
-    run = simulate_rank(sim_plan, model, batch, global_batch=global_batch, rank=0, loss_fn=loss_fn,
-                        optimizer=optimizer, step_time=step_time and device == "cuda", buckets_in_backward=not whole_step)
+    mailbox = Mailbox()
+
+    def simulate(rank: int):
+        return simulate_rank(sim_plan, model, batch, global_batch=global_batch, rank=rank, loss_fn=loss_fn,
+                             optimizer=optimizer, steps=steps, step_time=step_time and device == "cuda",
+                             buckets_in_backward=not whole_step, criterion=criterion, mailbox=mailbox)
+
+    run = simulate(0)  # rank 0 holds stage 0 of any layout
+    runs = [run]
+    if run.stage_of_rank is not None:  # the other stages in stage order: each reads the one before's metadata
+        for s in range(1, max(run.stage_of_rank) + 1):
+            runs.append(simulate(run.stage_of_rank.index(s)))
+        notes.append(f"pipeline: {len(runs)} stages, one rank simulated per stage (tensor and data ranks of a stage hold "
+                     "equal shares); stage metadata handed on in stage order (the fake group's P2P carries no values)")
     for name in run.skipped:
         notes.append(f"{name} cannot run in the fake world: left out, its cost added from its contract")
-    cost = to_rank_cost(run.by_kind, run.extra_temporary if whole_step else 0)
+    costs = [to_rank_cost(r.by_kind, r.extra_temporary if whole_step else 0, stage=r.stage) for r in runs]
+    ranks = [costs[s] for s in run.stage_of_rank] if run.stage_of_rank is not None else [costs[0]] * world_size
     if run.extra_temporary:
         notes.append(f"DDP's gradient buckets ({run.extra_temporary / 2**20:.1f} MiB) are in the peak "
                      + ("for the whole step (allocated when DDP is built)" if whole_step else
                         "from the backward on (where the CPU trial's MemTracker first sees them; on CUDA: the whole step)"))
     extra = {"memtracker": run.by_kind, "ddp_bucket_bytes": run.extra_temporary} if run.extra_temporary else {"memtracker": run.by_kind}
+    if len(runs) > 1:
+        extra["memtracker_by_stage"] = [r.by_kind for r in runs]
     if run.step_time_s is None:
         extra["step_time_reason"] = ("torch's RuntimeEstimator needs a CUDA device (none here)" if device == "cuda"
                                      else "torch's RuntimeEstimator models CUDA devices only")
     return Estimate(
-        ranks=[cost] * world_size, world_size=world_size, device=device, steps=tuple(sim_plan.names),
-        notes=tuple(notes), step_time_s=run.step_time_s, step_time_mode=run.step_time_mode, flops=run.flops,
+        ranks=ranks, world_size=world_size, device=device, steps=tuple(sim_plan.names),
+        notes=tuple(notes), step_time_s=max_or_none(r.step_time_s for r in runs), step_time_mode=run.step_time_mode,
+        flops=max_or_none(r.flops for r in runs),
         micro_batch=run.micro_batch, micro_batches=run.micro_batches, extra=extra,
     )
 
@@ -120,3 +152,9 @@ def to_rank_cost(by_kind: dict[str, int], extra_temporary: int = 0, stage: int |
             fields[_KINDS[kind]] += int(n)
     fields["temporary"] += int(extra_temporary)
     return RankCost(**fields, peak=int(by_kind.get("Total", sum(fields.values()) - extra_temporary)) + int(extra_temporary), stage=stage)
+
+
+def max_or_none(values) -> Any:
+    """The largest of the values given (a pipeline's slowest stage sets the step), None if none is known."""
+    known = [v for v in values if v is not None]
+    return max(known) if known else None

@@ -8,6 +8,8 @@ memory) over torch's fake process group (collectives are no-ops, shapes and plac
 the very tracker the trial worker measures with (``torch.distributed._tools.MemTracker``) sees the
 peak of one training step. Steps whose contract says they cannot run there (``Cost.simulated``:
 DDP's C++ reducer needs real storage) are left out and their cost is added from the contract.
+A pipeline stage trains through torch's schedule, as :func:`composable_atorch.train_step` trains
+it; what that needs on the fake group is in :mod:`.pipeline`.
 
 The process group is global state: the simulation needs this process to have none (it makes a
 fake one and destroys it after). The device mesh is built outside the fake mode (it reads its rank
@@ -26,7 +28,9 @@ from torch.utils.data import DataLoader
 
 from composable_atorch.core.plan import Plan
 from composable_atorch.core.transform import ApplyContext, TrainState
+from composable_atorch.errors import ConfigError
 from composable_atorch.estimate.inputs import EstimateError, default_loss, fake_batch, make_optimizer
+from composable_atorch.estimate.pipeline import NEEDS_CRITERION, Mailbox, runner_of, schedule_step, split_batch, wire
 from composable_atorch.runtime.optim import PlanOptimizer, parameter_names, rebuild_optimizer
 
 
@@ -44,6 +48,9 @@ class RankRun:
     step_time_mode: str | None = None
     skipped: list[str] = field(default_factory=list)
     extra_temporary: int = 0
+    #: under a pipeline: the stage this rank holds, and every rank's stage (index = global rank)
+    stage: int | None = None
+    stage_of_rank: list[int] | None = None
 
 
 @contextlib.contextmanager
@@ -104,9 +111,10 @@ def materialize(model: torch.nn.Module) -> None:
                 table[name] = memo[id(t)]
 
 
-def apply_plan(plan: Plan, model, optim, loader) -> tuple[Any, PlanOptimizer, Any, list[str], float]:
+def apply_plan(plan: Plan, model, optim, loader) -> tuple[Any, PlanOptimizer, Any, list[str], float, Any]:
     """Plan.apply's loop, leaving out the steps whose contract says they cannot be simulated; returns
-    the triple, their names and the extra gradient copies their contracts declare."""
+    the triple, their names, the extra gradient copies their contracts declare and the parallel
+    context (its layout says which pipeline stage each rank holds)."""
     state = TrainState(model=model, optim=optim, loader=loader, param_names=parameter_names(model, optim))
     ctx = ApplyContext(plan=plan, env=plan.env, strict=plan.strict)
     skipped, grad_copies = [], 0.0
@@ -119,7 +127,7 @@ def apply_plan(plan: Plan, model, optim, loader) -> tuple[Any, PlanOptimizer, An
         state = step.transform.apply(state, ctx.for_step(step.transform))
         if isinstance(state.optim, torch.optim.Optimizer):
             state.optim = rebuild_optimizer(state.optim, state.param_names, state.model)
-    return state.model, PlanOptimizer(state.optim, state.hooks), state.loader, skipped, grad_copies
+    return state.model, PlanOptimizer(state.optim, state.hooks), state.loader, skipped, grad_copies, state.parallel
 
 
 def local_bytes(t: torch.Tensor) -> int:
@@ -128,18 +136,22 @@ def local_bytes(t: torch.Tensor) -> int:
 
 
 def simulate_rank(plan: Plan, model: torch.nn.Module, batch: Any, *, global_batch: int, rank: int,
-                  loss_fn=None, optimizer=None, warmup: int = 2, step_time: bool = False,
-                  buckets_in_backward: bool = True) -> RankRun:
+                  loss_fn=None, optimizer=None, warmup: int = 2, steps: int = 1, step_time: bool = False,
+                  buckets_in_backward: bool = True, criterion=None, mailbox: Mailbox | None = None) -> RankRun:
     """Simulate ``rank`` of ``plan`` (composed for the fake world's size) on a fresh copy of the
-    model's shapes; the model passed in is not changed. ``buckets_in_backward``: the contract's
+    model's shapes; the model passed in is not changed. ``steps``: training steps tracked after the
+    ``warmup`` (the peak is their maximum; 2 counts what one step leaves alive into the next, which
+    a tracker started at the second step cannot see). ``buckets_in_backward``: the contract's
     extra gradient copies join the simulated step from the backward on (as the CPU trial sees
-    them, :func:`buckets_from_backward`); False leaves them to the caller (``extra_temporary``)."""
+    them, :func:`buckets_from_backward`); False leaves them to the caller (``extra_temporary``).
+    A pipeline stage trains through its schedule with ``criterion(output, targets)``; ``mailbox``
+    carries the stage metadata from the stages simulated before (:mod:`.pipeline`)."""
     import copy
 
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
 
-    loss_fn = loss_fn or default_loss
+    loss_fn = loss_fn or (criterion_loss(criterion) if criterion is not None else default_loss)
     with fake_world(plan.env.world_size, rank):
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         with torch.device("meta"):
@@ -148,20 +160,33 @@ def simulate_rank(plan: Plan, model: torch.nn.Module, batch: Any, *, global_batc
             materialize(model)
             optim = make_optimizer(optimizer, model)
         loader = DataLoader(range(global_batch), batch_size=global_batch)
-        try:
-            model, optim, loader, skipped, grad_copies = apply_plan(plan, model, optim, loader)
-        except EstimateError:
-            raise
+        model, optim, loader, skipped, grad_copies, parallel = apply_plan(plan, model, optim, loader)
         micro = int(getattr(loader, "batch_size", None) or global_batch)
-        steps = int(getattr(optim, "accumulation_steps", 1))
+        micro_steps = int(getattr(optim, "accumulation_steps", 1))
+        runner = runner_of(model)
+        stage = stage_of_rank = None
+        if runner is not None:
+            if criterion is None:
+                raise ConfigError("criterion", None, NEEDS_CRITERION)
+            wire(runner, mailbox if mailbox is not None else Mailbox())
+            layout = parallel.layout
+            stage_of_rank = [layout.coordinate(r, "pipeline") for r in range(plan.env.world_size)]
+            stage = stage_of_rank[rank]
         trained = [p for p in model.parameters() if p.requires_grad]
         grad_bytes = sum(local_bytes(p) for p in trained)
         bucket_bytes = int(grad_copies * grad_bytes)
         with fake:
             inputs = fake_batch(batch, global_batch, micro)
+            if runner is not None:
+                stage_inputs, targets = split_batch(inputs)
 
             def step(before_micro=None):
-                for _ in range(steps):
+                if runner is not None:  # the schedule runs forward and backward over its micro-batches
+                    schedule_step(runner, stage_inputs, targets, criterion)
+                    optim.step()
+                    optim.zero_grad()
+                    return
+                for _ in range(micro_steps):
                     if before_micro is not None:
                         before_micro()
                     loss = loss_fn(model, inputs)
@@ -175,18 +200,20 @@ def simulate_rank(plan: Plan, model: torch.nn.Module, batch: Any, *, global_batc
             try:
                 for _ in range(warmup):
                     step()
-            except EstimateError:
+            except (EstimateError, ConfigError):
                 raise
             except Exception as exc:  # noqa: BLE001 - name what failed
                 raise EstimateError(
                     "one training step of the plan cannot run on fake tensors", exc,
-                    "pass loss_fn=(model, batch) -> loss matching your batch, and keep the forward free of "
-                    "value-dependent Python control flow (.item(), data-dependent shapes)",
+                    "pass loss_fn=(model, batch) -> loss (or criterion=(output, targets) -> loss) matching your "
+                    "batch, and keep the forward free of value-dependent Python control flow (.item(), "
+                    "data-dependent shapes)",
                 ) from exc
             tracker = frozen_safe_tracker()
             tracker.track_external(model, getattr(optim, "optimizer", optim))
-            with tracker:
-                step(before_micro=tracker.reset_mod_stats)
+            with per_call_stats(tracker, model if runner is not None else None), tracker:  # as the worker: reset first
+                for _ in range(steps):
+                    step(before_micro=tracker.reset_mod_stats)
             snap = tracker.get_tracker_snapshot("peak")
             by_kind: dict[str, int] = {}
             for dev_snap in snap.values():
@@ -197,11 +224,45 @@ def simulate_rank(plan: Plan, model: torch.nn.Module, batch: Any, *, global_batc
             with counter:
                 step()
             flops = int(counter.get_total_flops())
-            run = RankRun(by_kind=by_kind, peak=by_kind.get("Total", 0), micro_batch=micro, micro_batches=steps,
-                          grad_bytes=grad_bytes, flops=flops, skipped=skipped, extra_temporary=bucket_bytes)
+            if runner is not None:
+                micro, micro_steps = micro // runner.microbatches, runner.microbatches
+            run = RankRun(by_kind=by_kind, peak=by_kind.get("Total", 0), micro_batch=micro, micro_batches=micro_steps,
+                          grad_bytes=grad_bytes, flops=flops, skipped=skipped, extra_temporary=bucket_bytes,
+                          stage=stage, stage_of_rank=stage_of_rank)
             if step_time:
                 run.step_time_s, run.step_time_mode = runtime_of(step)
         return run
+
+
+def criterion_loss(criterion):
+    """``loss_fn(model, batch)`` from ``criterion(output, targets)`` (batches of ``(inputs, targets)``),
+    as :func:`composable_atorch.train_step` trains a plan without a pipeline."""
+    def loss_fn(model, batch):
+        inputs, targets = split_batch(batch)
+        return criterion(model(inputs), targets)
+
+    return loss_fn
+
+
+@contextlib.contextmanager
+def per_call_stats(tracker, stage):
+    """A pipeline schedule calls its stage once per micro-batch inside one step, which MemTracker's
+    per-module stats refuse: reset them before each call, as the trial worker's measurement does
+    (``auto.worker.peak_bytes_of_step``; the global peak survives the resets)."""
+    if stage is None:
+        yield
+        return
+    from torch.nn.modules.module import register_module_forward_pre_hook
+
+    def reset(module, _args):
+        if module is stage:
+            tracker.reset_mod_stats()
+
+    handle = register_module_forward_pre_hook(reset)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 #: DDP's bucket caps (torch's defaults): the first bucket 1 MiB, the rest 25 MiB
