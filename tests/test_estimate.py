@@ -256,3 +256,30 @@ def test_cli_prints_each_stage_of_a_pipeline_plan_and_whether_it_fits(tmp_path, 
     bad.write_text("{not json")
     assert main([str(bad), "--world-size", "2", "--device", "cpu"]) == 2
     assert capsys.readouterr().out.startswith("error:")
+
+
+def test_steps_2_counts_what_one_step_keeps_alive_into_the_next():
+    """A loop that keeps its last outputs (here: logs the last two steps' logits) holds one step's
+    tensors through the next step. Measured over two steps, the estimate sees them (one step cannot:
+    they were made before its tracker started); the difference is the kept logits, to the byte."""
+    from collections import deque
+
+    shape = torch.Size([TASK.batch_size, TASK.seq_len])
+
+    class KeepsLastTwo:
+        def __init__(self):
+            self.kept = deque(maxlen=2)
+
+        def __call__(self, model, batch):
+            logits = model(batch[0])
+            self.kept.append(logits.detach())
+            return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), batch[1].reshape(-1))
+
+    def peak(steps):
+        return estimate(ca.compose(), TASK.model, (shape, shape), world_size=1, device="cpu", loss_fn=KeepsLastTwo(),
+                        optimizer=TASK.optimizer, steps=steps).peak
+
+    logits_bytes = TASK.batch_size * TASK.seq_len * TASK.model().head.out_features * 4
+    assert peak(2) - peak(1) == logits_bytes
+    with pytest.raises(ConfigError, match="steps"):
+        estimate(ca.compose(), TASK.model, (shape, shape), world_size=1, device="cpu", steps=0)
