@@ -1,6 +1,6 @@
 """Predicted vs measured peak memory per rank, for every plan of the demo's search space at world 2.
 
-    python benchmarks/estimate.py                 # all plans (~40 min here)
+    python benchmarks/estimate.py                 # all plans (~30 min here)
     python benchmarks/estimate.py --limit 12      # the first 12 plans
     python benchmarks/estimate.py --match ddp     # the plans whose label contains "ddp"
     python benchmarks/estimate.py --world 4 --model-parallel   # the tensor / pipeline / mixed layouts, per stage
