@@ -64,19 +64,24 @@ def canonical_kind(name: str) -> str | None:
         raise
 
 
-def pipeline_degree(plan: Plan) -> int:
-    """The pipeline size a plan asks for, read from its steps' configs (a ``pipeline`` degree or a
-    ``("pipeline", n)`` group of the layout); 1 when none asks for one. A pipeline needs the loss in
-    the ``(output, targets)`` shape of ``train_step`` (see :class:`~composable_atorch.auto.Workload`)."""
+def parallel_degree(plan: Plan, dim: str) -> int:
+    """The size of ``dim`` ("tensor", "pipeline") a plan asks for, read from its steps' configs (a
+    ``dim`` degree, as mixed_parallel's, or a ``(dim, n)`` group of the layout); 1 when none asks."""
     for t in plan.transforms:
         config = t.config()
-        degree = config.get("pipeline")
+        degree = config.get(dim)
         if isinstance(degree, int) and degree > 1:
             return degree
         for group in config.get("groups") or ():
-            if isinstance(group, list | tuple) and len(group) == 2 and group[0] == "pipeline" and group[1] > 1:
+            if isinstance(group, list | tuple) and len(group) == 2 and group[0] == dim and group[1] > 1:
                 return int(group[1])
     return 1
+
+
+def pipeline_degree(plan: Plan) -> int:
+    """The pipeline size a plan asks for (:func:`parallel_degree`). A pipeline needs the loss in
+    the ``(output, targets)`` shape of ``train_step`` (see :class:`~composable_atorch.auto.Workload`)."""
+    return parallel_degree(plan, "pipeline")
 
 
 @dataclass(frozen=True)

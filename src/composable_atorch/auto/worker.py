@@ -262,30 +262,17 @@ def peak_bytes_of_step(step: Callable[..., Any], model, optim, device: str) -> t
         step()
         torch.cuda.synchronize()
         return int(torch.cuda.max_memory_allocated()), "torch.cuda.max_memory_allocated over one step"
-    from torch.nn.modules.module import register_module_forward_pre_hook
-
-    from composable_atorch.estimate.simulate import frozen_safe_tracker
+    from composable_atorch.estimate.simulate import frozen_safe_tracker, per_call_stats
     from composable_atorch.runtime.train_step import PIPELINE_ATTR
 
     tracker = frozen_safe_tracker()  # the estimate's tracker: LoRA's frozen base weights would make MemTracker raise
     inner = getattr(optim, "optimizer", optim)
     tracker.track_external(model, inner)
-
-    def reset_per_microbatch(module, _args):
-        if module is model:
-            tracker.reset_mod_stats()
-
-    # a pipeline schedule calls its stage once per micro-batch inside one step, which MemTracker's
-    # per-module stats refuse: reset them before each call (a global hook registered before the
-    # tracker's own runs first). The global peak survives resets, as between accumulation micro-batches.
-    handle = register_module_forward_pre_hook(reset_per_microbatch) if hasattr(model, PIPELINE_ATTR) else None
-    try:
-        with tracker:
-            # per-module stats are per forward; the global peak survives resets between micro-batches
-            step(before_micro=tracker.reset_mod_stats)
-    finally:
-        if handle is not None:
-            handle.remove()
+    # a pipeline schedule calls its stage once per micro-batch inside one step: per-module stats are
+    # reset before each call (per_call_stats); the global peak survives resets, as between
+    # accumulation micro-batches
+    with per_call_stats(tracker, model if hasattr(model, PIPELINE_ATTR) else None), tracker:
+        step(before_micro=tracker.reset_mod_stats)
     peak = tracker.get_tracker_snapshot("peak")
     total = sum(int(snap.get("Total", 0)) for snap in peak.values())
     return total, "torch MemTracker peak over one step (parameters, gradients, optimizer state, activations, temporaries)"

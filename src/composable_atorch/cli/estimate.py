@@ -42,18 +42,12 @@ def build_model(spec: str, seq: int):
 
 def degrees(plan_data: dict, world: int) -> dict[str, int]:
     """The plan's tensor and pipeline degrees (1 where it has none)."""
+    from composable_atorch.auto.space import parallel_degree
     from composable_atorch.core.plan import Plan
     from composable_atorch.environment import Environment
 
     plan = Plan.from_dict(plan_data, env=Environment.detect().with_(world_size=world))
-    out = {"tensor": 1, "pipeline": 1}
-    for t in plan.transforms:  # parallel_mode's groups, or mixed_parallel's own degrees (they agree when both are given)
-        found = [e for e in getattr(t, "groups", None) or () if isinstance(e, list | tuple) and len(e) == 2]
-        found += [(name, getattr(t, name)) for name in out if isinstance(getattr(t, name, None), int)]
-        for name, size in found:
-            if name in out:
-                out[name] = max(out[name], int(size))
-    return out
+    return {dim: parallel_degree(plan, dim) for dim in ("tensor", "pipeline")}
 
 
 def data_degree(plan_data: dict, world: int) -> int:
@@ -62,16 +56,11 @@ def data_degree(plan_data: dict, world: int) -> int:
     return max(1, world // (d["tensor"] * d["pipeline"]))
 
 
-def pipeline_degree(plan_data: dict, world: int) -> int:
-    return degrees(plan_data, world)["pipeline"]
-
-
 def lm_criterion(output, targets):
     """Next-token cross-entropy on a model's logits (an HF output's ``.logits`` or a tensor)."""
-    from torch.nn import functional as F
+    from composable_atorch.models.gpt import lm_loss
 
-    logits = getattr(output, "logits", output)
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
+    return lm_loss(getattr(output, "logits", output), targets)
 
 
 def main(argv: list[str]) -> int:
@@ -95,7 +84,7 @@ def main(argv: list[str]) -> int:
         build = build_model(args.model, args.seq)
         global_batch = args.batch * data_degree(data, args.world_size)
         shape = torch.Size([global_batch, args.seq])
-        pipeline = pipeline_degree(data, args.world_size) > 1
+        pipeline = degrees(data, args.world_size)["pipeline"] > 1
         # a pipeline trains on (inputs, targets) with the loss inside its schedule: next-token cross-entropy
         batch = (shape, shape) if args.model == "gpt" or pipeline else {"input_ids": shape, "labels": shape}
         est = estimate(data, build, batch, world_size=args.world_size, device=args.device,

@@ -247,8 +247,9 @@ def criterion_loss(criterion):
 @contextlib.contextmanager
 def per_call_stats(tracker, stage):
     """A pipeline schedule calls its stage once per micro-batch inside one step, which MemTracker's
-    per-module stats refuse: reset them before each call, as the trial worker's measurement does
-    (``auto.worker.peak_bytes_of_step``; the global peak survives the resets)."""
+    per-module stats refuse: reset them before each call (enter before the tracker, so this global
+    hook runs before its own; the global peak survives the resets). The trial worker's measurement
+    (``auto.worker.peak_bytes_of_step``) uses it too."""
     if stage is None:
         yield
         return

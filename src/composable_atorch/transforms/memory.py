@@ -61,15 +61,6 @@ def _reentrant_forward(inner):
 CACHE_ARGS = ("past_key_values", "past_key_value", "layer_past")
 
 
-def _cache_args(module) -> tuple[str, ...]:
-    """The cache arguments ``module.forward`` takes (none: not a cache-carrying block)."""
-    try:
-        params = inspect.signature(module.forward).parameters
-    except (TypeError, ValueError):
-        return ()
-    return tuple(n for n in (*CACHE_ARGS, "use_cache") if n in params)
-
-
 def no_cache_in_training(module) -> bool:
     """Run ``module`` without a key/value cache while training (a forward pre-hook placed before
     the checkpoint's own, so the recompute sees the same arguments); returns whether it applies.
@@ -81,10 +72,13 @@ def no_cache_in_training(module) -> bool:
     at 4 x 4096 tokens: about 16 GiB per rank). The gradients are unchanged (causal attention
     reads the first copy), only memory is lost. Hugging Face's own gradient checkpointing drops
     the cache in training for the same reason; in eval mode the cache is left alone."""
-    names = _cache_args(module)
-    if not names:
+    try:
+        signature = inspect.signature(module.forward)
+    except (TypeError, ValueError):
         return False
-    signature = inspect.signature(module.forward)
+    names = tuple(n for n in (*CACHE_ARGS, "use_cache") if n in signature.parameters)
+    if not names:  # not a cache-carrying block
+        return False
 
     def drop_cache(mod, args, kwargs):
         if not mod.training:
