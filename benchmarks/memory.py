@@ -271,7 +271,7 @@ def llama(sizes: dict, meta: bool) -> torch.nn.Module:
 
 
 def _block_class(model) -> type:
-    from composable_atorch.transforms.parallel.pipeline import anatomy
+    from composable_atorch.transforms.parallel.pipeline.transform import anatomy
 
     return type(anatomy(model)[0][0])
 
@@ -283,7 +283,7 @@ def stages_of(model: torch.nn.Module, lay: Layout) -> list[set[str]]:
     embeddings) to stage 0, after the last block (final norm, head) to the last stage, as the stage
     cutter does; checked against ``anatomy``'s counts of those.
     """
-    from composable_atorch.transforms.parallel.pipeline import PipelineParallel, anatomy
+    from composable_atorch.transforms.parallel.pipeline.transform import PipelineParallel, anatomy
 
     blocks, head, tail = anatomy(model)
     stages = lay.pipeline

@@ -100,7 +100,7 @@ def test_no_import_cycle_among_transform_modules():
 
 
 def test_backend_variants_register_themselves_and_resolve_generically():
-    from composable_atorch.transforms.parallel import common
+    from composable_atorch.transforms.parallel.data import common
 
     env = Environment(world_size=2, packages={"deepspeed"})
     for t, variant in ((ca.zero1(backend="deepspeed"), "DeepSpeedZero1"), (ca.zero2(backend="deepspeed"), "DeepSpeedZero2"), (ca.fsdp(backend="deepspeed"), "DeepSpeedFsdp")):
@@ -270,7 +270,7 @@ def test_world_two_plan_of_only_amp_trains_one_model():
 
 
 def test_deepspeed_with_half_is_not_a_conflict_and_maps_onto_its_bf16_config():
-    from composable_atorch.transforms.parallel.deepspeed import engine_config
+    from composable_atorch.transforms.parallel.data.deepspeed import engine_config
 
     env = Environment(world_size=2, packages={"deepspeed"})
     plan = ca.compose(ca.zero2(backend="deepspeed"), ca.half("bf16"), env=env)
@@ -287,7 +287,7 @@ def test_deepspeed_with_half_is_not_a_conflict_and_maps_onto_its_bf16_config():
 
 def test_atorch_zero_keys_map_onto_backends_or_are_refused_with_why():
     from composable_atorch import strategy
-    from composable_atorch.transforms.parallel.deepspeed import apply_options, engine_config
+    from composable_atorch.transforms.parallel.data.deepspeed import apply_options, engine_config
 
     env = Environment(world_size=2, packages={"deepspeed", "fairscale"})
     z1 = ca.registry()["zero1"].from_seed({"use_ds_zero": True, "cpu_offload": True, "static_loss_scale": 1.0, "reduce_bucket_size": 2e8})

@@ -14,14 +14,14 @@ from composable_atorch.core.transform import lookup
 from composable_atorch.environment import Environment
 from composable_atorch.errors import ConfigError, ConflictError
 from composable_atorch.transforms.parallel.ds3d import DeepSpeed3DParallel
-from composable_atorch.transforms.parallel.ds3d_build import (
+from composable_atorch.transforms.parallel.ds3d.build import (
     check_model,
     default_patcher,
     module_list,
     stage_bounds,
     vocab_parallel_logit_helper,
 )
-from composable_atorch.transforms.parallel.ds3d_engine import engine_config, original_name
+from composable_atorch.transforms.parallel.ds3d.engine import engine_config, original_name
 
 WORLD4 = Environment.detect().with_(world_size=4)
 
@@ -201,7 +201,7 @@ def test_a_tensor_size_that_splits_heads_is_a_config_error():
 
 def test_the_block_class_is_the_listed_one_not_the_most_common_leaf():
     from composable_atorch.models.gpt import GPT, GPTConfig
-    from composable_atorch.transforms.parallel.ds3d_build import block_class
+    from composable_atorch.transforms.parallel.ds3d.build import block_class
 
     model = GPT(GPTConfig(n_layer=2))  # two embeddings, two blocks
     assert block_class(module_list(model)) == ("Block", 2)

@@ -56,7 +56,7 @@ def batches(global_batch: int, n: int, seed: int = 0):
 
 def reference_losses(meta, model, data, base_seed=1234, optim=torch.optim.SGD, lr=0.05, clip=None):
     """The plain model with the weights each stage builds, trained in one process."""
-    from composable_atorch.transforms.parallel.ds3d_build import StageBuilder, check_model, module_list
+    from composable_atorch.transforms.parallel.ds3d.build import StageBuilder, check_model, module_list
 
     entries, _ = check_model(meta, module_list(meta), tie_first=bool(getattr(meta.config, "tie_word_embeddings", False)))
     builder = StageBuilder(root=meta, base_seed=base_seed)

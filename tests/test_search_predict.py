@@ -15,7 +15,7 @@ import torch
 import composable_atorch as ca
 from composable_atorch.auto import report
 from composable_atorch.auto.policy import Budget, SpaceOptions, StudyOptions
-from composable_atorch.auto.predict import Prediction, Predictor, estimate_plan
+from composable_atorch.auto.predict import Prediction, Predictor, predict_plan
 from composable_atorch.auto.space import plan_key
 from composable_atorch.auto.study import search
 from composable_atorch.auto.trial import TrialResult, TrialSettings
@@ -181,7 +181,7 @@ def test_without_a_prediction_every_plan_runs_and_the_report_says_why():
 def test_estimate_plan_reads_the_agreed_interface():
     env = Environment.detect().with_(world_size=2)
     plan = ca.compose(env=env)
-    pred = estimate_plan(Stub(), plan, None, None, world_size=2, device="cpu")
+    pred = predict_plan(Stub(), plan, None, None, world_size=2, device="cpu")
     assert pred == Prediction(true_peak(plan.names), (true_peak(plan.names), true_peak(plan.names) - 1), 16 / true_speed(plan.names))
     assert pred.speed_key == (0, pred.step_time_s) and Prediction(1, flops=7).speed_key == (1, 7.0)
     assert Prediction.from_dict(pred.to_dict()) == pred

@@ -5,16 +5,16 @@
     model, optim, loader = plan(model, optim, loader)
 """
 
-from composable_atorch import errors
+from composable_atorch import errors, estimate, strategy
 from composable_atorch.compat.atorch import auto_accelerate
-from composable_atorch.core import strategy
 from composable_atorch.core.compose import compose
 from composable_atorch.core.contract import Contract, Stage
 from composable_atorch.core.plan import Plan, Step, build
 from composable_atorch.core.transform import TrainState, Transform, registry
 from composable_atorch.environment import Environment
-from composable_atorch.runtime.mesh import create_parallel_group, init_distributed  # model parallelism (issue 10)
-from composable_atorch.runtime.record_init import record_module_init  # DeepSpeed 3D parallelism (issue 11)
+from composable_atorch.estimate import estimate_plan
+from composable_atorch.runtime.mesh import create_parallel_group, init_distributed
+from composable_atorch.runtime.record_init import record_module_init
 from composable_atorch.runtime.resumable import resumable
 from composable_atorch.runtime.train_step import train_step
 from composable_atorch.state.save import load_state, save_state
@@ -23,11 +23,10 @@ from composable_atorch.transforms.fp8 import fp8
 from composable_atorch.transforms.loop import accumulate, clip_grad
 from composable_atorch.transforms.memory import checkpoint
 from composable_atorch.transforms.modules import module_replace, register_replace_pair
-from composable_atorch.transforms.parallel.data_parallel import ddp, parallel_mode, zero1
+from composable_atorch.transforms.parallel.data import ddp, fsdp, parallel_mode, zero1, zero2
 from composable_atorch.transforms.parallel.ds3d import DeepSpeed3DParallelConfig, ds_3d_parallel
 from composable_atorch.transforms.parallel.mixed import mixed_parallel
 from composable_atorch.transforms.parallel.pipeline import pipeline_parallel
-from composable_atorch.transforms.parallel.sharding import fsdp, zero2
 from composable_atorch.transforms.parallel.tensor import TPInfo, sequence_parallel, tensor_parallel
 from composable_atorch.transforms.precision import amp, amp_native, half
 
@@ -51,6 +50,8 @@ __all__ = [
     "compile",
     "compose",
     "errors",
+    "estimate",
+    "estimate_plan",
     "fp8",
     "half",
     "module_replace",

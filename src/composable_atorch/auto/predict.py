@@ -6,7 +6,7 @@ no trial cost), and the plans predicted fastest among those that fit are measure
 for the sampler). Nothing here allocates a real tensor: the model is built on the meta device and
 :func:`composable_atorch.estimate.estimate` works on fake tensors and the fake process group.
 
-:func:`estimate_plan` is the one place that calls the estimator (its interface is
+:func:`predict_plan` is the one place that calls the estimator (its interface is
 ``estimate(plan, model, batch, *, world_size, device) -> est`` with ``est.ranks[i].peak``,
 ``est.peak`` and ``est.step_time_s``), so a change there is one edit here. Tests pass a stand-in
 estimator with the same interface.
@@ -84,7 +84,7 @@ def default_estimator() -> Estimator | None:
     return estimate
 
 
-def estimate_plan(estimator: Estimator, plan: Plan, model, batch, *, world_size: int, device: str, **options) -> Prediction:
+def predict_plan(estimator: Estimator, plan: Plan, model, batch, *, world_size: int, device: str, **options) -> Prediction:
     """Call the estimator on one plan and keep what the search uses: peak per rank, step time, FLOPs.
     ``options`` go to the estimator as they are (the workload's ``loss_fn``, ``optimizer`` and
     ``criterion``)."""
@@ -162,7 +162,7 @@ class Predictor:
         if key not in self.cache:
             try:
                 with time_limit(self.timeout_s):
-                    self.cache[key] = estimate_plan(self.estimator, plan, self.model(), self.batch(),
+                    self.cache[key] = predict_plan(self.estimator, plan, self.model(), self.batch(),
                                                     world_size=self.env.world_size, device=self.env.device,
                                                     loss_fn=self.workload.loss_fn, optimizer=self.workload.optim_fn,
                                                     criterion=self.workload.criterion)

@@ -63,7 +63,7 @@ from composable_atorch.state.files import (
     read_json,
     write_json,
 )
-from composable_atorch.transforms.parallel.tp_checkpoint import load_layout, save_layout
+from composable_atorch.transforms.parallel.tensor import load_layout, save_layout
 
 __all__ = ["Resumed", "latest_checkpoint", "load_state", "save_state"]
 

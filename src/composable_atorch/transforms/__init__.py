@@ -1,7 +1,7 @@
-"""One module per family of transforms; ``parallel/`` holds the data- and model-parallel families.
+"""The transform families, one module (or, under ``parallel/``, one sub-package) each.
 
-Importing this package registers every built transform.
+Importing this package imports every family, so every built transform is in the registry.
 """
 
 from composable_atorch.transforms import compile, fp8, loop, memory, modules, precision  # noqa: F401
-from composable_atorch.transforms.parallel import data_parallel, deepspeed, sharding  # noqa: F401
+from composable_atorch.transforms.parallel import data, ds3d, mixed, pipeline, tensor  # noqa: F401

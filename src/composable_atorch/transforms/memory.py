@@ -57,8 +57,11 @@ def _reentrant_forward(inner):
     return forward
 
 
-#: the arguments a Hugging Face block takes its key/value cache by (v5 and older names)
+#: the arguments a Hugging Face block takes its key/value cache by (older names first)
 CACHE_ARGS = ("past_key_values", "past_key_value", "layer_past")
+#: transformers 5.24 renamed the block's cache argument to plain ``cache``: a name too common to
+#: drop on sight, so it counts only in a block whose signature also has ``use_cache``
+GENERIC_CACHE_ARG = "cache"
 
 
 def no_cache_in_training(module) -> bool:
@@ -76,7 +79,10 @@ def no_cache_in_training(module) -> bool:
         signature = inspect.signature(module.forward)
     except (TypeError, ValueError):
         return False
-    names = tuple(n for n in (*CACHE_ARGS, "use_cache") if n in signature.parameters)
+    params = signature.parameters
+    names = tuple(n for n in (*CACHE_ARGS, "use_cache") if n in params)
+    if GENERIC_CACHE_ARG in params and "use_cache" in params:
+        names = (GENERIC_CACHE_ARG, *names)
     if not names:  # not a cache-carrying block
         return False
 

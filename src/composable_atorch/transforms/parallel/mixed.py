@@ -23,14 +23,9 @@ from composable_atorch.runtime.layout import ParallelContext, make_context, plan
 from composable_atorch.runtime.loader import is_shuffled, loader_batch_size, rebuild_loader
 from composable_atorch.runtime.optim import rebuild_optimizer
 from composable_atorch.runtime.train_step import mark_loss_group
-from composable_atorch.transforms.parallel.common import GRAD_SYNC, parallel_context
-from composable_atorch.transforms.parallel.pipeline import (
-    ACCUMULATE_CONFLICT,
-    DataGradSync,
-    PipelineParallel,
-    broadcast_local,
-)
-from composable_atorch.transforms.parallel.tensor import TensorParallel, normalize_plan
+from composable_atorch.transforms.parallel.data.common import GRAD_SYNC, DataGradSync, broadcast_local, parallel_context
+from composable_atorch.transforms.parallel.pipeline.transform import ACCUMULATE_CONFLICT, PipelineParallel
+from composable_atorch.transforms.parallel.tensor.transform import TensorParallel, normalize_plan
 
 MIXED_APPLIES = "mixed_parallel applies it itself over parallel_mode's dimensions"
 

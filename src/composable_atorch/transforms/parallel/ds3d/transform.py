@@ -40,9 +40,9 @@ from composable_atorch.core.transform import ApplyContext, TrainState, Transform
 from composable_atorch.errors import ConfigError, RequirementError
 from composable_atorch.runtime.optim import NAME_PREFIX_ATTR, named_parameters
 from composable_atorch.runtime.train_step import PIPELINE_ATTR
-from composable_atorch.transforms.parallel.common import GRAD_SYNC, OPTIMIZER_STATE_SHARDING, parallel_context
-from composable_atorch.transforms.parallel.deepspeed import check_half_supported
-from composable_atorch.transforms.parallel.ds3d_build import (
+from composable_atorch.transforms.parallel.data.common import GRAD_SYNC, OPTIMIZER_STATE_SHARDING, parallel_context
+from composable_atorch.transforms.parallel.data.deepspeed import check_half_supported
+from composable_atorch.transforms.parallel.ds3d.build import (
     StageBuilder,
     block_class,
     builtin_patcher,
@@ -53,7 +53,7 @@ from composable_atorch.transforms.parallel.ds3d_build import (
     pipeline_module_class,
     vocab_parallel_logit_helper,
 )
-from composable_atorch.transforms.parallel.ds3d_engine import (
+from composable_atorch.transforms.parallel.ds3d.engine import (
     Ds3dHook,
     Ds3dRunner,
     engine_config,
@@ -63,8 +63,8 @@ from composable_atorch.transforms.parallel.ds3d_engine import (
     stage_optimizer,
     topology,
 )
-from composable_atorch.transforms.parallel.ds3d_tp import RandomStream
-from composable_atorch.transforms.parallel.tp_plan import TPInfo, name_matches, normalize_plan
+from composable_atorch.transforms.parallel.ds3d.tp import RandomStream
+from composable_atorch.transforms.parallel.tensor.planner import TPInfo, name_matches, normalize_plan
 from composable_atorch.transforms.policy import PRECISION_READS, PrecisionPolicy
 
 _ENGINE = "ds_3d_parallel's DeepSpeed pipeline engine averages gradients over the data dimension and steps itself"
@@ -203,7 +203,7 @@ class DeepSpeed3DParallel(Transform):
             if degree > 1:
                 raise ConfigError("DeepSpeed3DParallelConfig.tpinfo", "empty", f"a TPInfo saying what to shard over the tensor dimension of {degree}")
             return {}, {}, {}
-        from composable_atorch.transforms.parallel.tensor import TensorParallel
+        from composable_atorch.transforms.parallel.tensor.transform import TensorParallel
 
         config = getattr(model, "config", None)
         for attr in ("num_attention_heads", "num_key_value_heads", "n_head"):

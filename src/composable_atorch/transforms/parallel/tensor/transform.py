@@ -37,9 +37,9 @@ from composable_atorch.core.contract import Conflict, Contract, Implication, Min
 from composable_atorch.core.transform import ApplyContext, TrainState, Transform
 from composable_atorch.errors import ConfigError
 from composable_atorch.runtime.train_step import mark_loss_group
-from composable_atorch.transforms.parallel.common import parallel_context
-from composable_atorch.transforms.parallel.tp_dropout import per_rank, sequence_sliced, sync_rng
-from composable_atorch.transforms.parallel.tp_plan import (
+from composable_atorch.transforms.parallel.data.common import parallel_context
+from composable_atorch.transforms.parallel.tensor.dropout import per_rank, sequence_sliced, sync_rng
+from composable_atorch.transforms.parallel.tensor.planner import (
     MANUAL_FORM,
     TensorParallelPlanError,
     TPInfo,

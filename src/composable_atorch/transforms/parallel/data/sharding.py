@@ -24,7 +24,7 @@ from composable_atorch.core.transform import ApplyContext, TrainState, Transform
 from composable_atorch.errors import ConfigError
 from composable_atorch.runtime.optim import NAME_PREFIX_ATTR
 from composable_atorch.transforms._util import matches
-from composable_atorch.transforms.parallel.common import (
+from composable_atorch.transforms.parallel.data.common import (
     DDP_VS_FSDP,
     DDP_VS_ZERO2,
     FAIRSCALE,

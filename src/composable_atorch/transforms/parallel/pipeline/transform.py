@@ -1,7 +1,7 @@
 """Pipeline parallelism on ``torch.distributed.pipelining``: ``pipeline_parallel``.
 
 The model is cut at block boundaries (balanced by parameter count, or at the block indices given
-in ``split``) into ``pipeline size x stages_per_rank`` stages (see :mod:`.pipeline_stages`), the
+in ``split``) into ``pipeline size x stages_per_rank`` stages (see :mod:`.stages`), the
 first also holding the embeddings, the last the final norm and the head. Each stage is a manual
 :class:`~torch.distributed.pipelining.PipelineStage` driven by one of torch's schedules:
 
@@ -40,8 +40,8 @@ from composable_atorch.core.transform import ApplyContext, TrainState, Transform
 from composable_atorch.errors import ConfigError, ParameterMappingError
 from composable_atorch.runtime.optim import OptimizerHook
 from composable_atorch.runtime.train_step import PIPELINE_ATTR, mark_loss_group
-from composable_atorch.transforms.parallel.common import GRAD_SYNC, parallel_context
-from composable_atorch.transforms.parallel.pipeline_stages import (  # noqa: F401 - re-exported
+from composable_atorch.transforms.parallel.data.common import GRAD_SYNC, DataGradSync, broadcast_local, parallel_context
+from composable_atorch.transforms.parallel.pipeline.stages import (  # noqa: F401 - re-exported
     KNOWN_MODELS,
     PipelineLoopError,
     anatomy,
@@ -70,29 +70,6 @@ def stage_ranks(schedule: str, pp: int, per_rank: int) -> dict[int, int]:
 
     style = SCHEDULES[schedule][1]
     return generate_stage_to_rank_mapping(pp, pp * per_rank, style="v" if style == "v" else "loop")
-
-
-def broadcast_local(module: nn.Module, group) -> None:
-    """Make every rank of ``group`` start from its first rank's parameters and buffers (DTensors: their shards)."""
-    with torch.no_grad():
-        for t in [*module.parameters(), *module.buffers()]:
-            dist.broadcast(t._local_tensor if hasattr(t, "_local_tensor") else t.data, group=group, group_src=0)
-
-
-class DataGradSync(OptimizerHook):
-    """Average a stage's gradients over the data dimension before the step."""
-
-    def __init__(self, module: nn.Module, group, size: int):
-        self.module, self.group, self.size = module, group, size
-
-    def before_step(self, optimizer):
-        from torch.distributed.tensor import DTensor
-
-        for p in self.module.parameters():
-            if p.grad is not None:
-                g = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
-                dist.all_reduce(g, group=self.group)
-                g.div_(self.size)
 
 
 class PipelineRunner:

@@ -34,7 +34,7 @@ from torch.nn import functional as F
 
 from composable_atorch.errors import ConfigError
 from composable_atorch.runtime.record_init import build_recorded, hf_init_weights, is_meta, is_recorded
-from composable_atorch.transforms.parallel.ds3d_tp import (
+from composable_atorch.transforms.parallel.ds3d.tp import (
     LAYERS,
     RandomStream,
     VocabParallelEmbedding,

@@ -27,7 +27,7 @@ from composable_atorch.core.transform import ApplyContext, TrainState, Transform
 from composable_atorch.errors import ConfigError
 from composable_atorch.runtime.layout import ParallelContext, make_context, normalize_groups, plan_layout
 from composable_atorch.runtime.loader import loader_batch_size, rebuild_loader
-from composable_atorch.transforms.parallel.common import (
+from composable_atorch.transforms.parallel.data.common import (
     DDP_VS_FSDP,
     DDP_VS_ZERO2,
     FAIRSCALE,
@@ -37,8 +37,10 @@ from composable_atorch.transforms.parallel.common import (
     SHARDED_STATE,
     ZERO_DIM_CONFLICT,
     ZERO_OPTION_DEFAULTS,
+    DataGradSync,
     GradSyncHook,
     HasBackends,
+    broadcast_local,
     options_label,
     parallel_context,
     sharded_optimizer,
@@ -216,8 +218,6 @@ class Ddp(Transform):
             return state
         if any(hasattr(p, "placements") for p in state.model.parameters()):
             # replicate/DDP does not take tensor-parallel DTensor parameters (mixed Tensor/DTensor at forward)
-            from composable_atorch.transforms.parallel.pipeline import DataGradSync, broadcast_local
-
             broadcast_local(state.model, pc.data_group())
             state.hooks.append(DataGradSync(state.model, pc.data_group(), pc.data_size))
             state.note(self.name, f"tensor-parallel (DTensor) parameters: gradients all-reduced over the data group of {pc.data_size} before each step (DDP's replicate does not take DTensors)")

@@ -25,7 +25,7 @@ def strided_params(model: nn.Module) -> dict[str, tuple[int, torch.Tensor]]:
     """Canonical parameter name -> (permuted dim, permutation) for every strided TP parameter."""
     from torch.distributed.checkpoint.state_dict import _get_fqns
 
-    from composable_atorch.transforms.parallel.tp_plan import is_conv1d
+    from composable_atorch.transforms.parallel.tensor.planner import is_conv1d
 
     out: dict[str, tuple[int, torch.Tensor]] = {}
     for mod_name, m in model.named_modules():

@@ -20,6 +20,7 @@ from typing import ClassVar
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from composable_atorch.core.contract import Conflict, Implication, Package, When
 from composable_atorch.core.transform import TrainState
@@ -150,7 +151,7 @@ FAIRSCALE = When(predicate=_is_fairscale, inner=Package(name="fairscale", extra=
 #: (transform name, backend) -> the variant class registered for it.
 _VARIANTS: dict[tuple[str, str], type] = {}
 #: backend -> the module whose import registers its variants (loaded by name on first use).
-BACKEND_MODULES = {"deepspeed": "composable_atorch.transforms.parallel.deepspeed"}
+BACKEND_MODULES = {"deepspeed": "composable_atorch.transforms.parallel.data.deepspeed"}
 
 
 class HasBackends:
@@ -238,3 +239,26 @@ def zero_options(options, who: str, backend: str) -> tuple:
 def options_label(options) -> str:
     """``"; cpu_offload=True, ..."`` for describe(), or ``""``."""
     return "".join(f"; {k}={v!r}" for k, v in options)
+
+
+def broadcast_local(module: nn.Module, group) -> None:
+    """Make every rank of ``group`` start from its first rank's parameters and buffers (DTensors: their shards)."""
+    with torch.no_grad():
+        for t in [*module.parameters(), *module.buffers()]:
+            dist.broadcast(t._local_tensor if hasattr(t, "_local_tensor") else t.data, group=group, group_src=0)
+
+
+class DataGradSync(OptimizerHook):
+    """Average a stage's gradients over the data dimension before the step."""
+
+    def __init__(self, module: nn.Module, group, size: int):
+        self.module, self.group, self.size = module, group, size
+
+    def before_step(self, optimizer):
+        from torch.distributed.tensor import DTensor
+
+        for p in self.module.parameters():
+            if p.grad is not None:
+                g = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
+                dist.all_reduce(g, group=self.group)
+                g.div_(self.size)

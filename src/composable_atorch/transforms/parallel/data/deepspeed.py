@@ -23,15 +23,15 @@ from composable_atorch.core.contract import Conflict, Contract, Package, Stage
 from composable_atorch.core.transform import ApplyContext, TrainState
 from composable_atorch.errors import ConfigError, RequirementError
 from composable_atorch.runtime.optim import NAME_PREFIX_ATTR, OptimizerHook
-from composable_atorch.transforms.parallel.common import (
+from composable_atorch.transforms.parallel.data.common import (
     GRAD_SYNC,
     IMPLIES_PARALLEL_MODE,
     OPTIMIZER_STATE_SHARDING,
     options_label,
     parallel_context,
 )
-from composable_atorch.transforms.parallel.data_parallel import Zero1
-from composable_atorch.transforms.parallel.sharding import Fsdp, Zero2
+from composable_atorch.transforms.parallel.data.data_parallel import Zero1
+from composable_atorch.transforms.parallel.data.sharding import Fsdp, Zero2
 from composable_atorch.transforms.policy import PRECISION_READS, PrecisionPolicy
 
 _ENGINE = "the DeepSpeed engine runs backward, gradient sync and the step itself"

@@ -1,0 +1,37 @@
+"""Tensor (and sequence) parallelism on DTensor: the transform (``transform``), what it shards
+(``planner``: ``TPInfo``, plan normalisation, the auto planner), dropout streams across tensor
+ranks (``dropout``) and checkpoints of fused projections in the user's layout (``layout``).
+"""
+
+from composable_atorch.transforms.parallel.tensor.layout import load_layout, save_layout
+from composable_atorch.transforms.parallel.tensor.planner import (
+    TensorParallelPlanError,
+    TPInfo,
+    auto_plan,
+    is_conv1d,
+    is_linear,
+    normalize_plan,
+)
+from composable_atorch.transforms.parallel.tensor.transform import (
+    SequenceParallel,
+    TensorParallel,
+    full_weight,
+    sequence_parallel,
+    tensor_parallel,
+)
+
+__all__ = [
+    "SequenceParallel",
+    "TPInfo",
+    "TensorParallel",
+    "TensorParallelPlanError",
+    "auto_plan",
+    "full_weight",
+    "is_conv1d",
+    "is_linear",
+    "load_layout",
+    "normalize_plan",
+    "save_layout",
+    "sequence_parallel",
+    "tensor_parallel",
+]
