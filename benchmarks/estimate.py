@@ -53,14 +53,18 @@ def demo_plans(world: int = 2) -> list[tuple[str, str]]:
     from composable_atorch.environment import Environment
 
     env = Environment.detect().with_(world_size=world)
-    space = SearchSpace.for_model(TASK.model(), world_size=world, batch_size=TASK.batch_size, env=env, excluded=DEMO_EXCLUDED)
+    space = SearchSpace.for_model(
+        TASK.model(), world_size=world, batch_size=TASK.batch_size, env=env, excluded=DEMO_EXCLUDED
+    )
     out = []
     for point in space.enumerate().valid.values():
         out.append((" | ".join(t.describe() for t in point.plan.transforms), point.plan.to_json()))
     return out
 
 
-def measure_plans(rank: int, world: int, plan_jsons: list[str], warmup: int = 2, with_criterion: bool = False) -> list[dict]:
+def measure_plans(
+    rank: int, world: int, plan_jsons: list[str], warmup: int = 2, with_criterion: bool = False
+) -> list[dict]:
     """In each rank of a real group: the trial's peak measurement for every plan, in turn.
     ``with_criterion``: train through ``train_step`` with the workload's criterion, as the trial
     worker does for a workload that has one (a pipeline plan trains no other way)."""
@@ -96,8 +100,9 @@ def measure_plans(rank: int, world: int, plan_jsons: list[str], warmup: int = 2,
     return out
 
 
-def measure_in_chunks(plan_jsons: list[str], world: int, with_criterion: bool, chunk: int = CHUNK,
-                      timeout: float = CHUNK_TIMEOUT_S) -> list[list[dict]]:
+def measure_in_chunks(
+    plan_jsons: list[str], world: int, with_criterion: bool, chunk: int = CHUNK, timeout: float = CHUNK_TIMEOUT_S
+) -> list[list[dict]]:
     """``measure_plans`` over ``chunk`` plans per freshly spawned group (per rank: one result per plan).
 
     Why chunks: every plan's device mesh makes gloo groups that live as long as the processes
@@ -107,7 +112,7 @@ def measure_in_chunks(plan_jsons: list[str], world: int, with_criterion: bool, c
     others wait in a collective) is recorded as a measurement error for each of its plans."""
     per_rank: list[list[dict]] = [[] for _ in range(world)]
     for start in range(0, len(plan_jsons), chunk):
-        part = plan_jsons[start:start + chunk]
+        part = plan_jsons[start : start + chunk]
         try:
             got = run_world(measure_plans, world, part, 2, with_criterion, timeout=timeout)
         except Exception as exc:  # noqa: BLE001 - a chunk that hangs or dies is reported, not fatal
@@ -127,8 +132,16 @@ def predict(plan_json: str, world: int = 2, with_criterion: bool = False) -> dic
 
     shape = torch.Size([TASK.batch_size, TASK.seq_len])
     criterion = TASK.workload().criterion if with_criterion else None
-    est = estimate(plan_json, TASK.model, (shape, shape), world_size=world, device="cpu", loss_fn=TASK.loss,
-                   optimizer=TASK.optimizer, criterion=criterion)
+    est = estimate(
+        plan_json,
+        TASK.model,
+        (shape, shape),
+        world_size=world,
+        device="cpu",
+        loss_fn=TASK.loss,
+        optimizer=TASK.optimizer,
+        criterion=criterion,
+    )
     return {"peak": est.peak, "rank0": est.ranks[0].to_dict(), "ranks": [r.to_dict() for r in est.ranks]}
 
 
@@ -144,9 +157,14 @@ def summarize(rows: list[dict], key: str = "error") -> dict:
     failed = sum(1 for r in rows if r.get(key) is None)
     if not errors:
         return {"plans": 0, "not_compared": failed}
-    return {"plans": len(errors), "not_compared": failed, "median_abs_error": statistics.median(errors),
-            "worst_abs_error": max(errors), "median_pass": statistics.median(errors) <= MEDIAN_TARGET,
-            "worst_pass": max(errors) <= WORST_TARGET}
+    return {
+        "plans": len(errors),
+        "not_compared": failed,
+        "median_abs_error": statistics.median(errors),
+        "worst_abs_error": max(errors),
+        "median_pass": statistics.median(errors) <= MEDIAN_TARGET,
+        "worst_pass": max(errors) <= WORST_TARGET,
+    }
 
 
 def stage_rows(label: str, pred: dict | None, per_rank: list[dict], predict_error: str | None = None) -> list[dict]:
@@ -167,9 +185,17 @@ def stage_rows(label: str, pred: dict | None, per_rank: list[dict], predict_erro
         measured = [per_rank[r]["peak"] for r in ranks]
         held = {tuple(per_rank[r]["stages"] or ()) for r in ranks}
         predicted = pred["ranks"][ranks[0]]["peak"]
-        row = {"plan": label, "stage": stage, "ranks": ranks, "predicted": predicted, "measured": max(measured),
-               "measured_per_rank": measured, "rank_errors": [(predicted - m) / m for m in measured],
-               "error": (predicted - max(measured)) / max(measured), "breakdown": pred["ranks"][ranks[0]]}
+        row = {
+            "plan": label,
+            "stage": stage,
+            "ranks": ranks,
+            "predicted": predicted,
+            "measured": max(measured),
+            "measured_per_rank": measured,
+            "rank_errors": [(predicted - m) / m for m in measured],
+            "error": (predicted - max(measured)) / max(measured),
+            "breakdown": pred["ranks"][ranks[0]],
+        }
         if stage is not None and held != {(stage,)}:  # the estimate's stage map vs the stages the run built
             row["stage_mismatch"] = sorted(held)
         rows.append(row)
@@ -208,17 +234,27 @@ def main(argv=None) -> int:
     parser.add_argument("--limit", type=int, default=None)
     parser.add_argument("--match", default=None, help="only plans whose label contains this")
     parser.add_argument("--exclude", default=None, help="leave out the plans whose label contains this")
-    parser.add_argument("--model-parallel", action="store_true",
-                        help="the plans with tensor / pipeline / mixed parallelism only, per stage (use with --world 4)")
+    parser.add_argument(
+        "--model-parallel",
+        action="store_true",
+        help="the plans with tensor / pipeline / mixed parallelism only, per stage (use with --world 4)",
+    )
     args = parser.parse_args(argv)
     mp = args.model_parallel
-    plans = [p for p in demo_plans(args.world) if (args.match is None or args.match in p[0])
-             and (args.exclude is None or args.exclude not in p[0])
-             and (not mp or any(name + "(" in p[0] for name in MODEL_PARALLEL))][: args.limit]
+    plans = [
+        p
+        for p in demo_plans(args.world)
+        if (args.match is None or args.match in p[0])
+        and (args.exclude is None or args.exclude not in p[0])
+        and (not mp or any(name + "(" in p[0] for name in MODEL_PARALLEL))
+    ][: args.limit]
     base = MODEL_PARALLEL_RESULTS if mp else RESULTS
     subset = "".join(f"_{slug(t)}" for t in (args.match, args.exclude and f"no {args.exclude}") if t)
-    results = base if not subset and args.limit is None else base.with_name(
-        f"{base.stem}{subset or '_all'}{'' if args.limit is None else f'_{args.limit}'}.json")
+    results = (
+        base
+        if not subset and args.limit is None
+        else base.with_name(f"{base.stem}{subset or '_all'}{'' if args.limit is None else f'_{args.limit}'}.json")
+    )
     print(f"{len(plans)} {'model-parallel ' if mp else ''}plans of the demo's space at world {args.world}")
     t0 = time.perf_counter()
     # trained as the trial worker trains this workload (it has a criterion): train_step on
@@ -239,14 +275,29 @@ def main(argv=None) -> int:
     summary = summarize(rows)
     per_rank_errors = [abs(e) for r in rows for e in r.get("rank_errors", [])]
     if per_rank_errors:
-        summary.update(rank_rows=len(per_rank_errors), median_abs_rank_error=statistics.median(per_rank_errors),
-                       worst_abs_rank_error=max(per_rank_errors))
+        summary.update(
+            rank_rows=len(per_rank_errors),
+            median_abs_rank_error=statistics.median(per_rank_errors),
+            worst_abs_rank_error=max(per_rank_errors),
+        )
     summary["stage_mismatches"] = sum(1 for r in rows if "stage_mismatch" in r)
     summary.update(measure_seconds=round(t_measure, 1), predict_seconds=round(t_predict, 1))
     print(json.dumps(summary, indent=2))
     results.parent.mkdir(parents=True, exist_ok=True)
-    results.write_text(json.dumps({"world": args.world, "match": args.match, "exclude": args.exclude, "model_parallel": mp, "summary": summary,
-                                   "rows": rows}, indent=1) + "\n")
+    results.write_text(
+        json.dumps(
+            {
+                "world": args.world,
+                "match": args.match,
+                "exclude": args.exclude,
+                "model_parallel": mp,
+                "summary": summary,
+                "rows": rows,
+            },
+            indent=1,
+        )
+        + "\n"
+    )
     print(f"wrote {results}")
     return 0 if summary.get("median_pass") and summary.get("worst_pass") else 1
 

@@ -134,10 +134,27 @@ def activation_bytes(model: torch.nn.Module, tokens: torch.Tensor) -> dict[str, 
 #         stage the library's own cut puts it in (PipelineParallel.cuts: anatomy + balanced_cuts).
 # The meta way also runs the gloo rows on the tiny model, and the table says whether it matched.
 
-LLAMA_7B = dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
-                vocab_size=32000, max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False)
-LLAMA_TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
-                  vocab_size=512, max_position_embeddings=64, tie_word_embeddings=False)
+LLAMA_7B = dict(
+    hidden_size=4096,
+    intermediate_size=11008,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=32,
+    vocab_size=32000,
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+)
+LLAMA_TINY = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    vocab_size=512,
+    max_position_embeddings=64,
+    tie_word_embeddings=False,
+)
 FAKE_WORLDS = (8, 16, 64)
 MICROBATCHES = 2
 #: one stage per rank (the pipeline rows' stage is the rank's whole share)
@@ -161,7 +178,9 @@ class Layout:
 
     def groups(self) -> list[tuple[str, int]]:
         """parallel_mode's groups (the seed's order, tensor fastest); the data dimension always given."""
-        return [(n, s) for n, s in (("tensor", self.tensor), ("pipeline", self.pipeline)) if s > 1] + [("data", self.data)]
+        return [(n, s) for n, s in (("tensor", self.tensor), ("pipeline", self.pipeline)) if s > 1] + [
+            ("data", self.data)
+        ]
 
     @property
     def microbatches(self) -> int:
@@ -220,7 +239,11 @@ def _tp_steps(lay, block, pipeline_runs):
 
 def _tp_fsdp_steps(lay, block, pipeline_runs):
     """2-D: tensor parallel on 'tensor', FSDP2 on 'data' (as torchtitan)."""
-    return (composable_atorch.tensor_parallel(), composable_atorch.fsdp(wrap=(block,)), composable_atorch.parallel_mode(lay.groups()))
+    return (
+        composable_atorch.tensor_parallel(),
+        composable_atorch.fsdp(wrap=(block,)),
+        composable_atorch.parallel_mode(lay.groups()),
+    )
 
 
 def _pp_steps(lay, block, pipeline_runs):
@@ -232,7 +255,10 @@ def _pp_steps(lay, block, pipeline_runs):
 def _tp_pp_steps(lay, block, pipeline_runs):
     """3-D with the seed's mixed_parallel: tensor x pipeline x data (replicated)."""
     if pipeline_runs:
-        return (composable_atorch.mixed_parallel(microbatches=lay.microbatches, schedule=SCHEDULE), composable_atorch.parallel_mode(lay.groups()))
+        return (
+            composable_atorch.mixed_parallel(microbatches=lay.microbatches, schedule=SCHEDULE),
+            composable_atorch.parallel_mode(lay.groups()),
+        )
     return (composable_atorch.tensor_parallel(), composable_atorch.parallel_mode(lay.groups()))
 
 
@@ -248,11 +274,15 @@ def _ds3d_measure(lay, sizes):
 FAMILIES: dict[str, Family] = {
     "fsdp": Family(_fsdp_steps, ((1, 1, 2), (1, 1, 4), (1, 1, 8), (1, 1, 16), (1, 1, 64)), ALL_STATE, "fsdp"),
     "tp": Family(_tp_steps, ((2, 1, 1), (2, 1, 2), (8, 1, 1), (8, 1, 8))),
-    "tp_fsdp": Family(_tp_fsdp_steps, ((2, 1, 2), (2, 1, 4), (4, 1, 2), (8, 1, 2), (2, 1, 8), (8, 1, 8)), ALL_STATE, "fsdp"),
+    "tp_fsdp": Family(
+        _tp_fsdp_steps, ((2, 1, 2), (2, 1, 4), (4, 1, 2), (8, 1, 2), (2, 1, 8), (8, 1, 8)), ALL_STATE, "fsdp"
+    ),
     "pp": Family(_pp_steps, ((1, 2, 1), (1, 2, 2), (1, 8, 1), (1, 4, 4))),
     "tp_pp": Family(_tp_pp_steps, ((2, 2, 1), (2, 2, 2), (2, 2, 4), (8, 2, 1), (8, 8, 1), (4, 4, 4))),
     # issue 11: ds_3d_parallel on DeepSpeed's PipelineEngine, world 4 only (real collectives needed)
-    "ds3d": Family(None, ((1, 2, 2), (2, 2, 1)), measure=_ds3d_measure, on_fake=False, tag="deepspeed 3D", compare_to="tp_pp"),
+    "ds3d": Family(
+        None, ((1, 2, 2), (2, 2, 1)), measure=_ds3d_measure, on_fake=False, tag="deepspeed 3D", compare_to="tp_pp"
+    ),
 }
 
 
@@ -288,7 +318,7 @@ def stages_of(model: torch.nn.Module, lay: Layout) -> list[set[str]]:
     blocks, head, tail = anatomy(model)
     stages = lay.pipeline
     bounds = (0, *PipelineParallel(microbatches=lay.microbatches, schedule=SCHEDULE).cuts(model, stages), len(blocks))
-    owner = {id(p): s for s in range(stages) for b in blocks[bounds[s]:bounds[s + 1]] for p in b.parameters()}
+    owner = {id(p): s for s in range(stages) for b in blocks[bounds[s] : bounds[s + 1]] for p in b.parameters()}
     names: list[set[str]] = [set() for _ in range(stages)]
     extra = [0, 0]
     seen_block = False
@@ -389,7 +419,7 @@ def expected_state(sizes: dict, lay: Layout) -> dict[str, int]:
 
 
 def check(b: dict, expected: dict) -> str:
-    """"ok" when params, grads and AdamW state each match the plan's arithmetic (within rounding)."""
+    """ "ok" when params, grads and AdamW state each match the plan's arithmetic (within rounding)."""
     bad = [f"{k} {b[k] / expected[k]:.3f}x plan" for k in ALL_STATE if abs(b[k] / expected[k] - 1) > CHECK_TOLERANCE]
     return "ok" if not bad else "; ".join(bad)
 
@@ -401,7 +431,9 @@ def gloo_layout_state(lay: Layout, sizes: dict, seq_len: int = 16) -> dict:
 
     model = llama(sizes, meta=False)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model, optim, _ = composable_atorch.compose(*FAMILIES[lay.family].steps(lay, _block_class(model), True))(model, optim)
+    model, optim, _ = composable_atorch.compose(*FAMILIES[lay.family].steps(lay, _block_class(model), True))(
+        model, optim
+    )
     g = torch.Generator().manual_seed(1)  # the same batch on every rank (tensor ranks must agree)
     x, y = (torch.randint(0, sizes["vocab_size"], (2 * MICROBATCHES, seq_len), generator=g) for _ in range(2))
     runner = getattr(model, PIPELINE_ATTR, None)
@@ -463,8 +495,15 @@ def _row(lay: Layout, b: dict, whole: dict, sizes: dict, native: dict | None = N
     """One table row; a family with ``compare_to`` is set beside the torch-native row of its degrees."""
     fam = FAMILIES.get(lay.family)
     extra = {k: b[k] for k in ("stages", "meta_equals_gloo") if k in b}
-    row = {"world": lay.world, "layout": lay.label, "family": lay.family, **{k: b[k] for k in KEYS}, "vs_whole": b["total"] / whole["total"],
-           "source": b["source"], **extra}
+    row = {
+        "world": lay.world,
+        "layout": lay.label,
+        "family": lay.family,
+        **{k: b[k] for k in KEYS},
+        "vs_whole": b["total"] / whole["total"],
+        "source": b["source"],
+        **extra,
+    }
     if fam is not None and fam.compare_to:
         if native is None:
             return {**row, "expected": None, "check": "-", "arithmetic": False}
@@ -478,12 +517,21 @@ def layout_table(title: str, rows: list[dict], unit: int, unit_name: str, cross_
     from rich.table import Table
 
     table = Table(title=f"{title} ({unit_name}, per rank: the heaviest rank)")
-    cols = ["world", "layout", *KEYS, "vs whole", "plan's params", "check", "how"] + (["meta = gloo"] if cross_check else [])
+    cols = ["world", "layout", *KEYS, "vs whole", "plan's params", "check", "how"] + (
+        ["meta = gloo"] if cross_check else []
+    )
     for col in cols:
         table.add_column(col, justify="left" if col in ("layout", "check", "how") else "right")
     for r in rows:
-        cells = [str(r["world"]), r["layout"], *(f"{r[k] / unit:.3f}" for k in KEYS), f"{r['vs_whole']:.3f}",
-                  f"{r['expected']['params'] / unit:.3f}" if r["expected"] else "-", r["check"], r["source"]]
+        cells = [
+            str(r["world"]),
+            r["layout"],
+            *(f"{r[k] / unit:.3f}" for k in KEYS),
+            f"{r['vs_whole']:.3f}",
+            f"{r['expected']['params'] / unit:.3f}" if r["expected"] else "-",
+            r["check"],
+            r["source"],
+        ]
         same = {True: "yes", False: "NO", None: "-"}[r.get("meta_equals_gloo")]
         table.add_row(*cells, *([same] if cross_check else []))
     return table
@@ -513,7 +561,10 @@ def model_parallel_rows(worlds, fake_worlds, gloo_mp: dict) -> dict:
     """The gloo rows (with the meta way's cross-check) and the 7B rows on the fake group."""
     out = {"models": {"gloo": LLAMA_TINY, "fake": LLAMA_7B}, "gloo": [], "fake": [], "not_on_fake": []}
     whole_on_tp = tp_replicated_bytes(LLAMA_7B, 8)
-    out["tp_replicated"] = {"bytes": sum(whole_on_tp.values()), "largest": sorted(whole_on_tp, key=whole_on_tp.get)[-2:]}
+    out["tp_replicated"] = {
+        "bytes": sum(whole_on_tp.values()),
+        "largest": sorted(whole_on_tp, key=whole_on_tp.get)[-2:],
+    }
     tiny_whole, big_whole = whole_state(LLAMA_TINY), whole_state(LLAMA_7B)
     out["gloo"].append(_row(WHOLE, tiny_whole, tiny_whole, LLAMA_TINY))
     for world in worlds:
@@ -552,7 +603,12 @@ def main(argv=None) -> int:
     import composable_atorch as ca
     from composable_atorch.models import Block
 
-    cfg = {"d_model": args.d_model, "n_layer": args.n_layer, "seq_len": args.seq_len, "model_parallel": not args.no_model_parallel}
+    cfg = {
+        "d_model": args.d_model,
+        "n_layer": args.n_layer,
+        "seq_len": args.seq_len,
+        "model_parallel": not args.no_model_parallel,
+    }
     console = Console(width=200)
     report: dict = {"model": cfg, "state": {}, "activations": {}, "targets": []}
     started = time.perf_counter()
@@ -560,9 +616,13 @@ def main(argv=None) -> int:
     for world in args.worlds:
         per_rank = measure_world(world, cfg)
         # per-rank bytes: the largest rank (shards can differ by padding)
-        report["state"][world] = {name: {k: max(r["dp"][name][k] for r in per_rank) for k in per_rank[0]["dp"][name]} for name in PLANS}
+        report["state"][world] = {
+            name: {k: max(r["dp"][name][k] for r in per_rank) for k in per_rank[0]["dp"][name]} for name in PLANS
+        }
         # model parallel: the heaviest rank (pipeline stages differ), its components
-        gloo_mp[world] = {label: max((r["mp"][label] for r in per_rank), key=lambda b: b["total"]) for label in per_rank[0]["mp"]}
+        gloo_mp[world] = {
+            label: max((r["mp"][label] for r in per_rank), key=lambda b: b["total"]) for label in per_rank[0]["mp"]
+        }
 
     table = Table(title=f"Per-rank training state, GPT d_model={args.d_model} n_layer={args.n_layer} (MiB)")
     for col in ("world", "plan", "params", "grads", "optimizer", "total", "vs ddp"):
@@ -572,10 +632,21 @@ def main(argv=None) -> int:
         ddp_total = plans["ddp"]["total"]
         for name, b in plans.items():
             ratio = b["total"] / ddp_total
-            table.add_row(str(world), name, *(f"{b[k] * mib:.3f}" for k in ("params", "grads", "optimizer", "total")), f"{ratio:.3f}")
+            table.add_row(
+                str(world),
+                name,
+                *(f"{b[k] * mib:.3f}" for k in ("params", "grads", "optimizer", "total")),
+                f"{ratio:.3f}",
+            )
         limit = 1 / world + TOLERANCE
         ratio = plans["fsdp"]["total"] / ddp_total
-        report["targets"].append({"target": f"fsdp <= (1/{world} + 5%) of ddp state bytes", "detail": f"fsdp/ddp = {ratio:.3f} (limit {limit:.3f})", "pass": ratio <= limit})
+        report["targets"].append(
+            {
+                "target": f"fsdp <= (1/{world} + 5%) of ddp state bytes",
+                "detail": f"fsdp/ddp = {ratio:.3f} (limit {limit:.3f})",
+                "pass": ratio <= limit,
+            }
+        )
     console.print(table)
     console.print(
         "State at rest after a step. zero2 (FSDP2 with reshard_after_forward=False) keeps its parameters "
@@ -586,24 +657,49 @@ def main(argv=None) -> int:
         mp_report = model_parallel_rows(args.worlds, args.fake_worlds, gloo_mp)
         report["model_parallel"] = mp_report
         tiny = f"Llama hidden {LLAMA_TINY['hidden_size']}, {LLAMA_TINY['num_hidden_layers']} layers, fp32 + AdamW"
-        console.print(layout_table(f"Model-parallel layouts on gloo, {tiny}", mp_report["gloo"], 2**20, "MiB", cross_check=True))
-        console.print(layout_table("Llama-2-7B shape (meta device) on the fake process group, fp32 + AdamW", mp_report["fake"], 2**30, "GiB", cross_check=False))
+        console.print(
+            layout_table(f"Model-parallel layouts on gloo, {tiny}", mp_report["gloo"], 2**20, "MiB", cross_check=True)
+        )
+        console.print(
+            layout_table(
+                "Llama-2-7B shape (meta device) on the fake process group, fp32 + AdamW",
+                mp_report["fake"],
+                2**30,
+                "GiB",
+                cross_check=False,
+            )
+        )
         console.print(HOW)
         rep = mp_report["tp_replicated"]
-        console.print(f"tensor_parallel('auto') on HF Llama shards what transformers' tp_plan names (the layers' projections, "
-                      f"the head with gathered logits; not the embedding, whose DTensor gradient would be replicated); the rest "
-                      f"stays whole on every tensor rank: {rep['bytes'] / 2**30:.3f} GiB of the 7B's fp32 parameters (largest: {', '.join(rep['largest'])}).")
+        console.print(
+            f"tensor_parallel('auto') on HF Llama shards what transformers' tp_plan names (the layers' projections, "
+            f"the head with gathered logits; not the embedding, whose DTensor gradient would be replicated); the rest "
+            f"stays whole on every tensor rank: {rep['bytes'] / 2**30:.3f} GiB of the 7B's fp32 parameters (largest: {', '.join(rep['largest'])})."
+        )
         if mp_report["not_on_fake"]:
-            console.print(f"not run on the fake group (the family's engine needs real collectives): {', '.join(mp_report['not_on_fake'])}")
+            console.print(
+                f"not run on the fake group (the family's engine needs real collectives): {', '.join(mp_report['not_on_fake'])}"
+            )
         rows = mp_report["gloo"] + mp_report["fake"]
         rows = [r for r in rows if r.get("arithmetic", True)]  # DS 3D rows are compared with torch-native instead
         bad = [f"{r['world']} {r['layout']}: {r['check']}" for r in rows if r["check"] != "ok"]
-        report["targets"].append({"target": "model-parallel rows: params, grads and AdamW state == the plan's arithmetic",
-                                  "detail": f"{len(rows) - len(bad)}/{len(rows)} rows ok" + (f"; {bad}" if bad else ""), "pass": not bad})
+        report["targets"].append(
+            {
+                "target": "model-parallel rows: params, grads and AdamW state == the plan's arithmetic",
+                "detail": f"{len(rows) - len(bad)}/{len(rows)} rows ok" + (f"; {bad}" if bad else ""),
+                "pass": not bad,
+            }
+        )
         compared = [r for r in mp_report["gloo"] if "meta_equals_gloo" in r]
         differ = [f"{r['world']} {r['layout']}" for r in compared if not r["meta_equals_gloo"]]
-        report["targets"].append({"target": "the meta / fake-group way gives the gloo bytes exactly (tiny Llama)",
-                                  "detail": f"{len(compared) - len(differ)}/{len(compared)} rows equal" + (f"; differ: {differ}" if differ else ""), "pass": not differ})
+        report["targets"].append(
+            {
+                "target": "the meta / fake-group way gives the gloo bytes exactly (tiny Llama)",
+                "detail": f"{len(compared) - len(differ)}/{len(compared)} rows equal"
+                + (f"; differ: {differ}" if differ else ""),
+                "pass": not differ,
+            }
+        )
 
     # activations: one process, with and without checkpointing the blocks
     tokens = torch.randint(0, 256, (8, args.seq_len))
@@ -621,7 +717,9 @@ def main(argv=None) -> int:
     for t in report["targets"]:
         verdict = "[green]PASS[/green]" if t["pass"] else "[red]FAIL[/red]"
         console.print(f"{verdict}  {t['target']}: {t['detail']}")
-    console.print(f"checkpointing cuts activation memory {cut:.1f}x (profiler); took {time.perf_counter() - started:.0f} s")
+    console.print(
+        f"checkpointing cuts activation memory {cut:.1f}x (profiler); took {time.perf_counter() - started:.0f} s"
+    )
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     report["state"] = {str(k): v for k, v in report["state"].items()}
     RESULTS.write_text(json.dumps(report, indent=2))

@@ -60,8 +60,10 @@ class TableRunner:
         key = plan_key(plan)
         self.calls.append(key)
         if key not in self.table:
-            raise SystemExit(f"the replayed table has no measurement of {' | '.join(plan.names)} (plans or transform "
-                             "configs changed since it was measured): measure again with `python benchmarks/search.py`")
+            raise SystemExit(
+                f"the replayed table has no measurement of {' | '.join(plan.names)} (plans or transform "
+                "configs changed since it was measured): measure again with `python benchmarks/search.py`"
+            )
         return self.table[key]
 
 
@@ -79,7 +81,12 @@ def plans_by_key(world: int) -> dict:
 
 
 def common_kwargs(world: int):
-    return dict(world_size=world, batch_size=TASK.batch_size, excluded=tuple(sorted(set(ca.registry()) - set(KEPT))), progress=False)
+    return dict(
+        world_size=world,
+        batch_size=TASK.batch_size,
+        excluded=tuple(sorted(set(ca.registry()) - set(KEPT))),
+        progress=False,
+    )
 
 
 def measure_all(world: int) -> tuple[dict[str, TrialResult], dict[str, str], float]:
@@ -87,9 +94,21 @@ def measure_all(world: int) -> tuple[dict[str, TrialResult], dict[str, str], flo
     workload = TASK.workload()
     runner = ProcessRunner(workload, TrialSettings(world_size=world, warmup_steps=2, measure_steps=5, timeout=180))
     start = time.monotonic()
-    result = search(TASK.model, TASK.optimizer, workload.dataset, GPTTask.loss, sampler="random", seed=0, runner=runner,
-                    predict=False, **{**common_kwargs(world), "progress": True})
-    table = {r.plan_json and plan_key(ca.Plan.from_json(r.plan_json, env=result.space.env)): r.result for r in result.measured}
+    result = search(
+        TASK.model,
+        TASK.optimizer,
+        workload.dataset,
+        GPTTask.loss,
+        sampler="random",
+        seed=0,
+        runner=runner,
+        predict=False,
+        **{**common_kwargs(world), "progress": True},
+    )
+    table = {
+        r.plan_json and plan_key(ca.Plan.from_json(r.plan_json, env=result.space.env)): r.result
+        for r in result.measured
+    }
     labels = {plan_key(ca.Plan.from_json(r.plan_json, env=result.space.env)): r.plan_label for r in result.measured}
     return table, labels, time.monotonic() - start
 
@@ -98,9 +117,23 @@ def replay(table, budget, sampler, seed, memory_limit, world, predictor):
     runner = TableRunner(table)
     start = time.monotonic()
     study = sampler != "random"  # random search: no baseline first, no predictions
-    result = search(TASK.model, TASK.optimizer, TASK.dataset(), GPTTask.loss, n_trials=budget, memory_limit=memory_limit,
-                    sampler=sampler, seed=seed, baseline_first=study, runner=runner, preflight=False,
-                    predict=study, estimator=predictor, predict_ahead_s=3600.0, **common_kwargs(world))
+    result = search(
+        TASK.model,
+        TASK.optimizer,
+        TASK.dataset(),
+        GPTTask.loss,
+        n_trials=budget,
+        memory_limit=memory_limit,
+        sampler=sampler,
+        seed=seed,
+        baseline_first=study,
+        runner=runner,
+        preflight=False,
+        predict=study,
+        estimator=predictor,
+        predict_ahead_s=3600.0,
+        **common_kwargs(world),
+    )
     found = result.best.result.samples_per_s if result.best else 0.0
     return {
         "found": found,
@@ -148,21 +181,29 @@ def main(argv=None) -> int:
     rows, runs = [], []
     for budget in budgets:
         for sampler in ("tpe", "random"):
-            per_seed = [replay(table, budget, sampler, seed, memory_limit, world, predictor) for seed in range(args.seeds)]
+            per_seed = [
+                replay(table, budget, sampler, seed, memory_limit, world, predictor) for seed in range(args.seeds)
+            ]
             for seed, r in enumerate(per_seed):
                 runs.append({"budget": budget, "sampler": sampler, "seed": seed, **r, "regret": 1 - r["found"] / best})
             regrets = [1 - r["found"] / best for r in per_seed]
-            rows.append({
-                "budget": budget, "budget_pct": round(100 * budget / n, 1), "sampler": "study (tpe)" if sampler == "tpe" else "random",
-                "median_regret_pct": round(100 * statistics.median(regrets), 2), "mean_regret_pct": round(100 * statistics.mean(regrets), 2),
-                "within_3pct": f"{sum(g <= 0.03 for g in regrets)}/{len(regrets)}",
-                "median_trials": statistics.median(r["trials_spent"] for r in per_seed),
-                "invalid_proposals": sum(r["invalid_proposals"] for r in per_seed),
-                "dry_runs_on_invalid": sum(r["dry_runs_on_invalid"] for r in per_seed),
-                "skipped_by_prediction": sum(r["skipped_by_prediction"] for r in per_seed),
-                "over_budget_runs": sum(r["over_budget_runs"] for r in per_seed),
-                "median_wall_s": round(statistics.median(r["replayed_wall_s"] for r in per_seed), 1),
-            })
+            rows.append(
+                {
+                    "budget": budget,
+                    "budget_pct": round(100 * budget / n, 1),
+                    "sampler": "study (tpe)" if sampler == "tpe" else "random",
+                    "median_regret_pct": round(100 * statistics.median(regrets), 2),
+                    "mean_regret_pct": round(100 * statistics.mean(regrets), 2),
+                    "within_3pct": f"{sum(g <= 0.03 for g in regrets)}/{len(regrets)}",
+                    "median_trials": statistics.median(r["trials_spent"] for r in per_seed),
+                    "invalid_proposals": sum(r["invalid_proposals"] for r in per_seed),
+                    "dry_runs_on_invalid": sum(r["dry_runs_on_invalid"] for r in per_seed),
+                    "skipped_by_prediction": sum(r["skipped_by_prediction"] for r in per_seed),
+                    "over_budget_runs": sum(r["over_budget_runs"] for r in per_seed),
+                    "median_wall_s": round(statistics.median(r["replayed_wall_s"] for r in per_seed), 1),
+                }
+            )
+
     def row(budget, sampler):
         return next(r for r in rows if r["budget"] == budget and r["sampler"].startswith(sampler))
 
@@ -180,33 +221,61 @@ def main(argv=None) -> int:
         "met": within >= 0.8 * args.seeds and all(better.values()) and over == 0,
     }
     preds = predictor.cache if predictor is not None else {}
-    errors = sorted(abs(preds[k].peak_bytes - table[k].peak_bytes) / table[k].peak_bytes
-                    for k in table if k in preds and preds[k].known and table[k].ok)
-    print(f"\nspace: {n} valid plans at world {world} ({', '.join(KEPT)}); {len(ok)} ran, {n - len(ok)} failed; "
-          f"memory budget {memory_limit / 2**20:.1f} MiB per rank (median peak): {len(feasible)} feasible")
+    errors = sorted(
+        abs(preds[k].peak_bytes - table[k].peak_bytes) / table[k].peak_bytes
+        for k in table
+        if k in preds and preds[k].known and table[k].ok
+    )
+    print(
+        f"\nspace: {n} valid plans at world {world} ({', '.join(KEPT)}); {len(ok)} ran, {n - len(ok)} failed; "
+        f"memory budget {memory_limit / 2**20:.1f} MiB per rank (median peak): {len(feasible)} feasible"
+    )
     print(f"exhaustive: {n} trials, {exhaustive_wall:.0f} s; best {best:.1f} samples/s: {labels[best_key]}")
     if errors:
-        print(f"predictions: {len(errors)} plans in {predict_s:.0f} s; predicted vs measured peak: median |error| "
-              f"{100 * statistics.median(errors):.1f}%, worst {100 * errors[-1]:.1f}%; "
-              f"{sum(p.step_time_s is not None for p in preds.values())} with a step time")
-    head = (f"{'K':>3} {'K/N':>6}  {'sampler':<12} {'median regret':>13} {'mean regret':>11} {'<=3%':>6} {'trials':>6} "
-            f"{'invalid':>7} {'skipped':>7} {'over budget':>11} {'wall s':>7}")
+        print(
+            f"predictions: {len(errors)} plans in {predict_s:.0f} s; predicted vs measured peak: median |error| "
+            f"{100 * statistics.median(errors):.1f}%, worst {100 * errors[-1]:.1f}%; "
+            f"{sum(p.step_time_s is not None for p in preds.values())} with a step time"
+        )
+    head = (
+        f"{'K':>3} {'K/N':>6}  {'sampler':<12} {'median regret':>13} {'mean regret':>11} {'<=3%':>6} {'trials':>6} "
+        f"{'invalid':>7} {'skipped':>7} {'over budget':>11} {'wall s':>7}"
+    )
     print(head)
     for r in rows:
-        print(f"{r['budget']:>3} {r['budget_pct']:>5}%  {r['sampler']:<12} {r['median_regret_pct']:>12}% {r['mean_regret_pct']:>10}% "
-              f"{r['within_3pct']:>6} {r['median_trials']:>6} {r['invalid_proposals']:>7} {r['skipped_by_prediction']:>7} "
-              f"{r['over_budget_runs']:>11} {r['median_wall_s']:>7}")
-    print(f"target: within 3% at K={n // 4} (25%) in {target['seeds_within_3pct_at_quarter_budget']} seeds (need >= 8/10): "
-          f"{'met' if target['within_3pct_at_quarter_budget'] else 'NOT met'}; better than random at K=3, 7: {better}; "
-          f"study runs over the budget: {over}; overall: {'MET' if target['met'] else 'NOT MET'}")
+        print(
+            f"{r['budget']:>3} {r['budget_pct']:>5}%  {r['sampler']:<12} {r['median_regret_pct']:>12}% {r['mean_regret_pct']:>10}% "
+            f"{r['within_3pct']:>6} {r['median_trials']:>6} {r['invalid_proposals']:>7} {r['skipped_by_prediction']:>7} "
+            f"{r['over_budget_runs']:>11} {r['median_wall_s']:>7}"
+        )
+    print(
+        f"target: within 3% at K={n // 4} (25%) in {target['seeds_within_3pct_at_quarter_budget']} seeds (need >= 8/10): "
+        f"{'met' if target['within_3pct_at_quarter_budget'] else 'NOT met'}; better than random at K=3, 7: {better}; "
+        f"study runs over the budget: {over}; overall: {'MET' if target['met'] else 'NOT MET'}"
+    )
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({
-        "environment": Environment.detect().with_(world_size=world).describe(), "task": TASK.__dict__, "kinds": KEPT,
-        "exhaustive_wall_s": exhaustive_wall, "memory_limit": memory_limit, "best": {"key": best_key, "label": labels[best_key], "samples_per_s": best},
-        "rows": rows, "target": target, "runs": runs, "labels": labels, "table": {k: r.to_dict() for k, r in table.items()},
-        "predictions": {k: p.to_dict() for k, p in preds.items()}, "prediction_s": predict_s,
-        "oracle_note": "samplers are compared against the exhaustive measurements replayed as an oracle (see the module doc)",
-    }, indent=1) + "\n")
+    RESULTS.write_text(
+        json.dumps(
+            {
+                "environment": Environment.detect().with_(world_size=world).describe(),
+                "task": TASK.__dict__,
+                "kinds": KEPT,
+                "exhaustive_wall_s": exhaustive_wall,
+                "memory_limit": memory_limit,
+                "best": {"key": best_key, "label": labels[best_key], "samples_per_s": best},
+                "rows": rows,
+                "target": target,
+                "runs": runs,
+                "labels": labels,
+                "table": {k: r.to_dict() for k, r in table.items()},
+                "predictions": {k: p.to_dict() for k, p in preds.items()},
+                "prediction_s": predict_s,
+                "oracle_note": "samplers are compared against the exhaustive measurements replayed as an oracle (see the module doc)",
+            },
+            indent=1,
+        )
+        + "\n"
+    )
     print(f"saved {RESULTS}")
     return 0
 

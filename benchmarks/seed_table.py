@@ -56,8 +56,14 @@ TARGET = 0.15
 SEQ, PER_RANK = 4096, 4
 #: (lora, world) -> published "Mem Max allocated(MB)" (seed 002)
 PUBLISHED = {
-    (True, 8): 33354.1, (False, 8): 39596.3, (True, 16): 31735.5, (False, 16): 34776.7,
-    (True, 32): 30926.2, (False, 32): 32366.8, (True, 64): 30521.6, (False, 64): 31161.9,
+    (True, 8): 33354.1,
+    (False, 8): 39596.3,
+    (True, 16): 31735.5,
+    (False, 16): 34776.7,
+    (True, 32): 30926.2,
+    (False, 32): 32366.8,
+    (True, 64): 30521.6,
+    (False, 64): 31161.9,
 }
 LORA = dict(r=16, lora_alpha=16, lora_dropout=0.05, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
 
@@ -137,8 +143,13 @@ def plan(world: int, lora: bool):
     from composable_atorch.environment import Environment
 
     env = Environment.detect().with_(world_size=world, device="cuda", compute_capability=(8, 0))
-    return ca.compose(ca.module_replace(), ca.fsdp(wrap=LlamaDecoderLayer, wrap_trainable_outmost=lora), ca.amp("bf16"),
-                      ca.checkpoint(LlamaDecoderLayer), env=env)
+    return ca.compose(
+        ca.module_replace(),
+        ca.fsdp(wrap=LlamaDecoderLayer, wrap_trainable_outmost=lora),
+        ca.amp("bf16"),
+        ca.checkpoint(LlamaDecoderLayer),
+        env=env,
+    )
 
 
 def predict(lora: bool, world: int, loop: str = "example"):
@@ -148,9 +159,16 @@ def predict(lora: bool, world: int, loop: str = "example"):
 
     shape = torch.Size([PER_RANK * world, SEQ])
     example = loop == "example"
-    return estimate(plan(world, lora), lambda: build(lora), {"input_ids": shape, "labels": shape}, world_size=world,
-                    device="cuda", loss_fn=ExampleLoop() if example else None, steps=2 if example else 1,
-                    optimizer=lambda m: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-5))
+    return estimate(
+        plan(world, lora),
+        lambda: build(lora),
+        {"input_ids": shape, "labels": shape},
+        world_size=world,
+        device="cuda",
+        loss_fn=ExampleLoop() if example else None,
+        steps=2 if example else 1,
+        optimizer=lambda m: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-5),
+    )
 
 
 def main(argv=None) -> int:
@@ -164,7 +182,9 @@ def main(argv=None) -> int:
     loras = {"both": (True, False), "yes": (True,), "no": (False,)}[args.lora]
     rows = []
     print(f"\nloop: {args.loop}")
-    print(f"{'LoRA':<5} {'ranks':>5}  {'published MiB':>13}  {'predicted MiB':>13}  {'error':>7}  breakdown (MiB: params/grads/optim/activations/temporary)")
+    print(
+        f"{'LoRA':<5} {'ranks':>5}  {'published MiB':>13}  {'predicted MiB':>13}  {'error':>7}  breakdown (MiB: params/grads/optim/activations/temporary)"
+    )
     for world in args.worlds:
         for lora in loras:
             t0 = time.perf_counter()
@@ -173,14 +193,32 @@ def main(argv=None) -> int:
             pub = PUBLISHED[(lora, world)]
             pred = est.peak / 2**20
             err = (pred - pub) / pub
-            parts = "/".join(f"{getattr(r, k) / 2**20:.0f}" for k in ("parameters", "gradients", "optimizer", "activations", "temporary"))
-            print(f"{'yes' if lora else 'no':<5} {world:>5}  {pub:>13.1f}  {pred:>13.1f}  {err * 100:+6.1f}%  {parts}  ({time.perf_counter() - t0:.0f} s)", flush=True)
-            rows.append({"lora": lora, "world": world, "published_mib": pub, "predicted_mib": pred, "error": err,
-                         "within_target": abs(err) <= TARGET, "rank0": r.to_dict(), "notes": list(est.notes)})
+            parts = "/".join(
+                f"{getattr(r, k) / 2**20:.0f}"
+                for k in ("parameters", "gradients", "optimizer", "activations", "temporary")
+            )
+            print(
+                f"{'yes' if lora else 'no':<5} {world:>5}  {pub:>13.1f}  {pred:>13.1f}  {err * 100:+6.1f}%  {parts}  ({time.perf_counter() - t0:.0f} s)",
+                flush=True,
+            )
+            rows.append(
+                {
+                    "lora": lora,
+                    "world": world,
+                    "published_mib": pub,
+                    "predicted_mib": pred,
+                    "error": err,
+                    "within_target": abs(err) <= TARGET,
+                    "rank0": r.to_dict(),
+                    "notes": list(est.notes),
+                }
+            )
     ok = sum(r["within_target"] for r in rows)
     errors = sorted(abs(r["error"]) for r in rows)
-    print(f"{ok} of {len(rows)} rows within {TARGET:.0%} (loop: {args.loop}); "
-          f"median |error| {errors[len(errors) // 2] * 100:.1f}%, worst {errors[-1] * 100:.1f}%")
+    print(
+        f"{ok} of {len(rows)} rows within {TARGET:.0%} (loop: {args.loop}); "
+        f"median |error| {errors[len(errors) // 2] * 100:.1f}%, worst {errors[-1] * 100:.1f}%"
+    )
     results.parent.mkdir(parents=True, exist_ok=True)
     results.write_text(json.dumps({"assumptions": __doc__, "loop": args.loop, "rows": rows}, indent=1) + "\n")
     print(f"wrote {results}")

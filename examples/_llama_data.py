@@ -38,6 +38,13 @@ def llama_and_tokens(model_path: str | None, seq_len: int):
 
         tokens = torch.tensor(AutoTokenizer.from_pretrained(model_path)(corpus_text())["input_ids"])
         return AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32), tokens
-    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=seq_len)
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=seq_len,
+    )
     return LlamaForCausalLM(config), ByteTokenizer().encode(corpus_text())

@@ -116,7 +116,9 @@ def composable_train(args) -> None:
     ckpt = os.path.join(args.out, "ckpt")
     step = 0  # optimizer steps
     if args.resume and latest_checkpoint(ckpt):  # VIII.B resume option
-        step, _ = ca.load_state(ckpt, model, optimizer, loader, scheduler=scheduler)  # VIII.C resume; skips seen batches
+        step, _ = ca.load_state(
+            ckpt, model, optimizer, loader, scheduler=scheduler
+        )  # VIII.C resume; skips seen batches
 
     with Progress(disable=dist.get_rank() != 0) as bar:
         task = bar.add_task("composable", total=args.steps, completed=step)

@@ -57,7 +57,9 @@ if device == "cuda":
 torch.manual_seed(0)
 model = GPT(GPTConfig(seq_len=args.seq_len, d_model=args.d_model, n_layer=args.n_layer, n_head=args.n_head)).to(device)
 optim = torch.optim.AdamW(model.parameters(), lr=args.lr)
-loader = DataLoader(TextDataset(args.seq_len, limit=args.batch_size * args.steps), batch_size=args.batch_size, shuffle=True)
+loader = DataLoader(
+    TextDataset(args.seq_len, limit=args.batch_size * args.steps), batch_size=args.batch_size, shuffle=True
+)
 
 plan = ca.fsdp(wrap=(Block,)) | ca.amp("bf16") | ca.checkpoint(Block)
 if rank == 0:

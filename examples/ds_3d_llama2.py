@@ -35,7 +35,9 @@ from composable_atorch import (
 )
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-parser.add_argument("--ds_config", default=None, help="a DeepSpeed JSON config (micro-batch, accumulation, precision, ZeRO 0/1...)")
+parser.add_argument(
+    "--ds_config", default=None, help="a DeepSpeed JSON config (micro-batch, accumulation, precision, ZeRO 0/1...)"
+)
 parser.add_argument("--block_size", type=int, default=32, help="tokens per sample")
 parser.add_argument("--max_steps", type=int, default=10)
 parser.add_argument("--lr", type=float, default=3e-3)
@@ -65,7 +67,9 @@ def main():
     tensor_size = int(os.environ.get("MODEL_PARALLEL_SIZE", 1))
     pipeline_size = int(os.environ.get("PIPELINE_PARALLEL_SIZE", 2))
     if world % (tensor_size * pipeline_size):
-        raise SystemExit(f"world {world} is not divisible by MODEL_PARALLEL_SIZE {tensor_size} x PIPELINE_PARALLEL_SIZE {pipeline_size}")
+        raise SystemExit(
+            f"world {world} is not divisible by MODEL_PARALLEL_SIZE {tensor_size} x PIPELINE_PARALLEL_SIZE {pipeline_size}"
+        )
     data_size = world // (tensor_size * pipeline_size)
     groups = [("tensor", tensor_size), ("data", data_size), ("pipeline", pipeline_size)]
     pc = create_parallel_group((groups, None))
@@ -77,8 +81,16 @@ def main():
     if model_path:
         config = AutoConfig.from_pretrained(model_path)
     else:  # tied embeddings: the seed's tie_first (the embedding computes the logits on the last stage)
-        config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                             num_key_value_heads=2, max_position_embeddings=args.block_size, tie_word_embeddings=True)
+        config = LlamaConfig(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=args.block_size,
+            tie_word_embeddings=True,
+        )
     with record_module_init():
         meta_model = LlamaForCausalLM(config)  # nothing allocated
 
@@ -88,11 +100,17 @@ def main():
         "gradient_clipping": 1.0,
         "zero_optimization": {"stage": 1},
     }
-    cfg = DeepSpeed3DParallelConfig(tpinfo=get_llama_tpinfo(), tie_first=bool(config.tie_word_embeddings), ds_config=ds_config)
+    cfg = DeepSpeed3DParallelConfig(
+        tpinfo=get_llama_tpinfo(), tie_first=bool(config.tie_word_embeddings), ds_config=ds_config
+    )
     strategy = [("parallel_mode", (groups, None)), ("deepspeed_3d_parallel", cfg)]
     status, result, best_strategy = auto_accelerate(
-        meta_model, torch.optim.AdamW, optim_args={"lr": args.lr}, loss_func=my_loss_func,
-        load_strategy=strategy, ignore_dryrun_on_load_strategy=True,
+        meta_model,
+        torch.optim.AdamW,
+        optim_args={"lr": args.lr},
+        loss_func=my_loss_func,
+        load_strategy=strategy,
+        ignore_dryrun_on_load_strategy=True,
     )
     if not status:
         raise SystemExit("auto_accelerate found no plan")

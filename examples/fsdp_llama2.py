@@ -57,8 +57,16 @@ fsdp_config = {"atorch_wrap_cls": (LlamaDecoderLayer,)}
 if use_lora:
     from peft import LoraConfig, TaskType, get_peft_model
 
-    model = get_peft_model(model, LoraConfig(task_type=TaskType.CAUSAL_LM, r=8, lora_alpha=16, lora_dropout=0.0,
-                                             target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    model = get_peft_model(
+        model,
+        LoraConfig(
+            task_type=TaskType.CAUSAL_LM,
+            r=8,
+            lora_alpha=16,
+            lora_dropout=0.0,
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+        ),
+    )
     fsdp_config["fsdp_wrap_params_outmost"] = True  # frozen base shards per layer, adapters in the root group
 strategy = [("fsdp", fsdp_config), ("amp_native", {"dtype": torch.bfloat16}), ("checkpoint", (LlamaDecoderLayer,))]
 if use_fp8:
@@ -85,15 +93,26 @@ if not status:
 model, optim, loader = result.model, result.optim, result.dataloader
 if rank == 0:
     print(best_strategy.explain())
-    print(f"trainable parameters: {sum(p.numel() for p in trainable(model))} in {len(trainable(model))} tensors"
-          f"{' (LoRA adapter)' if use_lora else ''}")
+    print(
+        f"trainable parameters: {sum(p.numel() for p in trainable(model))} in {len(trainable(model))} tensors"
+        f"{' (LoRA adapter)' if use_lora else ''}"
+    )
     if use_fp8:
-        kinds = {n.rsplit(".", 1)[-1]: type(m).__name__ for n, m in model.named_modules() if n.endswith(("q_proj", "lm_head"))}
+        kinds = {
+            n.rsplit(".", 1)[-1]: type(m).__name__
+            for n, m in model.named_modules()
+            if n.endswith(("q_proj", "lm_head"))
+        }
         print(f"fp8: q_proj is {kinds['q_proj']}, lm_head is {kinds['lm_head']} (excluded)")
 
 device = next(model.parameters()).device
-tracking = init_trackers("fsdp_llama2", log_with="jsonl", project_dir=args.out, config={**vars(args), "lora": use_lora, "fp8": use_fp8},
-                         plan=best_strategy)
+tracking = init_trackers(
+    "fsdp_llama2",
+    log_with="jsonl",
+    project_dir=args.out,
+    config={**vars(args), "lora": use_lora, "fp8": use_fp8},
+    plan=best_strategy,
+)
 step = 0
 with tqdm(total=args.steps, disable=rank != 0, desc="training") as bar:
     while step < args.steps:

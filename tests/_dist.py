@@ -71,7 +71,10 @@ def run_world(fn, world: int = 2, *args, timeout: float = 300.0) -> list:
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "pg_init")
         port = free_port()
-        procs = [ctx.Process(target=_child, args=(fn, r, world, init_file, port, args, results), daemon=True) for r in range(world)]
+        procs = [
+            ctx.Process(target=_child, args=(fn, r, world, init_file, port, args, results), daemon=True)
+            for r in range(world)
+        ]
         for p in procs:
             p.start()
         out: dict[int, object] = {}
@@ -84,9 +87,13 @@ def run_world(fn, world: int = 2, *args, timeout: float = 300.0) -> list:
                 except queue.Empty:
                     # a rank killed by a signal (or exiting without reporting) never puts a result:
                     # say which rank and how, at once, instead of waiting out the timeout
-                    dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in out]
+                    dead = [
+                        (r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in out
+                    ]
                     if dead:
-                        errors.append("; ".join(f"rank {r} died without a result: {_exit_reason(code)}" for r, code in dead))
+                        errors.append(
+                            "; ".join(f"rank {r} died without a result: {_exit_reason(code)}" for r, code in dead)
+                        )
                     elif time.monotonic() > deadline:
                         errors.append(f"process group of {world} timed out after {timeout:.0f} s")
                     continue

@@ -59,7 +59,16 @@ def run_plan(*transforms, steps: int = STEPS, lr: float = 1e-3, batch: int = BAT
     m, opt, data = applied
     losses = train(m, opt, data, steps)
     explain = plan.explain(applied=applied)
-    return {"params": full_params(m), "losses": losses, "finite": all(map(math.isfinite, losses)), "explain": explain, "plan": plan, "model": m, "optim": opt, "loader": data}
+    return {
+        "params": full_params(m),
+        "losses": losses,
+        "finite": all(map(math.isfinite, losses)),
+        "explain": explain,
+        "plan": plan,
+        "model": m,
+        "optim": opt,
+        "loader": data,
+    }
 
 
 def plain(value):

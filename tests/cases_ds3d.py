@@ -10,6 +10,9 @@ from matrix import Case
 
 CASES = {
     "ds_3d_parallel": Case(
-        lambda: ds_3d_parallel(tie_first=False), world=2, extra=lambda: (parallel_mode([("pipeline", 2)]),), names_kept=False
+        lambda: ds_3d_parallel(tie_first=False),
+        world=2,
+        extra=lambda: (parallel_mode([("pipeline", 2)]),),
+        names_kept=False,
     ),
 }

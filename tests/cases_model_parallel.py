@@ -9,8 +9,13 @@ CASES = {
     "sequence_parallel": Case(lambda: sequence_parallel(), world=2, extra=lambda: (parallel_mode([("tensor", 2)]),)),
     # each rank holds its stage's parameters only: names are kept but a subset
     "pipeline_parallel": Case(
-        lambda: pipeline_parallel(microbatches=2), world=2, extra=lambda: (parallel_mode([("pipeline", 2)]),), names_kept=False
+        lambda: pipeline_parallel(microbatches=2),
+        world=2,
+        extra=lambda: (parallel_mode([("pipeline", 2)]),),
+        names_kept=False,
     ),
     # its search candidates include pipeline degrees: then each rank keeps its stage's parameters only
-    "mixed_parallel": Case(lambda: mixed_parallel(), world=2, extra=lambda: (parallel_mode([("tensor", 2)]),), names_kept=False),
+    "mixed_parallel": Case(
+        lambda: mixed_parallel(), world=2, extra=lambda: (parallel_mode([("tensor", 2)]),), names_kept=False
+    ),
 }

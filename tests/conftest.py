@@ -19,11 +19,26 @@ import pytest  # noqa: E402
 MARKS = {
     "test_fp8.py::test_fp8_trains_20_steps_within_tolerance_of_bf16": ("slow", "45 s: 20 emulated fp8 steps"),
     "test_fp8.py::test_fp8_under_bf16_autocast_trains_within_tolerance": ("slow", "23 s: emulated fp8 under autocast"),
-    "test_fp8.py::test_llama_fp8_without_lm_head_trains_20_steps_within_tolerance_of_bf16": ("slow", "18 s: emulated fp8"),
-    "test_checkpointing.py::test_a_crash_during_save_leaves_the_previous_checkpoint_loadable": ("dist", "spawns training processes (10 s)"),
-    "test_facade.py::test_dry_run_on_load_strategy_reports_success_and_failure": ("dist", "dry runs spawn trial processes"),
-    "test_facade.py::test_finetune_strategy_measures_the_loaded_plan_first_and_returns_a_measured_plan": ("dist", "trials spawn processes"),
-    "test_fake_world.py::test_sharded_bytes_per_rank_are_one_over_world": ("dist", "each case spawns a process (1.3-4 s)"),
+    "test_fp8.py::test_llama_fp8_without_lm_head_trains_20_steps_within_tolerance_of_bf16": (
+        "slow",
+        "18 s: emulated fp8",
+    ),
+    "test_checkpointing.py::test_a_crash_during_save_leaves_the_previous_checkpoint_loadable": (
+        "dist",
+        "spawns training processes (10 s)",
+    ),
+    "test_facade.py::test_dry_run_on_load_strategy_reports_success_and_failure": (
+        "dist",
+        "dry runs spawn trial processes",
+    ),
+    "test_facade.py::test_finetune_strategy_measures_the_loaded_plan_first_and_returns_a_measured_plan": (
+        "dist",
+        "trials spawn processes",
+    ),
+    "test_fake_world.py::test_sharded_bytes_per_rank_are_one_over_world": (
+        "dist",
+        "each case spawns a process (1.3-4 s)",
+    ),
     "test_atorch_port.py::test_func_fully_automatic_one_process": ("dist", "search trials spawn processes (4.6 s)"),
     "test_atorch_port.py::test_sample_batch_feeds_the_dry_run": ("dist", "the dry run spawns a trial (4 s)"),
 }
@@ -36,8 +51,11 @@ def pytest_collection_modifyitems(config, items):
         if key in MARKS:
             found.add(key)
             item.add_marker(getattr(pytest.mark, MARKS[key][0]))
-    whole_run = not config.getoption("keyword") and not any(
-        "::" in str(a) for a in config.args) and all(os.path.isdir(a) or a.endswith("tests") for a in config.args)
+    whole_run = (
+        not config.getoption("keyword")
+        and not any("::" in str(a) for a in config.args)
+        and all(os.path.isdir(a) or a.endswith("tests") for a in config.args)
+    )
     missing = sorted(set(MARKS) - found)
     if whole_run and missing:
         raise pytest.UsageError(f"tests/conftest.py MARKS names tests that were not collected (renamed?): {missing}")
@@ -58,8 +76,10 @@ def _fast_tier_spawns_nothing(request, monkeypatch):
     start, popen_init = multiprocessing.process.BaseProcess.start, subprocess.Popen.__init__
 
     def refuse():
-        raise RuntimeError(f"{name} starts a fresh Python process but is not marked dist: add @pytest.mark.dist "
-                           "(or an entry in tests/conftest.py MARKS)")
+        raise RuntimeError(
+            f"{name} starts a fresh Python process but is not marked dist: add @pytest.mark.dist "
+            "(or an entry in tests/conftest.py MARKS)"
+        )
 
     def guarded_start(self):
         if getattr(self, "_start_method", None) in ("spawn", "forkserver"):

@@ -25,8 +25,13 @@ def per_rank_fraction(world: int, rank: int, transform_name: str) -> dict:
         plan = ca.compose(transform)
         model, _, _ = plan(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
         local = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
-        return {"world": plan.env.world_size, "steps": plan.names, "full": full, "local": local,
-                "shapes": [tuple(p.to_local().shape) for p in model.parameters()][:3]}
+        return {
+            "world": plan.env.world_size,
+            "steps": plan.names,
+            "full": full,
+            "local": local,
+            "shapes": [tuple(p.to_local().shape) for p in model.parameters()][:3],
+        }
     finally:
         dist.destroy_process_group()
 

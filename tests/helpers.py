@@ -21,8 +21,14 @@ from composable_atorch.models.gpt import lm_loss
 CFG = GPTConfig(seq_len=32, d_model=32, n_layer=2, n_head=2)
 
 
-def tiny_gpt(seed: int = 0, *, seq_len: int = CFG.seq_len, d_model: int = CFG.d_model, n_layer: int = CFG.n_layer,
-             n_head: int = CFG.n_head) -> GPT:
+def tiny_gpt(
+    seed: int = 0,
+    *,
+    seq_len: int = CFG.seq_len,
+    d_model: int = CFG.d_model,
+    n_layer: int = CFG.n_layer,
+    n_head: int = CFG.n_head,
+) -> GPT:
     """The tests' tiny GPT, built after ``torch.manual_seed(seed)`` (same seed, same weights)."""
     torch.manual_seed(seed)
     return GPT(GPTConfig(seq_len=seq_len, d_model=d_model, n_layer=n_layer, n_head=n_head))

@@ -128,19 +128,34 @@ def shifted_ce(inputs, output, vocab):
 def toy_call(data_size=100, batch_size=2, **extra):
     """ATorch's create_model_context(...) as auto_accelerate keyword arguments."""
     torch.manual_seed(0)
-    return dict(model=TinyNet(), optim_func=adam_func, dataset=RowsDataset(data_size), loss_func=mse_loss,
-                prepare_input=move_to, optim_args={"lr": 0.001},
-                dataloader_args={"batch_size": batch_size, "drop_last": True, "shuffle": True}, **extra)
+    return dict(
+        model=TinyNet(),
+        optim_func=adam_func,
+        dataset=RowsDataset(data_size),
+        loss_func=mse_loss,
+        prepare_input=move_to,
+        optim_args={"lr": 0.001},
+        dataloader_args={"batch_size": batch_size, "drop_last": True, "shuffle": True},
+        **extra,
+    )
 
 
 def gpt2_call(data_size=16, batch_size=2):
     model = tiny_gpt2()
-    return dict(model=model, optim_func=adam_func, dataset=TokensDataset(data_size), loss_func=functools.partial(shifted_ce, vocab=128),
-                prepare_input=move_to, optim_args={"lr": 0.001},
-                dataloader_args={"batch_size": batch_size, "drop_last": True, "shuffle": True, "collate_fn": collate_lm})
+    return dict(
+        model=model,
+        optim_func=adam_func,
+        dataset=TokensDataset(data_size),
+        loss_func=functools.partial(shifted_ce, vocab=128),
+        prepare_input=move_to,
+        optim_args={"lr": 0.001},
+        dataloader_args={"batch_size": batch_size, "drop_last": True, "shuffle": True, "collate_fn": collate_lm},
+    )
 
 
-def run_train(model, dataloader, optim, prepare_input, loss_func, device="cpu", gpt2_model=False, use_optim_backward=False):
+def run_train(
+    model, dataloader, optim, prepare_input, loss_func, device="cpu", gpt2_model=False, use_optim_backward=False
+):
     """ATorch's toy run_train: one pass over the loader; returns the number of steps."""
     steps = 0
     for batch in dataloader:
@@ -208,17 +223,37 @@ def _auto_accelerate_cases(rank, world, tmp):
     # only_pass_model_code (GPU-only in ATorch)
     pg = ([("data", world)], None)
     status, res, best = ca.auto_accelerate(TinyNet(), load_strategy=[("parallel_mode", pg)])
-    out["only_model"] = dict(status=status, model=res.model is not None, dataloader=res.dataloader, optim=res.optim,
-                             prepare_input=res.prepare_input is default_prepare_input, loss_func=res.loss_func,
-                             equal=best == strategy.load([("parallel_mode", pg)]), requested=list(best.requested_names))
+    out["only_model"] = dict(
+        status=status,
+        model=res.model is not None,
+        dataloader=res.dataloader,
+        optim=res.optim,
+        prepare_input=res.prepare_input is default_prepare_input,
+        loss_func=res.loss_func,
+        equal=best == strategy.load([("parallel_mode", pg)]),
+        requested=list(best.requested_names),
+    )
 
     # pass_sample_batch_code (GPU-only in ATorch)
     sample = [torch.ones(2, 16), torch.ones(2, 4)]
-    status, res, best = ca.auto_accelerate(TinyNet(), prepare_input=move_to, optim_func=adam_func, load_strategy=[("parallel_mode", pg)],
-                                           loss_func=mse_loss, sample_batch=sample, batch_size=2)
-    out["sample_batch"] = dict(status=status, model=res.model is not None, dataloader=res.dataloader, optim=res.optim is not None,
-                               prepare_input=res.prepare_input is not None, loss_func=res.loss_func is not None,
-                               requested=list(best.requested_names))
+    status, res, best = ca.auto_accelerate(
+        TinyNet(),
+        prepare_input=move_to,
+        optim_func=adam_func,
+        load_strategy=[("parallel_mode", pg)],
+        loss_func=mse_loss,
+        sample_batch=sample,
+        batch_size=2,
+    )
+    out["sample_batch"] = dict(
+        status=status,
+        model=res.model is not None,
+        dataloader=res.dataloader,
+        optim=res.optim is not None,
+        prepare_input=res.prepare_input is not None,
+        loss_func=res.loss_func is not None,
+        requested=list(best.requested_names),
+    )
     return out
 
 
@@ -237,12 +272,26 @@ def test_auto_accelerate_test_at_world_2(tmp_path):
         # test_seed
         assert r["seed"] == ("DistributedSampler", 13)
         # only_pass_model
-        assert r["only_model"] == dict(status=True, model=True, dataloader=None, optim=None, prepare_input=True, loss_func=None,
-                                       equal=True, requested=["parallel_mode"])
+        assert r["only_model"] == dict(
+            status=True,
+            model=True,
+            dataloader=None,
+            optim=None,
+            prepare_input=True,
+            loss_func=None,
+            equal=True,
+            requested=["parallel_mode"],
+        )
         # pass_sample_batch
-        assert r["sample_batch"] == dict(status=True, model=True, dataloader=None, optim=True, prepare_input=True, loss_func=True,
-                                         requested=["parallel_mode"])
-
+        assert r["sample_batch"] == dict(
+            status=True,
+            model=True,
+            dataloader=None,
+            optim=True,
+            prepare_input=True,
+            loss_func=True,
+            requested=["parallel_mode"],
+        )
 
 
 @pytest.mark.dist  # the search's trials spawn processes
@@ -276,7 +325,9 @@ def test_load_save_strategy_pickle_refused_json_round_trips(tmp_path):
 def test_adjust_strategy_data_size_and_model_alias():
     env = ca.Environment.detect()
     # ("model", 2) is ATorch's name for the tensor dimension; data 2 -> 8 at world 16
-    plan = strategy.load([("parallel_mode", ([("model", 2), ("data", 2)], None)), "amp_native"], env=env.with_(world_size=16))
+    plan = strategy.load(
+        [("parallel_mode", ([("model", 2), ("data", 2)], None)), "amp_native"], env=env.with_(world_size=16)
+    )
     pm = next(t for t in plan.transforms if t.name == "parallel_mode")
     assert dict(pm.groups) == {"tensor": 2, "data": 8}
     # ATorch: the same strategy cannot be adjusted to one process
@@ -291,7 +342,9 @@ def test_adjust_strategy_data_size_and_model_alias():
 @pytest.mark.parametrize("name, words", [("sequence", "sequence parallelism"), ("expert", "expert parallelism")])
 def test_parallel_mode_names_not_built_say_so(name, words):
     with pytest.raises(ConfigError, match=words):
-        strategy.load([("parallel_mode", ([(name, 2), ("data", 1)], None))], env=ca.Environment.detect().with_(world_size=2))
+        strategy.load(
+            [("parallel_mode", ([(name, 2), ("data", 1)], None))], env=ca.Environment.detect().with_(world_size=2)
+        )
 
 
 def test_multiple_parallel_instances_flag_says_it_is_not_built():
@@ -299,7 +352,9 @@ def test_multiple_parallel_instances_flag_says_it_is_not_built():
     trains world / 2 independent instances in ATorch; not built here, and the error says which flag."""
     with pytest.raises(ConfigError, match="multiple parallel instances"):
         strategy.load([("parallel_mode", ([("data", 2)], None, True))], env=ca.Environment.detect().with_(world_size=4))
-    plan = strategy.load([("parallel_mode", ([("data", 2)], None, False))], env=ca.Environment.detect().with_(world_size=4))
+    plan = strategy.load(
+        [("parallel_mode", ([("data", 2)], None, False))], env=ca.Environment.detect().with_(world_size=4)
+    )
     assert dict(plan.transforms[0].groups) == {"data": 4}
 
 
@@ -310,7 +365,9 @@ def test_unknown_parallel_mode_name_lists_the_aliases():
 
 def test_tensor_parallel_in_one_process_is_dropped_with_the_reason():
     """ATorch's Strategy.remove_distributed_method: in one process tensor_parallel is dropped, with a log line."""
-    plan = strategy.load(["amp_native", "module_replace", "tensor_parallel", "fsdp"], env=ca.Environment.detect().with_(world_size=1))
+    plan = strategy.load(
+        ["amp_native", "module_replace", "tensor_parallel", "fsdp"], env=ca.Environment.detect().with_(world_size=1)
+    )
     assert "tensor_parallel" not in plan.names
     assert dict(plan.transforms[plan.names.index("parallel_mode")].groups) == {"data": 1}  # fsdp's, no tensor dim
     assert any("skipped tensor_parallel" in n and "world size of at least 2" in n for n in plan.notes)
@@ -323,7 +380,9 @@ def test_sequence_parallel_sp_size_says_where_the_degree_comes_from():
     # dimension, so the degree is parallel_mode's: a typed error says so rather than guessing
     with pytest.raises(ConfigError, match="tensor size of parallel_mode"):
         strategy.load([("sequence_parallel", {"sp_size": 2})])
-    plan = strategy.load(["sequence_parallel", ("parallel_mode", ([("tensor", 2)], None))], env=ca.Environment(world_size=2))
+    plan = strategy.load(
+        ["sequence_parallel", ("parallel_mode", ([("tensor", 2)], None))], env=ca.Environment(world_size=2)
+    )
     assert "sequence_parallel" in plan.names
 
 
@@ -338,27 +397,55 @@ def _gpt2_cases(rank, world, _):
     out = {}
     for name, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16)):
         call = gpt2_call(data_size=16, batch_size=4 if dtype == torch.bfloat16 else 2)
-        fsdp_config = {"sync_module_states": True, "limit_all_gathers": True, "atorch_wrap_cls": (GPT2Block,), "use_orig_params": True}
-        strat = [("parallel_mode", None), ("amp_native", {"dtype": dtype}), ("fsdp", fsdp_config), ("checkpoint", (GPT2Block,))]
+        fsdp_config = {
+            "sync_module_states": True,
+            "limit_all_gathers": True,
+            "atorch_wrap_cls": (GPT2Block,),
+            "use_orig_params": True,
+        }
+        strat = [
+            ("parallel_mode", None),
+            ("amp_native", {"dtype": dtype}),
+            ("fsdp", fsdp_config),
+            ("checkpoint", (GPT2Block,)),
+        ]
         try:
             status, result, best = ca.auto_accelerate(**call, load_strategy=strat, ignore_dryrun_on_load_strategy=True)
-            steps = run_train(result.model, result.dataloader, result.optim, result.prepare_input, result.loss_func, gpt2_model=True)
+            steps = run_train(
+                result.model, result.dataloader, result.optim, result.prepare_input, result.loss_func, gpt2_model=True
+            )
             # what ATorch's test never writes down: both ranks end with one model (full weights gathered from the shards)
-            full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float() for n, p in result.model.named_parameters()}
+            full = {
+                n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float()
+                for n, p in result.model.named_parameters()
+            }
             everyone = [None] * world
             torch.distributed.all_gather_object(everyone, full)
             drift = max(float((everyone[0][n] - everyone[1][n]).abs().max()) for n in full)
-            out[name] = dict(status=status, len=len(best), want=len(strat), steps=steps, want_steps=16 // call["dataloader_args"]["batch_size"], drift=drift)
+            out[name] = dict(
+                status=status,
+                len=len(best),
+                want=len(strat),
+                steps=steps,
+                want_steps=16 // call["dataloader_args"]["batch_size"],
+                drift=drift,
+            )
         except Exception as exc:  # noqa: BLE001 - reported to the parent with its type
             out[name] = f"{type(exc).__name__}: {exc}"
     # run_wraps: atorch_wrap_cls (GPT2Block, LayerNorm) shards 3 blocks and 3 * 2 + 1 LayerNorms
     from torch.distributed.fsdp import FSDPModule
 
     call = gpt2_call()
-    strat = ["parallel_mode", ("fsdp", {"sync_module_states": True, "limit_all_gathers": True, "atorch_wrap_cls": (GPT2Block, nn.LayerNorm)})]
+    strat = [
+        "parallel_mode",
+        ("fsdp", {"sync_module_states": True, "limit_all_gathers": True, "atorch_wrap_cls": (GPT2Block, nn.LayerNorm)}),
+    ]
     try:
         status, result, _ = ca.auto_accelerate(**call, load_strategy=strat, ignore_dryrun_on_load_strategy=True)
-        counts = {t.__name__: sum(isinstance(m, t) and isinstance(m, FSDPModule) for m in result.model.modules()) for t in (GPT2Block, nn.LayerNorm)}
+        counts = {
+            t.__name__: sum(isinstance(m, t) and isinstance(m, FSDPModule) for m in result.model.modules())
+            for t in (GPT2Block, nn.LayerNorm)
+        }
         out["wraps"] = counts
     except Exception as exc:  # noqa: BLE001
         out["wraps"] = f"{type(exc).__name__}: {exc}"
@@ -382,12 +469,27 @@ def test_gpt2_bf16_only_half():
     """test_gpt2_bf16_only (GPU-only in ATorch): ("half", "bf16") trains; ATorch's BF16Optimizer has no counterpart."""
     c = gpt2_call(data_size=8, batch_size=4)
     # positionally, as ATorch's test calls it
-    status, result, best = ca.auto_accelerate(c["model"], c["optim_func"], c["dataset"], c["loss_func"], c["prepare_input"], None,
-                                              c["optim_args"], None, c["dataloader_args"], load_strategy=[("half", "bf16")],
-                                              ignore_dryrun_on_load_strategy=True)
+    status, result, best = ca.auto_accelerate(
+        c["model"],
+        c["optim_func"],
+        c["dataset"],
+        c["loss_func"],
+        c["prepare_input"],
+        None,
+        c["optim_args"],
+        None,
+        c["dataloader_args"],
+        load_strategy=[("half", "bf16")],
+        ignore_dryrun_on_load_strategy=True,
+    )
     assert status and len(best) == 1
     assert next(result.model.parameters()).dtype == torch.bfloat16
-    assert run_train(result.model, result.dataloader, result.optim, result.prepare_input, result.loss_func, gpt2_model=True) == 8 // 4
+    assert (
+        run_train(
+            result.model, result.dataloader, result.optim, result.prepare_input, result.loss_func, gpt2_model=True
+        )
+        == 8 // 4
+    )
 
 
 def test_gpt2_fp8_runs_on_torchao_and_says_transformer_engine_needs_a_gpu():
@@ -398,7 +500,12 @@ def test_gpt2_fp8_runs_on_torchao_and_says_transformer_engine_needs_a_gpu():
     status, result, best = ca.auto_accelerate(**call, load_strategy=strat, ignore_dryrun_on_load_strategy=True)
     assert status and len(best) == len(strat)
     assert "transformer_engine not used" in best.explain() and "GPU" in best.explain()
-    assert run_train(result.model, result.dataloader, result.optim, result.prepare_input, result.loss_func, gpt2_model=True) == 2
+    assert (
+        run_train(
+            result.model, result.dataloader, result.optim, result.prepare_input, result.loss_func, gpt2_model=True
+        )
+        == 2
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -446,8 +553,13 @@ def identity_loss(a, _):
 @pytest.mark.parametrize("skip", [True, False])
 def test_bf16_nonfinite_loss_skips_the_step_only_when_asked(skip):
     value = torch.tensor(torch.finfo(torch.bfloat16).max, dtype=torch.float32)
-    status, result, _ = ca.auto_accelerate(OneVar(value), optim_func=adam_func, loss_func=identity_loss, optim_args={"lr": 1},
-                                           load_strategy=[("amp_native", {"dtype": "bf16", "skip_if_nonfinite": skip})])
+    status, result, _ = ca.auto_accelerate(
+        OneVar(value),
+        optim_func=adam_func,
+        loss_func=identity_loss,
+        optim_args={"lr": 1},
+        load_strategy=[("amp_native", {"dtype": "bf16", "skip_if_nonfinite": skip})],
+    )
     model, optim = result.model, result.optim
     optim.zero_grad()
     loss = result.loss_func(model(), None)
@@ -467,10 +579,15 @@ def test_bf16_nonfinite_loss_skips_the_step_only_when_asked(skip):
 
 
 def test_result_fields_in_atorch_order_and_args_read_both_ways():
-    status, result, best = ca.auto_accelerate(**toy_call(8, 2), load_strategy=[("amp_native", {"dtype": torch.float16})])
+    status, result, best = ca.auto_accelerate(
+        **toy_call(8, 2), load_strategy=[("amp_native", {"dtype": torch.float16})]
+    )
     assert result._fields == ("model", "optim", "dataloader", "loss_func", "prepare_input", "lr_scheduler", "args")
     assert result.args["use_optim_backward"] is result.args.use_optim_backward is True
-    assert result.args == {"use_optim_backward": True, "requires_set_gradient_accumulation_boundary": False}  # ATorch's dict
+    assert result.args == {
+        "use_optim_backward": True,
+        "requires_set_gradient_accumulation_boundary": False,
+    }  # ATorch's dict
     with pytest.raises(KeyError, match="use_optim_backward"):
         result.args["use_optim_backwards"]
     # the wrapped loss: a plain loss.backward() goes through the grad scaler
@@ -485,13 +602,19 @@ def test_strategy_entries_are_marked_requested_or_implied():
     assert [(e[0], e.requested) for e in entries] == [("parallel_mode", True), ("ddp", False), ("amp", True)]
     name, config, tunable = entries[1]
     assert name == "ddp" and isinstance(config, dict) and tunable is False
-    assert "implied by" in repr(entries[1]) and best.requested_names == ("parallel_mode", "amp") and best.implied_names == ("ddp",)
+    assert (
+        "implied by" in repr(entries[1])
+        and best.requested_names == ("parallel_mode", "amp")
+        and best.implied_names == ("ddp",)
+    )
 
 
 def test_atorch_keywords_have_their_meaning_or_a_note():
     call = toy_call(8, 2)
     # no effect here: said in explain()
-    status, _, best = ca.auto_accelerate(**call, load_strategy=["amp_native"], meta_init_offload_name="offload", sampler_seed=3, batch_size=4)
+    status, _, best = ca.auto_accelerate(
+        **call, load_strategy=["amp_native"], meta_init_offload_name="offload", sampler_seed=3, batch_size=4
+    )
     assert status
     text = best.explain()
     assert "meta_init_offload_name='offload': no effect here" in text
@@ -499,7 +622,9 @@ def test_atorch_keywords_have_their_meaning_or_a_note():
     assert "batch_size: no effect" in text
     # typed errors for bad values, and unknown keywords stay errors
     with pytest.raises(ConfigError, match="expand_sample_batch=True"):
-        ca.auto_accelerate(TinyNet(), load_strategy=["amp_native"], sample_batch=[torch.ones(2, 16), torch.ones(2, 4)], batch_size=8)
+        ca.auto_accelerate(
+            TinyNet(), load_strategy=["amp_native"], sample_batch=[torch.ones(2, 16), torch.ones(2, 4)], batch_size=8
+        )
     with pytest.raises(ConfigError, match="sampler_seed"):
         ca.auto_accelerate(TinyNet(), load_strategy=["amp_native"], sampler_seed="13")
     with pytest.raises(ConfigError, match="auto_accelerate keyword 'sample_batches'"):
@@ -520,15 +645,27 @@ def test_sample_batch_feeds_the_dry_run():
     from composable_atorch.compat.request import Request, SampleBatchDataset
 
     sample = [torch.ones(2, 16), torch.ones(2, 4)]
-    req = Request.of(TinyNet(), {"sample_batch": sample, "batch_size": 6, "expand_sample_batch": True},
-                     optim_func=adam_func, loss_func=mse_loss, load_strategy=["amp_native"])
+    req = Request.of(
+        TinyNet(),
+        {"sample_batch": sample, "batch_size": 6, "expand_sample_batch": True},
+        optim_func=adam_func,
+        loss_func=mse_loss,
+        load_strategy=["amp_native"],
+    )
     work = req.workload()
     assert isinstance(work.dataset, SampleBatchDataset) and len(work.dataset) == 6 and work.batch_size == 6
     batch = next(iter(torch.utils.data.DataLoader(work.dataset, batch_size=6)))
     assert [t.shape for t in batch] == [torch.Size([6, 16]), torch.Size([6, 4])]
-    status, result, _ = ca.auto_accelerate(TinyNet(), optim_func=adam_func, loss_func=mse_loss, prepare_input=move_to,
-                                           load_strategy=[("amp_native", {"dtype": torch.bfloat16})], ignore_dryrun_on_load_strategy=False,
-                                           sample_batch=sample, trial_timeout=120)
+    status, result, _ = ca.auto_accelerate(
+        TinyNet(),
+        optim_func=adam_func,
+        loss_func=mse_loss,
+        prepare_input=move_to,
+        load_strategy=[("amp_native", {"dtype": torch.bfloat16})],
+        ignore_dryrun_on_load_strategy=False,
+        sample_batch=sample,
+        trial_timeout=120,
+    )
     assert status and result.dataloader is None and result.optim is not None
 
 
@@ -610,8 +747,15 @@ def _ds_zero_cases(rank, world, combos):
             # ATorch returns DeepSpeed's optimizer itself; here it sits behind the plan's optimizer
             # (one loop for every plan): result.optim.optimizer (deliberately different)
             zero_optim = isinstance(result.optim.optimizer, DeepSpeedZeroOptimizer)
-            steps = run_train(result.model, result.dataloader, result.optim, result.prepare_input, result.loss_func, gpt2_model=True,
-                              use_optim_backward=result.args["use_optim_backward"])
+            steps = run_train(
+                result.model,
+                result.dataloader,
+                result.optim,
+                result.prepare_input,
+                result.loss_func,
+                gpt2_model=True,
+                use_optim_backward=result.args["use_optim_backward"],
+            )
             out[key] = dict(status=status, zero_optim=zero_optim, steps=steps)
         except RequirementError as exc:  # a device without DeepSpeed fp16 kernels: typed, before the engine
             from deepspeed.accelerator import get_accelerator
@@ -631,7 +775,9 @@ def _check_ds(results):
     for r in results:
         for key, case in r.items():
             assert isinstance(case, dict), f"{key}: {case}"
-            if "unsupported_here" in case:  # this CPU has no fp16 kernels for DeepSpeed: the error says so and how to fix
+            if (
+                "unsupported_here" in case
+            ):  # this CPU has no fp16 kernels for DeepSpeed: the error says so and how to fix
                 assert "fp16" in case["unsupported_here"] and "bf16" in case["unsupported_here"], case
                 continue
             assert case["status"] and case["steps"] == 8 // 2, key
@@ -687,11 +833,17 @@ def _clip_grad_norm_case(rank, world, _):
 
     torch.manual_seed(0)
     local = StackNet()
-    reference = FSDP(copy.deepcopy(local), sharding_strategy=ShardingStrategy.FULL_SHARD, auto_wrap_policy=ModuleWrapPolicy({LayerStack}),
-                     device_id=torch.device("cpu"))
-    status, result, _ = ca.auto_accelerate(model=local, load_strategy=[("parallel_mode", ([("data", world)], None)),
-                                                                       ("fsdp", {"atorch_wrap_cls": {LayerStack}})],
-                                           ignore_dryrun_on_load_strategy=True)
+    reference = FSDP(
+        copy.deepcopy(local),
+        sharding_strategy=ShardingStrategy.FULL_SHARD,
+        auto_wrap_policy=ModuleWrapPolicy({LayerStack}),
+        device_id=torch.device("cpu"),
+    )
+    status, result, _ = ca.auto_accelerate(
+        model=local,
+        load_strategy=[("parallel_mode", ([("data", world)], None)), ("fsdp", {"atorch_wrap_cls": {LayerStack}})],
+        ignore_dryrun_on_load_strategy=True,
+    )
     assert status is True
     for model in (reference, result.model):
         data = [torch.ones(1, 16), torch.ones(1, 4)]

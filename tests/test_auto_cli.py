@@ -28,10 +28,34 @@ def capture(monkeypatch, module):
 def test_search_cli_flags_become_policies(monkeypatch, tmp_path):
     seen = capture(monkeypatch, cli_search)
     with pytest.raises(Stop):
-        cli_search.main(["--world-size", "2", "--trials", "3", "--time-limit", "40", "--memory-limit", "40MiB",
-                         "--exclude", "fp8,compile", "--include", "amp", "--storage", str(tmp_path / "s.db"),
-                         "--study-name", "x", "--seed", "7", "--sampler", "random", "--trial-timeout", "33",
-                         "--memory-margin", "0.1"])
+        cli_search.main(
+            [
+                "--world-size",
+                "2",
+                "--trials",
+                "3",
+                "--time-limit",
+                "40",
+                "--memory-limit",
+                "40MiB",
+                "--exclude",
+                "fp8,compile",
+                "--include",
+                "amp",
+                "--storage",
+                str(tmp_path / "s.db"),
+                "--study-name",
+                "x",
+                "--seed",
+                "7",
+                "--sampler",
+                "random",
+                "--trial-timeout",
+                "33",
+                "--memory-margin",
+                "0.1",
+            ]
+        )
     assert isinstance(seen["workload"], Workload) and seen["workload"].batch_size == 16
     assert seen["trial"] == TrialSettings(world_size=2, measure_steps=5, timeout=33.0)
     assert seen["budget"] == Budget(n_trials=3, time_limit=40.0, memory_limit="40MiB", memory_margin=0.1)

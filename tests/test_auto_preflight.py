@@ -60,8 +60,13 @@ def test_a_dict_batch_the_model_cannot_take_stops_the_search_at_once_with_the_hi
     runner = NeverRun()
     start = time.monotonic()
     with pytest.raises(WorkloadError, match="model_input_format='unpack_dict'") as info:
-        search(Workload(small_gpt, adamw, DictData(), whole_batch_loss, 8), trial=TrialSettings(world_size=2),
-               budget=Budget(time_limit=300), runner=runner, progress=False)
+        search(
+            Workload(small_gpt, adamw, DictData(), whole_batch_loss, 8),
+            trial=TrialSettings(world_size=2),
+            budget=Budget(time_limit=300),
+            runner=runner,
+            progress=False,
+        )
     assert runner.calls == 0 and time.monotonic() - start < 30  # not after time_limit
     assert isinstance(info.value, CompositionError) and info.value.part == "loss_fn(model, batch)"
     assert "TypeError" in info.value.error or "AttributeError" in info.value.error
@@ -85,9 +90,15 @@ def test_loss_hint_names_the_argument_for_each_batch_shape():
 
 def test_preflight_can_be_turned_off_and_then_trials_see_the_error():
     runner = NeverRun()
-    result = search(Workload(small_gpt, adamw, DictData(), whole_batch_loss, 8), trial=TrialSettings(world_size=2),
-                    budget=Budget(n_trials=1), space=SpaceOptions(excluded=tuple(ca.registry())),
-                    study=StudyOptions(preflight=False), runner=runner, progress=False)
+    result = search(
+        Workload(small_gpt, adamw, DictData(), whole_batch_loss, 8),
+        trial=TrialSettings(world_size=2),
+        budget=Budget(n_trials=1),
+        space=SpaceOptions(excluded=tuple(ca.registry())),
+        study=StudyOptions(preflight=False),
+        runner=runner,
+        progress=False,
+    )
     assert runner.calls == 1 and result.preflight is None and result.best is None
 
 
@@ -104,11 +115,30 @@ def test_the_0x_keywords_and_the_policies_give_the_same_search():
     kept = ("amp", "checkpoint")
     others = tuple(sorted(set(ca.registry()) - set(kept)))
     old_runner, new_runner = Recorder(), Recorder()
-    old = search(GPT, adamw, TextDataset(16, limit=64), lm_step, world_size=2, batch_size=16, excluded=others,
-                 n_trials=3, seed=1, trial_timeout=77, runner=old_runner, progress=False, predict=False)
-    new = search(Workload(GPT, adamw, TextDataset(16, limit=64), lm_step, 16, seed=1), trial=TrialSettings(world_size=2, timeout=77),
-                 budget=Budget(n_trials=3), space=SpaceOptions(excluded=others), study=StudyOptions(seed=1, predict=False),
-                 runner=new_runner, progress=False)
+    old = search(
+        GPT,
+        adamw,
+        TextDataset(16, limit=64),
+        lm_step,
+        world_size=2,
+        batch_size=16,
+        excluded=others,
+        n_trials=3,
+        seed=1,
+        trial_timeout=77,
+        runner=old_runner,
+        progress=False,
+        predict=False,
+    )
+    new = search(
+        Workload(GPT, adamw, TextDataset(16, limit=64), lm_step, 16, seed=1),
+        trial=TrialSettings(world_size=2, timeout=77),
+        budget=Budget(n_trials=3),
+        space=SpaceOptions(excluded=others),
+        study=StudyOptions(seed=1, predict=False),
+        runner=new_runner,
+        progress=False,
+    )
     assert [r.assignment for r in old.measured] == [r.assignment for r in new.measured]
     assert old_runner.timeouts == new_runner.timeouts == [77, 77, 77]
     assert old.preflight.ok and new.preflight.ok
@@ -119,11 +149,16 @@ def test_the_0x_keywords_and_the_policies_give_the_same_search():
         search(Workload(GPT, adamw, TextDataset(16, limit=64), lm_step, 16), n_trials=3)
 
 
-@pytest.mark.parametrize("make, field", [
-    (lambda: Budget(n_trials=0), "n_trials"), (lambda: Budget(time_limit=-1), "time_limit"),
-    (lambda: Budget(memory_limit="lots"), "memory_limit"), (lambda: SpaceOptions(excluded="amp"), "excluded"),
-    (lambda: StudyOptions(n_startup_trials=-1), "n_startup_trials"),
-])
+@pytest.mark.parametrize(
+    "make, field",
+    [
+        (lambda: Budget(n_trials=0), "n_trials"),
+        (lambda: Budget(time_limit=-1), "time_limit"),
+        (lambda: Budget(memory_limit="lots"), "memory_limit"),
+        (lambda: SpaceOptions(excluded="amp"), "excluded"),
+        (lambda: StudyOptions(n_startup_trials=-1), "n_startup_trials"),
+    ],
+)
 def test_policies_check_their_fields_when_made(make, field):
     with pytest.raises(ConfigError, match=field):
         make()
@@ -159,8 +194,14 @@ def test_auto_accelerate_stops_at_once_when_the_model_cannot_take_the_dict_batch
 
     start = time.monotonic()
     with pytest.raises(WorkloadError, match="model_input_format='unpack_dict'"):  # model_input_format not set
-        ca.auto_accelerate(seed_task.build(), optim_func=torch.optim.AdamW, dataset=seed_task.DictText(),
-                           loss_func=seed_task.loss_func, dataloader_args={"batch_size": 8}, time_limit=600)
+        ca.auto_accelerate(
+            seed_task.build(),
+            optim_func=torch.optim.AdamW,
+            dataset=seed_task.DictText(),
+            loss_func=seed_task.loss_func,
+            dataloader_args={"batch_size": 8},
+            time_limit=600,
+        )
     assert time.monotonic() - start < 60  # at once, not after time_limit
 
 
@@ -168,9 +209,15 @@ def test_the_baseline_runs_first_even_where_compose_implies_data_parallelism():
     kept = ("amp", "checkpoint", "ddp", "zero1", "zero2", "fsdp")
     others = tuple(sorted(set(ca.registry()) - set(kept)))
     runner = Recorder()
-    result = search(Workload(GPT, adamw, TextDataset(16, limit=64), lm_step, 16), trial=TrialSettings(world_size=2),
-                    budget=Budget(n_trials=2), space=SpaceOptions(excluded=others), study=StudyOptions(seed=0, predict=False),
-                    runner=runner, progress=False)
+    result = search(
+        Workload(GPT, adamw, TextDataset(16, limit=64), lm_step, 16),
+        trial=TrialSettings(world_size=2),
+        budget=Budget(n_trials=2),
+        space=SpaceOptions(excluded=others),
+        study=StudyOptions(seed=0, predict=False),
+        runner=runner,
+        progress=False,
+    )
     first = result.measured[0]
     baseline = ca.compose(env=result.space.env)
     assert first.steps == baseline.names and "ddp" in first.steps  # the plan of no request, data parallel at world 2

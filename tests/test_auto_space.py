@@ -17,7 +17,9 @@ ENV2 = Environment.detect().with_(world_size=2)
 
 
 def context(world=2, batch=16):
-    return SearchContext(env=ENV2.with_(world_size=world), block_classes=block_classes(GPT(n_layer=2)), batch_size=batch)
+    return SearchContext(
+        env=ENV2.with_(world_size=world), block_classes=block_classes(GPT(n_layer=2)), batch_size=batch
+    )
 
 
 def test_block_classes_are_the_repeated_user_modules_outermost_first():
@@ -102,7 +104,9 @@ def test_excluded_and_included():
     assert kind not in without.kinds and without.size < base.size
     pinned = SearchSpace(context(), included=[kind])
     assert ABSENT not in pinned.options[kind]
-    assert all(any(t.name == kind for t in pinned.transforms(dict(p.assignment))) for p in pinned.enumerate().valid.values())
+    assert all(
+        any(t.name == kind for t in pinned.transforms(dict(p.assignment))) for p in pinned.enumerate().valid.values()
+    )
     # aliases and seed names that are planned but not built are accepted in excluded
     SearchSpace(context(), excluded=["amp_native", "tensor_parallel"])
     with pytest.raises(UnknownTransformError, match="did you mean 'checkpoint'"):

@@ -50,8 +50,12 @@ class SyntheticRunner:
         self.calls.append(plan_key(plan))
         time.sleep(self.sleep)
         names = plan.names
-        return TrialResult(status="ok", samples_per_s=100.0 - 10 * len(names) + (5 if "amp" in names else 0),
-                           peak_bytes=(10 if "checkpoint" in names else 30) * 2**20, wall_time=self.sleep)
+        return TrialResult(
+            status="ok",
+            samples_per_s=100.0 - 10 * len(names) + (5 if "amp" in names else 0),
+            peak_bytes=(10 if "checkpoint" in names else 30) * 2**20,
+            wall_time=self.sleep,
+        )
 
 
 @pytest.mark.dist
@@ -63,9 +67,21 @@ def test_study_at_world_2_records_crash_and_hang_and_leaves_no_process(tmp_path)
     model_fn, dataset = FaultyModelFn(str(pid_file), 2), TextDataset(16, limit=64)
     settings = TrialSettings(world_size=2, warmup_steps=1, measure_steps=2)
     runner = RecordingRunner(ProcessRunner(Workload(model_fn, adamw, dataset, lm_step, 8), settings))
-    result = search(model_fn, adamw, dataset, lm_step, world_size=2, batch_size=8, excluded=all_but("amp", "accumulate"),
-                    trial_timeout=30, seed=0, progress=False, runner=runner, preflight=False,
-                    predict=False)  # no forward in this process: preflight and predictions run the model here
+    result = search(
+        model_fn,
+        adamw,
+        dataset,
+        lm_step,
+        world_size=2,
+        batch_size=8,
+        excluded=all_but("amp", "accumulate"),
+        trial_timeout=30,
+        seed=0,
+        progress=False,
+        runner=runner,
+        preflight=False,
+        predict=False,
+    )  # no forward in this process: preflight and predictions run the model here
     valid = result.enumeration.valid
     assert len(valid) == 6  # amp {absent, bf16} x accumulate {absent, 2, 4}
     assert sorted(runner.plans) == sorted(valid)  # every valid plan ran exactly once, nothing else
@@ -102,8 +118,17 @@ def test_study_at_world_2_records_crash_and_hang_and_leaves_no_process(tmp_path)
 
 def test_resume_from_sqlite_keeps_earlier_trials_and_does_not_rerun_them(tmp_path):
     db = tmp_path / "study.db"
-    common = dict(world_size=2, batch_size=16, excluded=all_but("amp", "checkpoint"), storage=str(db),
-                  study_name="resume", seed=3, progress=False, preflight=False, predict=False)  # the study, not the workload
+    common = dict(
+        world_size=2,
+        batch_size=16,
+        excluded=all_but("amp", "checkpoint"),
+        storage=str(db),
+        study_name="resume",
+        seed=3,
+        progress=False,
+        preflight=False,
+        predict=False,
+    )  # the study, not the workload
     first_runner = SyntheticRunner()
     first = search(GPT, adamw, TextDataset(16, limit=64), lm_step, n_trials=3, runner=first_runner, **common)
     assert len(first.measured) == 3 and len(set(first_runner.calls)) == 3
@@ -119,9 +144,20 @@ def test_resume_from_sqlite_keeps_earlier_trials_and_does_not_rerun_them(tmp_pat
 
 def test_memory_budget_makes_plans_infeasible_and_time_limit_stops(tmp_path):
     runner = SyntheticRunner()
-    result = search(GPT, adamw, TextDataset(16, limit=64), lm_step, world_size=2, batch_size=16,
-                    excluded=all_but("amp", "checkpoint"), memory_limit="20MiB", runner=runner, seed=0, progress=False,
-                    predict=False)  # measured memory here; predictions: test_search_predict.py
+    result = search(
+        GPT,
+        adamw,
+        TextDataset(16, limit=64),
+        lm_step,
+        world_size=2,
+        batch_size=16,
+        excluded=all_but("amp", "checkpoint"),
+        memory_limit="20MiB",
+        runner=runner,
+        seed=0,
+        progress=False,
+        predict=False,
+    )  # measured memory here; predictions: test_search_predict.py
     assert len(runner.calls) == len(result.enumeration.valid) == 8
     infeasible = [r for r in result.measured if r.status == "infeasible"]
     assert infeasible and all("checkpoint" not in r.steps for r in infeasible)
@@ -133,16 +169,38 @@ def test_memory_budget_makes_plans_infeasible_and_time_limit_stops(tmp_path):
 
     slow = SyntheticRunner(sleep=0.6)
     start = time.monotonic()
-    cut = search(GPT, adamw, TextDataset(16, limit=64), lm_step, world_size=2, batch_size=16,
-                 excluded=all_but("amp", "checkpoint"), time_limit=1.5, runner=slow, progress=False, predict=False)
+    cut = search(
+        GPT,
+        adamw,
+        TextDataset(16, limit=64),
+        lm_step,
+        world_size=2,
+        batch_size=16,
+        excluded=all_but("amp", "checkpoint"),
+        time_limit=1.5,
+        runner=slow,
+        progress=False,
+        predict=False,
+    )
     assert time.monotonic() - start < 1.5 + 0.6 + 1.0
     assert cut.stopped_by.startswith("time_limit") and 1 <= len(slow.calls) <= 3
 
 
 def test_report_writes_plan_json_trials_and_html(tmp_path):
-    result = search(GPT, adamw, TextDataset(16, limit=64), lm_step, world_size=2, batch_size=16,
-                    excluded=all_but("amp", "checkpoint"), runner=SyntheticRunner(), n_trials=4, seed=1, progress=False,
-                    predict=False)
+    result = search(
+        GPT,
+        adamw,
+        TextDataset(16, limit=64),
+        lm_step,
+        world_size=2,
+        batch_size=16,
+        excluded=all_but("amp", "checkpoint"),
+        runner=SyntheticRunner(),
+        n_trials=4,
+        seed=1,
+        progress=False,
+        predict=False,
+    )
     written = report.write_all(result, tmp_path / "out")
     loaded = strategy.load(written["plan"], env=ENV2)
     assert loaded == result.best_plan

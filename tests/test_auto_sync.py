@@ -36,8 +36,9 @@ def syncs_gradients(plan: Plan) -> bool:
 def demo_space(task: GPTTask, world: int = 2) -> SearchSpace:
     with torch.device("meta"):
         model = task.model()
-    return SearchSpace.for_model(model, world_size=world, batch_size=task.batch_size, excluded=DEMO_EXCLUDED,
-                                 env=Environment.detect())
+    return SearchSpace.for_model(
+        model, world_size=world, batch_size=task.batch_size, excluded=DEMO_EXCLUDED, env=Environment.detect()
+    )
 
 
 def test_every_plan_the_demo_search_can_propose_at_world_2_syncs_gradients():
@@ -54,13 +55,20 @@ def covering_plans(space: SearchSpace) -> list[Plan]:
     """Valid plans such that every option of the engine knob meets every option of every other knob."""
     valid = list(space.enumerate().valid.values())
     engine = max(space.kinds, key=lambda k: len(k.split("+")))
-    wanted = {(lab, knob, other) for lab in space.options[engine] for knob in space.kinds if knob != engine
-              for other in space.options[knob]}
+    wanted = {
+        (lab, knob, other)
+        for lab in space.options[engine]
+        for knob in space.kinds
+        if knob != engine
+        for other in space.options[knob]
+    }
     chosen: list[Plan] = []
     while wanted:
+
         def gain(point, wanted=wanted):
             a = dict(point.assignment)
             return {(a[engine], k, a[k]) for k in space.kinds if k != engine} & wanted
+
         best = max(valid, key=lambda p: len(gain(p)))
         got = gain(best)
         if not got:
@@ -100,7 +108,9 @@ def train_each_plan(rank: int, world: int, plan_jsons: list[str], steps: int) ->
         # every parameter a rank holds (whole: a pipeline stage holds a subset of them) equals every
         # other rank's copy, and together the ranks hold the whole model
         shared = [k for k in mine if any(k in e for e in everyone if e is not everyone[rank])]
-        diff = max((float(abs(torch.as_tensor(e[k]) - mine[k]).max()) for e in everyone for k in shared if k in e), default=0.0)
+        diff = max(
+            (float(abs(torch.as_tensor(e[k]) - mine[k]).max()) for e in everyone for k in shared if k in e), default=0.0
+        )
         missing = sorted(set(dict(TINY.model().named_parameters())) - set().union(*(set(e) for e in everyone)))
         out.append({"plan": plan.names, "missing": missing, "max_diff": diff})
     return out
@@ -113,7 +123,11 @@ def test_ranks_end_with_equal_parameters_under_every_proposable_plan_at_world_2(
     assert len(plans) >= 8 and len({plan_key(p) for p in plans}) == len(plans)
     results = run_world(train_each_plan, 2, [p.to_json() for p in plans], 2, timeout=900)[0]
     crashed = [(r["plan"], r["crash"]) for r in results if "crash" in r]
-    drifted = [(r["plan"], r["max_diff"], r["missing"]) for r in results if "crash" not in r and (r["max_diff"] != 0.0 or r["missing"])]
+    drifted = [
+        (r["plan"], r["max_diff"], r["missing"])
+        for r in results
+        if "crash" not in r and (r["max_diff"] != 0.0 or r["missing"])
+    ]
     assert drifted == [], drifted
     unknown = [(names, why) for names, why in crashed if not any(set(k) <= set(names) for k in KNOWN_CRASHES)]
     assert unknown == [], unknown
@@ -125,8 +139,13 @@ def test_covering_plans_meet_every_engine_with_every_option():
     plans = covering_plans(space)
     engine = max(space.kinds, key=lambda k: len(k.split("+")))
     keys = {plan_key(p) for p in plans}
-    met = {(dict(pt.assignment)[engine], knob, dict(pt.assignment)[knob])
-           for pt in space.enumerate().valid.values() if pt.key in keys for knob in space.kinds if knob != engine}
+    met = {
+        (dict(pt.assignment)[engine], knob, dict(pt.assignment)[knob])
+        for pt in space.enumerate().valid.values()
+        if pt.key in keys
+        for knob in space.kinds
+        if knob != engine
+    }
     for label in space.options[engine]:
         assert any(m[0] == label for m in met), label
     assert all(syncs_gradients(p) for p in plans)

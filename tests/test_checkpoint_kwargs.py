@@ -15,15 +15,36 @@ tf = pytest.importorskip("transformers")
 
 def hf_gpt2(use_cache=False):
     torch.manual_seed(0)
-    cfg = tf.GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=64, use_cache=use_cache,
-                        bos_token_id=0, eos_token_id=0, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)
+    cfg = tf.GPT2Config(
+        vocab_size=128,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        n_positions=64,
+        use_cache=use_cache,
+        bos_token_id=0,
+        eos_token_id=0,
+        attn_pdrop=0.0,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+    )
     return tf.GPT2LMHeadModel(cfg), tf.models.gpt2.modeling_gpt2.GPT2Block
 
 
 def hf_llama(use_cache=False):
     torch.manual_seed(0)
-    cfg = tf.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=64, use_cache=use_cache, bos_token_id=0, eos_token_id=0)
+    cfg = tf.LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        use_cache=use_cache,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     return tf.LlamaForCausalLM(cfg), tf.models.llama.modeling_llama.LlamaDecoderLayer
 
 
@@ -152,7 +173,9 @@ def _recompute_counts(model):
 def test_max_checkpoint_module_num_checkpoints_only_the_first_n(reentrant):
     model = gpt()
     counts = _recompute_counts(model)
-    plan = ca.compose(ca.checkpoint({"wrap_class": (Block,), "max_checkpoint_module_num": 1, "no_reentrant": not reentrant}))
+    plan = ca.compose(
+        ca.checkpoint({"wrap_class": (Block,), "max_checkpoint_module_num": 1, "no_reentrant": not reentrant})
+    )
     applied = plan(model)
     x = torch.randint(0, 256, (2, 32))
     lm_loss(model(x), x).backward()
@@ -165,7 +188,9 @@ def test_max_checkpoint_module_num_checkpoints_only_the_first_n(reentrant):
 def test_inert_atorch_keys_are_accepted_and_explained():
     offload = {"offload_args": [], "num_layers": 2}
     t = ca.checkpoint({"wrap_class": Block, "use_te_impl": True, "selective_offload": offload})
-    assert t == ca.checkpoint({"wrap_class": Block, "use_te_impl": True, "selective_offload": {"offload_args": [1], "num_layers": 1}})
+    assert t == ca.checkpoint(
+        {"wrap_class": Block, "use_te_impl": True, "selective_offload": {"offload_args": [1], "num_layers": 1}}
+    )
     assert t.reentrant is False  # selective offload uses the non-reentrant checkpoint, as in ATorch
     plan = ca.compose(t)
     text = plan.explain()
@@ -181,7 +206,10 @@ def test_inert_atorch_keys_are_accepted_and_explained():
         ({"wrap_class": Block, "no_such_key": 1}, "no_such_key"),
         ({"wrap_class": Block, "max_checkpoint_module_num": -1}, "max_checkpoint_module_num"),
         ({"wrap_class": Block, "selective_offload": {"num_layers": 2}}, "offload_args"),
-        ({"wrap_class": Block, "selective_offload": {"offload_args": [], "num_layers": 2}, "no_reentrant": False}, "no_reentrant"),
+        (
+            {"wrap_class": Block, "selective_offload": {"offload_args": [], "num_layers": 2}, "no_reentrant": False},
+            "no_reentrant",
+        ),
         ({"no_reentrant": True}, "wrap_class"),
     ],
 )

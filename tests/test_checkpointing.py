@@ -253,8 +253,16 @@ def test_a_crash_during_save_leaves_the_previous_checkpoint_loadable(tmp_path):
     procs = {}
     for point in points:
         (tmp_path / point).mkdir()
-        cmd = [sys.executable, str(SCRIPTS / "crash_during_save.py"), str(tmp_path / point / "ckpt"), str(tmp_path / point), point]
-        procs[point] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        cmd = [
+            sys.executable,
+            str(SCRIPTS / "crash_during_save.py"),
+            str(tmp_path / point / "ckpt"),
+            str(tmp_path / point),
+            point,
+        ]
+        procs[point] = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"}
+        )
     for point, proc in procs.items():
         output = proc.communicate(timeout=120)[0].decode()
         assert proc.returncode == -signal.SIGKILL, f"{point}: {output}"
@@ -264,7 +272,11 @@ def test_a_crash_during_save_leaves_the_previous_checkpoint_loadable(tmp_path):
         assert latest_checkpoint(ckpt).name == "step-00000002", point
         torch.manual_seed(0)
         model = GPT(GPTConfig(seq_len=16, d_model=32, n_layer=2, n_head=2))
-        model, optim, loader = ca.compose()(model, torch.optim.AdamW(model.parameters(), lr=3e-3), DataLoader(TextDataset(16, limit=32), batch_size=4, shuffle=True))
+        model, optim, loader = ca.compose()(
+            model,
+            torch.optim.AdamW(model.parameters(), lr=3e-3),
+            DataLoader(TextDataset(16, limit=32), batch_size=4, shuffle=True),
+        )
         assert ca.load_state(ckpt, model, optim, loader).step == 2
         assert_same_state(flat_state(model, optim), load_file(tmp_path / point / "step2.safetensors"))
         # the next save clears what the crash left and publishes normally
@@ -324,7 +336,10 @@ def test_sigkill_and_resume_reproduce_the_uninterrupted_losses_bitwise(tmp_path,
         assert [s for s, _ in run] == [*range(1, 10), 9, 10]
         assert run[:9] + run[10:] == reference
         assert run[9] == reference[8]
-    assert_same_state(load_file(tmp_path / "out" / "full-step-10.safetensors"), load_file(world2_reference / "out" / "full-step-10.safetensors"))
+    assert_same_state(
+        load_file(tmp_path / "out" / "full-step-10.safetensors"),
+        load_file(world2_reference / "out" / "full-step-10.safetensors"),
+    )
 
 
 @pytest.mark.dist
@@ -350,7 +365,9 @@ def resume_in_group(rank, world, directory):
         model, optim, loader = build(plan())
         before = train(model, optim, loader, until=TOTAL, save_at=6, directory=f"{directory}/{name}")
         # numpy arrays travel back by value (torch tensors would be shared through the exiting child)
-        at_save = {k: v.detach().clone().numpy() for k, v in flat_state(model, optim).items()} if name == "zero1" else None
+        at_save = (
+            {k: v.detach().clone().numpy() for k, v in flat_state(model, optim).items()} if name == "zero1" else None
+        )
         model, optim, loader = build(plan())
         step, _ = ca.load_state(f"{directory}/{name}", model, optim, loader)
         out[name] = (before + train(model, optim, loader, until=TOTAL, step=step), reference, at_save)
@@ -365,7 +382,9 @@ def test_ddp_zero1_zero2_resume_bitwise_and_zero1_reshards_to_one_process(tmp_pa
             assert resumed == reference, name
     # ZeRO-1: each rank saved its own partition of the optimizer state; one process reads them all
     partitions = [{k: torch.from_numpy(v) for k, v in results["zero1"][2].items()} for results in per_rank]
-    assert not set(k for k in partitions[0] if k.startswith("optim.")) & set(k for k in partitions[1] if k.startswith("optim."))
+    assert not set(k for k in partitions[0] if k.startswith("optim.")) & set(
+        k for k in partitions[1] if k.startswith("optim.")
+    )
     whole = {**partitions[0], **partitions[1]}
     model, optim, _ = build(ca.compose())
     assert ca.load_state(tmp_path / "zero1", model, optim).step == 6

@@ -81,7 +81,11 @@ def test_repeated_blocks_are_detected():
     assert repeated_blocks(tiny_gpt()) == (Block,)
     assert repeated_blocks(torch.nn.Sequential(torch.nn.Linear(2, 2))) == ()
     transformers = pytest.importorskip("transformers")
-    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0))
+    gpt2 = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(
+            vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0
+        )
+    )
     assert [c.__name__ for c in repeated_blocks(gpt2)] == ["GPT2Block"]
 
 

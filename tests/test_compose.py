@@ -113,7 +113,10 @@ class ToyGpu(Transform):
     name = "toy_gpu"
     contract = Contract(
         stage=Stage.MODULE_REWRITE,
-        requires=(DeviceKind(kinds=("cuda",), on_unmet="skip"), MinComputeCapability(major=8, minor=9, on_unmet="skip")),
+        requires=(
+            DeviceKind(kinds=("cuda",), on_unmet="skip"),
+            MinComputeCapability(major=8, minor=9, on_unmet="skip"),
+        ),
     )
 
     def apply(self, state, ctx):
@@ -133,7 +136,11 @@ class ToyUsesGpu(Transform):
 class ToyNeedsWorld(Transform):
     name = "toy_world"
     # owns grad_sync like any data-parallel engine, so world 2 implies no default owner beside it
-    contract = Contract(stage=Stage.DATA_PARALLEL, owns=("grad_sync",), requires=(MinWorldSize(minimum=2), Package(name="toypkg", extra="toy")))
+    contract = Contract(
+        stage=Stage.DATA_PARALLEL,
+        owns=("grad_sync",),
+        requires=(MinWorldSize(minimum=2), Package(name="toypkg", extra="toy")),
+    )
 
 
 @dataclass(frozen=True)
@@ -141,7 +148,9 @@ class ToyFirst(Transform):
     """Same stage as checkpoint; by name it would sort after it, an Order rule puts it before."""
 
     name = "toy_first"
-    contract = Contract(stage=Stage.CHECKPOINT, orders=(Order("checkpoint", "it must see blocks unwrapped", after=False),))
+    contract = Contract(
+        stage=Stage.CHECKPOINT, orders=(Order("checkpoint", "it must see blocks unwrapped", after=False),)
+    )
 
     def apply(self, state, ctx):
         return state
@@ -156,7 +165,9 @@ class ToyCycle(Transform):
 @dataclass(frozen=True)
 class ToyHater(Transform):
     name = "toy_hater"
-    contract = Contract(stage=Stage.OPTIMIZER, conflicts=(Conflict("mixed_precision", "toy cannot mix precisions", "drop amp"),))
+    contract = Contract(
+        stage=Stage.OPTIMIZER, conflicts=(Conflict("mixed_precision", "toy cannot mix precisions", "drop amp"),)
+    )
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -195,7 +206,9 @@ def test_skip_when_environment_lacks_hardware_and_strict_errors():
     assert "skipped toy_gpu" in plan.explain()
     with pytest.raises(RequirementError, match="cuda"):
         ca.compose(ToyGpu(), env=CPU, strict=True)
-    h100 = Environment(world_size=1, device="cuda", compute_capability=(9, 0))  # world 1: no data-parallel default implied
+    h100 = Environment(
+        world_size=1, device="cuda", compute_capability=(9, 0)
+    )  # world 1: no data-parallel default implied
     assert ca.compose(ToyGpu(), env=h100).names == ("toy_gpu",)
     a100 = h100.with_(compute_capability=(8, 0))
     assert ca.compose(ToyGpu(), env=a100).names == ()

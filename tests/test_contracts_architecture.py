@@ -49,7 +49,9 @@ class Tiny(nn.Module):
 
 
 def test_all_of_names_the_first_missing_part_and_describes_all():
-    req = AllOf(name="te", parts=(MinComputeCapability(major=8, minor=9), DeviceKind(kinds=("cuda",)), Package(name="pkg")))
+    req = AllOf(
+        name="te", parts=(MinComputeCapability(major=8, minor=9), DeviceKind(kinds=("cuda",)), Package(name="pkg"))
+    )
     assert "compute capability >= 8.9" in req.unmet(CPU, None) and req.unmet(CPU, None).endswith("for te")
     assert "'pkg'" in req.unmet(Environment(device="cuda", compute_capability=(9, 0)), None)
     assert req.unmet(Environment(device="cuda", compute_capability=(9, 0), packages={"pkg"}), None) is None
@@ -63,7 +65,9 @@ def test_transformer_engine_rule_is_in_fp8s_contract_and_explain():
     assert "8.9" in fp8_mod.te_usable(H100.with_(compute_capability=(8, 0)))
     assert "transformer_engine" in fp8_mod.te_usable(H100.with_(packages={"torchao"}))
     text = ca.compose(ca.fp8(), env=H100).explain()
-    assert "requires: transformer-engine (compute capability >= 8.9 + a cuda device + package transformer_engine)" in text
+    assert (
+        "requires: transformer-engine (compute capability >= 8.9 + a cuda device + package transformer_engine)" in text
+    )
     # the declared requirement (not a hand check) skips an explicit TE backend, and strict raises
     plan = ca.compose(ca.fp8(backend="transformer_engine"), env=H100.with_(packages={"torchao"}))
     assert plan.names == () and any("transformer_engine" in n for n in plan.notes)
@@ -81,7 +85,9 @@ def test_replace_pairs_declare_requirements_as_data():
 # -- 7. layering, and 2. no import cycle among the transform modules -----------------------------
 
 
-@pytest.mark.skipif(shutil.which("lint-imports", path=str(ROOT / ".venv/bin")) is None, reason="import-linter not installed")
+@pytest.mark.skipif(
+    shutil.which("lint-imports", path=str(ROOT / ".venv/bin")) is None, reason="import-linter not installed"
+)
 def test_import_linter_layers_contract_is_kept():
     out = subprocess.run([str(ROOT / ".venv/bin/lint-imports")], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -103,7 +109,11 @@ def test_backend_variants_register_themselves_and_resolve_generically():
     from composable_atorch.transforms.parallel.data import common
 
     env = Environment(world_size=2, packages={"deepspeed"})
-    for t, variant in ((ca.zero1(backend="deepspeed"), "DeepSpeedZero1"), (ca.zero2(backend="deepspeed"), "DeepSpeedZero2"), (ca.fsdp(backend="deepspeed"), "DeepSpeedFsdp")):
+    for t, variant in (
+        (ca.zero1(backend="deepspeed"), "DeepSpeedZero1"),
+        (ca.zero2(backend="deepspeed"), "DeepSpeedZero2"),
+        (ca.fsdp(backend="deepspeed"), "DeepSpeedFsdp"),
+    ):
         resolved, note = t.resolve(env)
         assert type(resolved).__name__ == variant and "DeepSpeed engine" in note
         assert common.backend_variant(t.name, "deepspeed") is type(resolved)
@@ -138,7 +148,9 @@ def test_undeclared_read_is_a_config_error_and_reads_show_in_explain():
 
 def test_undeclared_read_fails_the_step_when_a_plan_is_applied():
     with registry_scope():
-        reader = dataclasses.make_dataclass("Reader", [], bases=(_Reader,), frozen=True, namespace={"name": "toy_reader"})
+        reader = dataclasses.make_dataclass(
+            "Reader", [], bases=(_Reader,), frozen=True, namespace={"name": "toy_reader"}
+        )
         plan = ca.compose(reader(), ca.amp("bf16"), env=CPU)
         assert "reads: amp" in plan.explain()
         with pytest.raises(ConfigError, match=r"toy_reader.contract.reads.*'half'"):
@@ -186,7 +198,9 @@ class _Note(Transform):
     contract = Contract(stage=Stage.OPTIMIZER)
 
     def apply(self, state, ctx):
-        state.note(self.name, f"saw {type(state.model).__name__} with {sum(1 for _ in state.model.parameters())} params")
+        state.note(
+            self.name, f"saw {type(state.model).__name__} with {sum(1 for _ in state.model.parameters())} params"
+        )
         return state
 
 
@@ -216,12 +230,16 @@ class _Rename(Transform):
 
 def test_a_step_that_renames_parameters_fails_at_that_step_unless_declared():
     with registry_scope():
-        bad = dataclasses.make_dataclass("Renamer", [], bases=(_Rename,), frozen=True, namespace={"name": "toy_renamer"})
+        bad = dataclasses.make_dataclass(
+            "Renamer", [], bases=(_Rename,), frozen=True, namespace={"name": "toy_renamer"}
+        )
         with pytest.raises(ParameterMappingError, match="toy_renamer") as err:
             ca.compose(bad(), env=CPU)(Tiny())
         assert "-a.weight" in str(err.value) and "+wrapped.a.weight" in str(err.value)
         ok_contract = dataclasses.replace(_Rename.contract, renames=True)
-        ok = dataclasses.make_dataclass("Renamer2", [], bases=(_Rename,), frozen=True, namespace={"name": "toy_renamer_ok", "contract": ok_contract})
+        ok = dataclasses.make_dataclass(
+            "Renamer2", [], bases=(_Rename,), frozen=True, namespace={"name": "toy_renamer_ok", "contract": ok_contract}
+        )
         model, _, _ = ca.compose(ok(), env=CPU)(Tiny())
         assert isinstance(model, nn.ModuleDict)
         # a later step is checked against the names the renaming step left, not the user's originals
@@ -254,7 +272,11 @@ def _train_only_amp(rank, world):
     plan = ca.compose(ca.amp("bf16"))
     m, opt, data = plan(m, opt, text_loader(16, batch=8, limit=64))
     shared_train(m, opt, data, 3, wrap=False)
-    return {"start": [t.numpy() for t in start], "end": [p.detach().float().numpy() for p in m.parameters()], "names": plan.names}
+    return {
+        "start": [t.numpy() for t in start],
+        "end": [p.detach().float().numpy() for p in m.parameters()],
+        "names": plan.names,
+    }
 
 
 @pytest.mark.dist
@@ -290,13 +312,20 @@ def test_atorch_zero_keys_map_onto_backends_or_are_refused_with_why():
     from composable_atorch.transforms.parallel.data.deepspeed import apply_options, engine_config
 
     env = Environment(world_size=2, packages={"deepspeed", "fairscale"})
-    z1 = ca.registry()["zero1"].from_seed({"use_ds_zero": True, "cpu_offload": True, "static_loss_scale": 1.0, "reduce_bucket_size": 2e8})
+    z1 = ca.registry()["zero1"].from_seed(
+        {"use_ds_zero": True, "cpu_offload": True, "static_loss_scale": 1.0, "reduce_bucket_size": 2e8}
+    )
     assert z1.backend == "deepspeed" and dict(z1.options) == {"cpu_offload": True, "reduce_bucket_size": 2e8}
     plan = strategy.load([("zero1", {"use_ds_zero": True, "cpu_offload": True})], env=env)
     assert "cpu_offload=True" in plan.explain()
     assert ca.Plan.from_json(plan.to_json(), env=env) == plan
     config = engine_config(1, 4, 2, None, "fp16")
-    notes = apply_options(config, {"cpu_offload": True, "static_loss_scale": 128.0, "allgather_bucket_size": 1e8, "clip_grad": 1.0}, None, "zero1")
+    notes = apply_options(
+        config,
+        {"cpu_offload": True, "static_loss_scale": 128.0, "allgather_bucket_size": 1e8, "clip_grad": 1.0},
+        None,
+        "zero1",
+    )
     assert config["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
     assert config["fp16"]["loss_scale"] == 128.0 and config["zero_optimization"]["allgather_bucket_size"] == 100000000
     assert config["gradient_clipping"] == 1.0 and len(notes) == 4
@@ -324,12 +353,21 @@ def test_atorch_fsdp1_arguments_map_onto_fsdp2_or_are_refused():
     from composable_atorch.models import Block
 
     fsdp = ca.registry()["fsdp"]
-    assert fsdp.from_seed({"auto_wrap_policy": functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})}).wrap == (Block,)
+    assert fsdp.from_seed(
+        {"auto_wrap_policy": functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})}
+    ).wrap == (Block,)
     assert fsdp.from_seed({"auto_wrap_policy": ModuleWrapPolicy({Block})}).wrap == (Block,)
-    assert fsdp.from_seed({"auto_wrap_policy": functools.partial(size_based_auto_wrap_policy, min_num_params=1000)}).min_params == 1000
+    assert (
+        fsdp.from_seed(
+            {"auto_wrap_policy": functools.partial(size_based_auto_wrap_policy, min_num_params=1000)}
+        ).min_params
+        == 1000
+    )
     assert fsdp.from_seed({"sharding_strategy": ShardingStrategy.SHARD_GRAD_OP}).reshard_after_forward is False
     assert fsdp.from_seed({"sharding_strategy": ShardingStrategy.FULL_SHARD}).reshard_after_forward is True
-    assert fsdp.from_seed({"device_id": None, "limit_all_gathers": True}).fsdp1_options == (("limit_all_gathers", True),)
+    assert fsdp.from_seed({"device_id": None, "limit_all_gathers": True}).fsdp1_options == (
+        ("limit_all_gathers", True),
+    )
     for key, value, why in (
         ("sharding_strategy", ShardingStrategy.NO_SHARD, "ddp"),
         ("mixed_precision", MixedPrecision(param_dtype=torch.bfloat16), "amp"),
@@ -345,7 +383,9 @@ def test_module_replace_accepts_atorchs_pair_name_dict():
     import composable_atorch.models.gpt  # noqa: F401 - registers the GPT pairs
 
     mr = ca.registry()["module_replace"]
-    assert mr.from_seed({"HF_GPT2Attention_FA": None, "HF_BertAttention_FA": {"need_src_module": True}, "gpt_sdpa": None}).pairs == (
+    assert mr.from_seed(
+        {"HF_GPT2Attention_FA": None, "HF_BertAttention_FA": {"need_src_module": True}, "gpt_sdpa": None}
+    ).pairs == (
         "hf_flash_attention_2",
         "gpt_sdpa",
     )
@@ -371,7 +411,7 @@ def test_no_import_cycle_among_modules():
         state[m] = 1
         for n in sorted(imports[m]):
             if state.get(n) == 1:
-                return [*path[path.index(n):], n] if n in path else [m, n]
+                return [*path[path.index(n) :], n] if n in path else [m, n]
             if n not in state and (found := cycle_from(n, [*path, n])):
                 return found
         state[m] = 2

@@ -70,7 +70,9 @@ def world2_cases(rank: int, world: int) -> dict:
             out["ddp_sampler"] = type(r["loader"].sampler).__name__
         if key == "zero1_torch":
             opt = r["optim"].optimizer
-            out["zero1_local_state_numel"] = sum(t.numel() for s in opt.optim.state.values() for t in s.values() if torch.is_tensor(t) and t.dim())
+            out["zero1_local_state_numel"] = sum(
+                t.numel() for s in opt.optim.state.values() for t in s.values() if torch.is_tensor(t) and t.dim()
+            )
 
     # accumulate: 2 micro-batches of 2 per rank per step; all-reduce only on the boundary
     m, opt = model(), None
@@ -94,7 +96,11 @@ def world2_cases(rank: int, world: int) -> dict:
     out["fsdp_accumulate"] = r["params"]
 
     # clip_grad under fsdp (sharded DTensor grads) vs under ddp vs one process
-    for key, transforms in {"clip_ddp": (ca.ddp(),), "clip_fsdp": (ca.fsdp(wrap=(Block,)),), "clip_zero2_fairscale": (ca.zero2(backend="fairscale"),)}.items():
+    for key, transforms in {
+        "clip_ddp": (ca.ddp(),),
+        "clip_fsdp": (ca.fsdp(wrap=(Block,)),),
+        "clip_zero2_fairscale": (ca.zero2(backend="fairscale"),),
+    }.items():
         r = run_plan(*transforms, ca.clip_grad(0.05))
         out[key] = r["params"]
         norm = next(r["optim"].hook(ClipHook)).last_norm
@@ -136,8 +142,15 @@ def world2_cases(rank: int, world: int) -> dict:
     out["bf16_nan_skipped_everywhere"] = bitwise(before, _full(m))
 
     # loader: a user's sampler class and shuffle are kept; a batch that does not split is a ConfigError
-    _, _, data = ca.compose(ca.parallel_mode(distributed_sampler_cls=EvenFirstSampler), ca.ddp())(model(), None, loader(shuffle=True))
-    out["custom_sampler"] = (type(data.sampler).__name__, data.sampler.shuffle, data.sampler.num_replicas, data.sampler.rank)
+    _, _, data = ca.compose(ca.parallel_mode(distributed_sampler_cls=EvenFirstSampler), ca.ddp())(
+        model(), None, loader(shuffle=True)
+    )
+    out["custom_sampler"] = (
+        type(data.sampler).__name__,
+        data.sampler.shuffle,
+        data.sampler.num_replicas,
+        data.sampler.rank,
+    )
     try:
         ca.compose(ca.ddp())(model(), None, loader(batch=7))
         out["odd_batch_error"] = None
@@ -227,4 +240,7 @@ def test_bf16_skip_if_nonfinite_agrees_across_ranks(world2):
 def test_loader_sampler_and_batch_checks(world2):
     for rank, r in enumerate(world2):
         assert r["custom_sampler"] == ("EvenFirstSampler", True, 2, rank)
-        assert "loader batch_size" in r["odd_batch_error"] and "multiple of the data-parallel size 2" in r["odd_batch_error"]
+        assert (
+            "loader batch_size" in r["odd_batch_error"]
+            and "multiple of the data-parallel size 2" in r["odd_batch_error"]
+        )

@@ -15,15 +15,22 @@ import composable_atorch as ca
 from _dist import run_world
 from _dp import max_diff, model, plain, run_plan
 
-pytestmark = [pytest.mark.dist, pytest.mark.slow, pytest.mark.skipif(not ca.environment.package_available("deepspeed"), reason="deepspeed not installed")]
-
+pytestmark = [
+    pytest.mark.dist,
+    pytest.mark.slow,
+    pytest.mark.skipif(not ca.environment.package_available("deepspeed"), reason="deepspeed not installed"),
+]
 
 
 def deepspeed_cases(rank, world):
     ddp = run_plan(ca.ddp())
     out = {"ddp": ddp["params"], "ddp_losses": ddp["losses"]}
     user_names = [n for n, _ in model().named_parameters()]
-    for key, t in {"zero1": ca.zero1(backend="deepspeed"), "zero2": ca.zero2(backend="deepspeed"), "zero3": ca.fsdp(backend="deepspeed")}.items():
+    for key, t in {
+        "zero1": ca.zero1(backend="deepspeed"),
+        "zero2": ca.zero2(backend="deepspeed"),
+        "zero3": ca.fsdp(backend="deepspeed"),
+    }.items():
         r = run_plan(t)
         engine = r["model"]
         if key == "zero3":
@@ -43,7 +50,9 @@ def deepspeed_cases(rank, world):
     out["clip_config"] = r["model"].gradient_clipping()
     out["clip_hooks"] = [type(h).__name__ for h in r["optim"].hooks]
     ref = run_plan(ca.ddp(), ca.clip_grad(0.05))
-    out["clip_diff"] = max_diff(plain({n: p.detach() for n, p in r["model"].module.named_parameters()}), plain(ref["params"]))
+    out["clip_diff"] = max_diff(
+        plain({n: p.detach() for n, p in r["model"].module.named_parameters()}), plain(ref["params"])
+    )
     # half("bf16") maps onto DeepSpeed's bf16 mode (ATorch's DeepSpeed recipe): bf16 module, fp32 master partitions
     rb = run_plan(ca.zero2(backend="deepspeed"), ca.half("bf16"))
     out["bf16_enabled"] = rb["model"].bfloat16_enabled()

@@ -54,6 +54,7 @@ def test_record_module_init_restores_every_class_also_when_the_body_raises():
     before = _inits()
     hook = nn.Module.__dict__.get("__init_subclass__")
     with pytest.raises(RuntimeError, match="boom"), ca.record_module_init():
+
         class Inside(nn.Linear):
             def __init__(self, n):
                 super().__init__(n, n)
@@ -63,7 +64,9 @@ def test_record_module_init_restores_every_class_also_when_the_body_raises():
     after = _inits()
     changed = [c for c, init in before.items() if after.get(c) is not init]
     assert changed == []
-    assert Inside.__dict__["__init__"].__qualname__.endswith("Inside.__init__")  # its own init, not a wrapper or its parent's
+    assert Inside.__dict__["__init__"].__qualname__.endswith(
+        "Inside.__init__"
+    )  # its own init, not a wrapper or its parent's
     assert nn.Module.__dict__.get("__init_subclass__") is hook
     assert not nn.Linear(2, 2).weight.is_meta and not Inside(2).weight.is_meta
     assert not hasattr(Inside(2), "_init_args")
@@ -71,12 +74,27 @@ def test_record_module_init_restores_every_class_also_when_the_body_raises():
 
 def test_a_recorded_hf_model_walks_into_the_module_list():
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-                                   num_key_value_heads=2, tie_word_embeddings=False)
+    cfg = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
     with ca.record_module_init():
         meta = transformers.LlamaForCausalLM(cfg)
     names = [n for n, _ in module_list(meta)]
-    assert names == ["model.embed_tokens", "model.layers.0", "model.layers.1", "model.layers.2", "model.norm", "model.rotary_emb", "lm_head"]
+    assert names == [
+        "model.embed_tokens",
+        "model.layers.0",
+        "model.layers.1",
+        "model.layers.2",
+        "model.norm",
+        "model.rotary_emb",
+        "lm_head",
+    ]
     with pytest.raises(ConfigError, match="tie_first"):
         check_model(meta, module_list(meta), tie_first=True)  # its lm_head has its own weight
     entries, head = check_model(meta, module_list(meta), tie_first=False)
@@ -112,16 +130,28 @@ def test_default_patcher_passes_extra_pipe_tensors_along():
 def test_both_seed_names_and_the_seed_config():
     assert lookup("ds_3d_parallel") is lookup("deepspeed_3d_parallel") is DeepSpeed3DParallel
     cfg = ca.DeepSpeed3DParallelConfig()
-    assert (cfg.base_seed, cfg.tie_first, cfg.logit_helper, cfg.ds_config, cfg.custom_patcher) == (1234, True, None, None, {})
+    assert (cfg.base_seed, cfg.tie_first, cfg.logit_helper, cfg.ds_config, cfg.custom_patcher) == (
+        1234,
+        True,
+        None,
+        None,
+        {},
+    )
     assert isinstance(cfg.tpinfo, ca.TPInfo)
     vocab = ca.DeepSpeed3DParallelConfig(tpinfo=ca.TPInfo().shard_vocab("wte"))
     assert vocab.logit_helper is vocab_parallel_logit_helper
-    plan = ca.strategy.load([("parallel_mode", ([("data", 2), ("pipeline", 2)], None)), ("deepspeed_3d_parallel", cfg)], env=WORLD4)
+    plan = ca.strategy.load(
+        [("parallel_mode", ([("data", 2), ("pipeline", 2)], None)), ("deepspeed_3d_parallel", cfg)], env=WORLD4
+    )
     assert plan.names == ("parallel_mode", "ds_3d_parallel")  # no ddp implied: the engine owns gradient sync
 
 
 def test_a_data_only_config_round_trips_as_json_and_functions_do_not():
-    t = ca.ds_3d_parallel(tpinfo=ca.TPInfo().shard_col("q").shard_row("o"), tie_first=False, ds_config={"gradient_accumulation_steps": 4, "x": [1, 2]})
+    t = ca.ds_3d_parallel(
+        tpinfo=ca.TPInfo().shard_col("q").shard_row("o"),
+        tie_first=False,
+        ds_config={"gradient_accumulation_steps": 4, "x": [1, 2]},
+    )
     plan = ca.compose(ca.parallel_mode([("tensor", 2), ("pipeline", 2)]), t, env=WORLD4)
     assert ca.Plan.from_json(plan.to_json(), env=WORLD4) == plan
     with_fn = ca.ds_3d_parallel(ca.DeepSpeed3DParallelConfig(batch_fn=lambda b: b))
@@ -129,7 +159,20 @@ def test_a_data_only_config_round_trips_as_json_and_functions_do_not():
         ca.compose(ca.parallel_mode([("pipeline", 2)]), with_fn, env=WORLD4).to_json()
 
 
-@pytest.mark.parametrize("other", ["ddp", "fsdp", "zero1", "zero2", "tensor_parallel", "pipeline_parallel", "mixed_parallel", "accumulate", "checkpoint"])
+@pytest.mark.parametrize(
+    "other",
+    [
+        "ddp",
+        "fsdp",
+        "zero1",
+        "zero2",
+        "tensor_parallel",
+        "pipeline_parallel",
+        "mixed_parallel",
+        "accumulate",
+        "checkpoint",
+    ],
+)
 def test_conflicts_each_with_its_reason(other):
     extra = {"checkpoint": [nn.Linear]}.get(other)
     t = lookup(other).from_seed(extra)
@@ -159,19 +202,33 @@ def test_engine_config_from_the_plan():
     c = engine_config({}, data_size=2, stages=2, per_rank_batch=8, clip=1.0, half="bf16")
     assert (c["train_micro_batch_size_per_gpu"], c["gradient_accumulation_steps"], c["train_batch_size"]) == (4, 2, 16)
     assert c["gradient_clipping"] == 1.0 and c["bf16"]["enabled"] and c["zero_optimization"]["stage"] == 0
-    c = engine_config({"gradient_accumulation_steps": 4, "zero_optimization": {"stage": 1}}, data_size=1, stages=2, per_rank_batch=8, clip=None, half=None)
-    assert (c["train_micro_batch_size_per_gpu"], c["gradient_accumulation_steps"], c["zero_optimization"]["stage"]) == (2, 4, 1)
+    c = engine_config(
+        {"gradient_accumulation_steps": 4, "zero_optimization": {"stage": 1}},
+        data_size=1,
+        stages=2,
+        per_rank_batch=8,
+        clip=None,
+        half=None,
+    )
+    assert (c["train_micro_batch_size_per_gpu"], c["gradient_accumulation_steps"], c["zero_optimization"]["stage"]) == (
+        2,
+        4,
+        1,
+    )
     c = engine_config({}, data_size=2, stages=4, per_rank_batch=None, clip=None, half=None)
     assert (c["train_micro_batch_size_per_gpu"], c["gradient_accumulation_steps"], c["train_batch_size"]) == (1, 4, 8)
 
 
-@pytest.mark.parametrize(("user", "key", "kw"), [
-    ({"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 2}, "gradient_accumulation_steps", {}),
-    ({"train_batch_size": 7}, "train_batch_size", {}),
-    ({"gradient_clipping": 0.5}, "gradient_clipping", {"clip": 1.0}),
-    ({"fp16": {"enabled": True}}, "fp16", {"half": "bf16"}),
-    ({"zero_optimization": {"stage": 3}}, "zero_optimization", {}),
-])
+@pytest.mark.parametrize(
+    ("user", "key", "kw"),
+    [
+        ({"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 2}, "gradient_accumulation_steps", {}),
+        ({"train_batch_size": 7}, "train_batch_size", {}),
+        ({"gradient_clipping": 0.5}, "gradient_clipping", {"clip": 1.0}),
+        ({"fp16": {"enabled": True}}, "fp16", {"half": "bf16"}),
+        ({"zero_optimization": {"stage": 3}}, "zero_optimization", {}),
+    ],
+)
 def test_a_ds_config_contradicting_the_plan_names_the_key(user, key, kw):
     args = {"data_size": 2, "stages": 2, "per_rank_batch": 8, "clip": None, "half": None, **kw}
     with pytest.raises(ConfigError) as info:
@@ -188,11 +245,19 @@ def test_stages_split_the_blocks_evenly():
 
 def test_a_tensor_size_that_splits_heads_is_a_config_error():
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2)
+    cfg = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     with ca.record_module_init():
         meta = transformers.LlamaForCausalLM(cfg)
-    t = ca.ds_3d_parallel(tpinfo=ca.TPInfo().shard_col("q_proj", "k_proj", "v_proj").shard_row("o_proj"), tie_first=False)
+    t = ca.ds_3d_parallel(
+        tpinfo=ca.TPInfo().shard_col("q_proj", "k_proj", "v_proj").shard_row("o_proj"), tie_first=False
+    )
     with pytest.raises(ConfigError, match="num_key_value_heads"):
         t._tp_placements(meta, 4)
     shard, _, _ = t._tp_placements(meta, 2)

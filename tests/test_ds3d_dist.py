@@ -33,8 +33,16 @@ def lm_loss(logits, labels):
 def llama_config(tied: bool):
     from transformers import LlamaConfig
 
-    return LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-                       num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=tied)
+    return LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=tied,
+    )
 
 
 def llama_tpinfo():
@@ -58,7 +66,9 @@ def reference_losses(meta, model, data, base_seed=1234, optim=torch.optim.SGD, l
     """The plain model with the weights each stage builds, trained in one process."""
     from composable_atorch.transforms.parallel.ds3d.build import StageBuilder, check_model, module_list
 
-    entries, _ = check_model(meta, module_list(meta), tie_first=bool(getattr(meta.config, "tie_word_embeddings", False)))
+    entries, _ = check_model(
+        meta, module_list(meta), tie_first=bool(getattr(meta.config, "tie_word_embeddings", False))
+    )
     builder = StageBuilder(root=meta, base_seed=base_seed)
     with torch.no_grad():
         for i, (name, m) in enumerate(entries):
@@ -82,7 +92,7 @@ def _slices(data, layout, rank, micro, steps):
     out = []
     for x, y in data:
         rows = x.size(0) // n
-        xs, ys = x[d * rows:(d + 1) * rows], y[d * rows:(d + 1) * rows]
+        xs, ys = x[d * rows : (d + 1) * rows], y[d * rows : (d + 1) * rows]
         out.append(list(zip(xs.split(micro), ys.split(micro), strict=True)))
     return out
 
@@ -93,17 +103,36 @@ def _llama_case(rank, world, groups, tied, tpinfo, optim=torch.optim.SGD, lr=0.0
     cfg = llama_config(tied)
     with ca.record_module_init():
         meta = LlamaForCausalLM(cfg)
-    ds_cfg = ca.DeepSpeed3DParallelConfig(tpinfo=tpinfo, tie_first=tied, ds_config={"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
-                                                                                    "zero_optimization": {"stage": zero}})
-    strategy = [("parallel_mode", (groups, None)), ("deepspeed_3d_parallel", ds_cfg)] + ([("clip_grad", {"max_norm": clip})] if clip else [])
+    ds_cfg = ca.DeepSpeed3DParallelConfig(
+        tpinfo=tpinfo,
+        tie_first=tied,
+        ds_config={
+            "train_micro_batch_size_per_gpu": 2,
+            "gradient_accumulation_steps": 2,
+            "zero_optimization": {"stage": zero},
+        },
+    )
+    strategy = [("parallel_mode", (groups, None)), ("deepspeed_3d_parallel", ds_cfg)] + (
+        [("clip_grad", {"max_norm": clip})] if clip else []
+    )
     status, result, plan = ca.auto_accelerate(
-        meta, optim, optim_args={"lr": lr}, loss_func=lm_loss, load_strategy=strategy, ignore_dryrun_on_load_strategy=True,
+        meta,
+        optim,
+        optim_args={"lr": lr},
+        loss_func=lm_loss,
+        load_strategy=strategy,
+        ignore_dryrun_on_load_strategy=True,
     )
     engine = result.model
     layout = ca.runtime.layout.plan_layout(groups, world)
     data = batches(2 * 2 * layout.size("data"), STEPS)
     losses = [float(engine.train_batch(iter(mb))) for mb in _slices(data, layout, rank, 2, 2)]
-    out = {"losses": losses, "engine": type(engine).__name__, "explain": plan.explain(), "n_params": sum(p.numel() for p in engine.module.parameters())}
+    out = {
+        "losses": losses,
+        "engine": type(engine).__name__,
+        "explain": plan.explain(),
+        "n_params": sum(p.numel() for p in engine.module.parameters()),
+    }
     if rank == 0:
         with torch.device("cpu"):
             ref_model = LlamaForCausalLM(cfg)
@@ -129,7 +158,9 @@ def _gpt2_patcher(n_layer):
             t = hidden_states.size(1)
             causal = torch.ones(t, t, dtype=torch.bool, device=hidden_states.device).tril()
             keep = causal[None, None] & attention_mask[:, None, None, :].bool()
-            mask = torch.zeros(keep.shape, dtype=hidden_states.dtype).masked_fill(~keep, torch.finfo(hidden_states.dtype).min)
+            mask = torch.zeros(keep.shape, dtype=hidden_states.dtype).masked_fill(
+                ~keep, torch.finfo(hidden_states.dtype).min
+            )
             out = fw(hidden_states, attention_mask=mask)
             return (out[0] if isinstance(out, tuple) else out), attention_mask
 
@@ -149,7 +180,16 @@ def gpt2_batch_fn(batch):
 def _gpt2_case(rank, world):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    cfg = GPT2Config(n_embd=32, n_layer=4, n_head=4, vocab_size=VOCAB, n_positions=64, resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
+    cfg = GPT2Config(
+        n_embd=32,
+        n_layer=4,
+        n_head=4,
+        vocab_size=VOCAB,
+        n_positions=64,
+        resid_pdrop=0.1,
+        embd_pdrop=0.1,
+        attn_pdrop=0.1,
+    )
     with ca.record_module_init():
         meta = GPT2LMHeadModel(cfg)
     info = ca.TPInfo()
@@ -159,17 +199,28 @@ def _gpt2_case(rank, world):
     info.replic_drop("resid_dropout", "mlp.dropout", "drop")
     info.parallel_drop("attn_dropout")
     info.shrink({".attn": {"embed_dim", "split_size", "num_heads"}})
-    ds_cfg = ca.DeepSpeed3DParallelConfig(tpinfo=info, custom_patcher=_gpt2_patcher(cfg.n_layer), batch_fn=gpt2_batch_fn,
-                                          ds_config={"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2})
+    ds_cfg = ca.DeepSpeed3DParallelConfig(
+        tpinfo=info,
+        custom_patcher=_gpt2_patcher(cfg.n_layer),
+        batch_fn=gpt2_batch_fn,
+        ds_config={"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2},
+    )
     groups = [("tensor", 2), ("data", 1), ("pipeline", 2)]
-    _, result, _ = ca.auto_accelerate(meta, torch.optim.AdamW, optim_args={"lr": 3e-3}, loss_func=lm_loss,
-                                      load_strategy=[("parallel_mode", (groups, None)), ("ds_3d_parallel", ds_cfg)])
+    _, result, _ = ca.auto_accelerate(
+        meta,
+        torch.optim.AdamW,
+        optim_args={"lr": 3e-3},
+        loss_func=lm_loss,
+        load_strategy=[("parallel_mode", (groups, None)), ("ds_3d_parallel", ds_cfg)],
+    )
     engine = result.model
     # a learnable sequence: each token is the previous one plus one
     start = torch.randint(0, VOCAB, (8, 1), generator=torch.Generator().manual_seed(1))
     ids = (start + torch.arange(SEQ + 1)) % VOCAB
     batch = (ids[:, :-1], ids[:, 1:])
-    losses = [float(engine.train_batch(iter([(batch[0][:4], batch[1][:4]), (batch[0][4:], batch[1][4:])]))) for _ in range(12)]
+    losses = [
+        float(engine.train_batch(iter([(batch[0][:4], batch[1][:4]), (batch[0][4:], batch[1][4:])]))) for _ in range(12)
+    ]
     return {"losses": losses}
 
 
@@ -183,31 +234,67 @@ def _bad_inputs(rank, world):
 
     def attempt(key, groups, cfg):
         try:
-            ca.auto_accelerate(meta, torch.optim.AdamW, loss_func=lm_loss, load_strategy=[("parallel_mode", (groups, None)), ("ds_3d_parallel", cfg)])
+            ca.auto_accelerate(
+                meta,
+                torch.optim.AdamW,
+                loss_func=lm_loss,
+                load_strategy=[("parallel_mode", (groups, None)), ("ds_3d_parallel", cfg)],
+            )
             out[key] = "no error"
         except CompositionError as exc:
             out[key] = type(exc).__name__ + ": " + str(exc)
 
     attempt("degrees", [("tensor", 3), ("pipeline", 2)], ca.DeepSpeed3DParallelConfig(tie_first=False))
-    attempt("tpinfo", [("tensor", 2), ("pipeline", 2)], ca.DeepSpeed3DParallelConfig(tie_first=False, tpinfo=ca.TPInfo().shard_col("no_such_proj")))
-    attempt("patcher", [("data", 2), ("pipeline", 2)], ca.DeepSpeed3DParallelConfig(tie_first=False, custom_patcher={"model.no_such": lambda fw, m: fw}))
+    attempt(
+        "tpinfo",
+        [("tensor", 2), ("pipeline", 2)],
+        ca.DeepSpeed3DParallelConfig(tie_first=False, tpinfo=ca.TPInfo().shard_col("no_such_proj")),
+    )
+    attempt(
+        "patcher",
+        [("data", 2), ("pipeline", 2)],
+        ca.DeepSpeed3DParallelConfig(tie_first=False, custom_patcher={"model.no_such": lambda fw, m: fw}),
+    )
     attempt("untied", [("data", 2), ("pipeline", 2)], ca.DeepSpeed3DParallelConfig())
-    attempt("ds_config", [("data", 2), ("pipeline", 2)], ca.DeepSpeed3DParallelConfig(tie_first=False, ds_config={"zero_optimization": {"stage": 2}}))
+    attempt(
+        "ds_config",
+        [("data", 2), ("pipeline", 2)],
+        ca.DeepSpeed3DParallelConfig(tie_first=False, ds_config={"zero_optimization": {"stage": 2}}),
+    )
     return out
 
 
 def run_cases(rank, world):
     results = {"bad": _bad_inputs(rank, world)}
     results["pp2_dp2"] = _llama_case(rank, world, [("data", 2), ("pipeline", 2)], tied=False, tpinfo=None)
-    results["tp2_pp2"] = _llama_case(rank, world, [("tensor", 2), ("data", 1), ("pipeline", 2)], tied=True, tpinfo=llama_tpinfo())
-    results["tp2_pp2_adamw"] = _llama_case(rank, world, [("tensor", 2), ("data", 1), ("pipeline", 2)], tied=True, tpinfo=llama_tpinfo(),
-                                           optim=torch.optim.AdamW, lr=1e-3)
+    results["tp2_pp2"] = _llama_case(
+        rank, world, [("tensor", 2), ("data", 1), ("pipeline", 2)], tied=True, tpinfo=llama_tpinfo()
+    )
+    results["tp2_pp2_adamw"] = _llama_case(
+        rank,
+        world,
+        [("tensor", 2), ("data", 1), ("pipeline", 2)],
+        tied=True,
+        tpinfo=llama_tpinfo(),
+        optim=torch.optim.AdamW,
+        lr=1e-3,
+    )
     # clipping by the norm of the whole model (DeepSpeed's own fp32 clipping leaves other stages' norms out)
-    results["tp2_pp2_clip"] = _llama_case(rank, world, [("tensor", 2), ("data", 1), ("pipeline", 2)], tied=True, tpinfo=llama_tpinfo(), clip=0.3)
-    results["tp2_dp2_zero1"] = _llama_case(rank, world, [("tensor", 2), ("data", 2)], tied=True, tpinfo=llama_tpinfo(), zero=1)
-    results["tp2_dp2_zero1_clip"] = _llama_case(rank, world, [("tensor", 2), ("data", 2)], tied=True, tpinfo=llama_tpinfo(), zero=1, clip=0.3)
-    results["pp2_dp2_zero1_clip"] = _llama_case(rank, world, [("data", 2), ("pipeline", 2)], tied=True, tpinfo=None, zero=1, clip=0.3)
-    results["pp2_dp2_clip"] = _llama_case(rank, world, [("data", 2), ("pipeline", 2)], tied=False, tpinfo=None, clip=0.3)
+    results["tp2_pp2_clip"] = _llama_case(
+        rank, world, [("tensor", 2), ("data", 1), ("pipeline", 2)], tied=True, tpinfo=llama_tpinfo(), clip=0.3
+    )
+    results["tp2_dp2_zero1"] = _llama_case(
+        rank, world, [("tensor", 2), ("data", 2)], tied=True, tpinfo=llama_tpinfo(), zero=1
+    )
+    results["tp2_dp2_zero1_clip"] = _llama_case(
+        rank, world, [("tensor", 2), ("data", 2)], tied=True, tpinfo=llama_tpinfo(), zero=1, clip=0.3
+    )
+    results["pp2_dp2_zero1_clip"] = _llama_case(
+        rank, world, [("data", 2), ("pipeline", 2)], tied=True, tpinfo=None, zero=1, clip=0.3
+    )
+    results["pp2_dp2_clip"] = _llama_case(
+        rank, world, [("data", 2), ("pipeline", 2)], tied=False, tpinfo=None, clip=0.3
+    )
     results["gpt2"] = _gpt2_case(rank, world)
     return results
 
@@ -217,13 +304,30 @@ def world4():
     return run_world(run_cases, 4, timeout=900)
 
 
-@pytest.mark.parametrize("case", ["pp2_dp2", "tp2_pp2", "tp2_pp2_adamw", "tp2_pp2_clip", "pp2_dp2_clip", "tp2_dp2_zero1", "tp2_dp2_zero1_clip",
-                                  "pp2_dp2_zero1_clip"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "pp2_dp2",
+        "tp2_pp2",
+        "tp2_pp2_adamw",
+        "tp2_pp2_clip",
+        "pp2_dp2_clip",
+        "tp2_dp2_zero1",
+        "tp2_dp2_zero1_clip",
+        "pp2_dp2_zero1_clip",
+    ],
+)
 def test_losses_match_one_process(world4, case):
     results = [r[case] for r in world4]
     ref = results[0]["reference"]
     assert all(r["engine"] == "PipelineEngine" for r in results)
-    print(case, "reference", ref, "max |diff| per rank", [max(abs(a - b) for a, b in zip(r["losses"], ref, strict=True)) for r in results])
+    print(
+        case,
+        "reference",
+        ref,
+        "max |diff| per rank",
+        [max(abs(a - b) for a, b in zip(r["losses"], ref, strict=True)) for r in results],
+    )
     for rank, r in enumerate(results):  # train_batch returns the global mean loss on every rank
         assert max(abs(a - b) for a, b in zip(r["losses"], ref, strict=True)) < 1e-4, (case, rank, r["losses"], ref)
 

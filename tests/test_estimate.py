@@ -40,19 +40,35 @@ def measure(plan_json: str, world: int, criterion=None, parts: bool = False):
     for _ in range(2):
         train_step(model, optim, data, TASK.loss, "cpu", criterion=criterion)
     fetched = prefetch(optim, data, "cpu")  # as the worker does: the batch is fetched before the tracker
-    peak, _ = peak_bytes_of_step(lambda before_micro=None: train_step(model, optim, iter(fetched), TASK.loss, "cpu", before_micro,
-                                                                      criterion=criterion), model, optim, "cpu")
+    peak, _ = peak_bytes_of_step(
+        lambda before_micro=None: train_step(
+            model, optim, iter(fetched), TASK.loss, "cpu", before_micro, criterion=criterion
+        ),
+        model,
+        optim,
+        "cpu",
+    )
     if not parts:
         return peak
     runner = getattr(model, PIPELINE_ATTR, None)
-    return {"peak": peak, "stages": None if runner is None else list(runner.local),
-            "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
+    return {
+        "peak": peak,
+        "stages": None if runner is None else list(runner.local),
+        "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+    }
 
 
 def predict(plan_json: str, world: int) -> int:
     shape = torch.Size([TASK.batch_size, TASK.seq_len])
-    return estimate(plan_json, TASK.model, (shape, shape), world_size=world, device="cpu", loss_fn=TASK.loss,
-                    optimizer=TASK.optimizer).peak
+    return estimate(
+        plan_json,
+        TASK.model,
+        (shape, shape),
+        world_size=world,
+        device="cpu",
+        loss_fn=TASK.loss,
+        optimizer=TASK.optimizer,
+    ).peak
 
 
 def _measure_many(rank, world, plans):
@@ -61,8 +77,11 @@ def _measure_many(rank, world, plans):
 
 def test_world_1_plans_within_bound():
     env = ca.Environment.detect().with_(world_size=1)
-    for plan in (ca.compose(env=env), ca.compose(ca.checkpoint(Block), ca.amp("bf16"), env=env),
-                 ca.compose(ca.accumulate(2), env=env)):
+    for plan in (
+        ca.compose(env=env),
+        ca.compose(ca.checkpoint(Block), ca.amp("bf16"), env=env),
+        ca.compose(ca.accumulate(2), env=env),
+    ):
         text = plan.to_json()
         measured, predicted = measure(text, 1), predict(text, 1)
         assert abs(predicted - measured) / measured <= BOUND, (plan.names, predicted, measured)
@@ -73,10 +92,18 @@ def test_world_2_plans_within_bound():
     from _dist import run_world
 
     env = ca.Environment.detect().with_(world_size=2)
-    plans = [ca.compose(p, env=env).to_json() for p in (
-        ca.fsdp(wrap=Block), ca.zero2() | ca.checkpoint(Block), ca.ddp() | ca.amp("bf16"), ca.ddp() | ca.zero1(),
-        # the peak is in the backward, where DDP's buckets count (they were 12-17 % under before)
-        ca.checkpoint(Block) | ca.ddp(), ca.checkpoint(Block) | ca.ddp() | ca.zero1())]
+    plans = [
+        ca.compose(p, env=env).to_json()
+        for p in (
+            ca.fsdp(wrap=Block),
+            ca.zero2() | ca.checkpoint(Block),
+            ca.ddp() | ca.amp("bf16"),
+            ca.ddp() | ca.zero1(),
+            # the peak is in the backward, where DDP's buckets count (they were 12-17 % under before)
+            ca.checkpoint(Block) | ca.ddp(),
+            ca.checkpoint(Block) | ca.ddp() | ca.zero1(),
+        )
+    ]
     measured = run_world(_measure_many, 2, plans)
     for i, text in enumerate(plans):
         peak = max(m[i] for m in measured)
@@ -95,7 +122,10 @@ def test_ddp_buckets_follow_torch_caps_and_count_on_cuda_all_step():
     env = ca.Environment.detect().with_(world_size=2)
     plan = ca.compose(ca.ddp(), env=env)
     kw = dict(world_size=2, loss_fn=TASK.loss, optimizer=TASK.optimizer)
-    cpu, cuda = estimate(plan, TASK.model, (shape, shape), device="cpu", **kw), estimate(plan, TASK.model, (shape, shape), device="cuda", **kw)
+    cpu, cuda = (
+        estimate(plan, TASK.model, (shape, shape), device="cpu", **kw),
+        estimate(plan, TASK.model, (shape, shape), device="cuda", **kw),
+    )
     buckets = cuda.extra["ddp_bucket_bytes"]
     assert buckets == sum(p.numel() * 4 for p in TASK.model().parameters())
     assert cuda.peak == cuda.extra["memtracker"]["Total"] + buckets  # on CUDA: held the whole step
@@ -112,8 +142,12 @@ def _half_frozen():
 def test_frozen_parameters_are_estimated_under_fsdp():
     # torch's MemTracker hooks every parameter a module's forward touches and raised on frozen ones
     shape = torch.Size([TASK.batch_size, TASK.seq_len])
-    kw = dict(world_size=2, device="cpu", loss_fn=TASK.loss,
-              optimizer=lambda m: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad]))
+    kw = dict(
+        world_size=2,
+        device="cpu",
+        loss_fn=TASK.loss,
+        optimizer=lambda m: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad]),
+    )
     frozen = estimate(ca.fsdp(wrap=Block), _half_frozen, (shape, shape), **kw)
     full = estimate(ca.fsdp(wrap=Block), TASK.model, (shape, shape), **kw)
     assert 0 < frozen.ranks[0].optimizer < full.ranks[0].optimizer
@@ -219,9 +253,15 @@ def test_pipeline_stages_within_bound_of_a_gloo_run_at_world_2():
     from _dist import run_world
 
     env = ca.Environment.detect().with_(world_size=2)
-    plans = [ca.compose(*steps, env=env).to_json() for steps in (  # `|` would compose for this process's world of 1
-        (ca.mixed_parallel(pipeline=2, microbatches=2),), (ca.mixed_parallel(pipeline=2, microbatches=4), ca.checkpoint(Block)),
-        (ca.mixed_parallel(pipeline=2, microbatches=2), ca.amp("bf16")), (ca.mixed_parallel(tensor=2),))]
+    plans = [
+        ca.compose(*steps, env=env).to_json()
+        for steps in (  # `|` would compose for this process's world of 1
+            (ca.mixed_parallel(pipeline=2, microbatches=2),),
+            (ca.mixed_parallel(pipeline=2, microbatches=4), ca.checkpoint(Block)),
+            (ca.mixed_parallel(pipeline=2, microbatches=2), ca.amp("bf16")),
+            (ca.mixed_parallel(tensor=2),),
+        )
+    ]
     measured = run_world(_measure_parts, 2, plans)
     for i, text in enumerate(plans):
         est = _estimate_pp(text, 2, loss_fn=TASK.loss, criterion=_criterion)
@@ -246,11 +286,31 @@ def test_cli_prints_each_stage_of_a_pipeline_plan_and_whether_it_fits(tmp_path, 
 
     path = tmp_path / "pp.json"
     path.write_text(ca.compose(ca.mixed_parallel(pipeline=2), env=Environment.detect().with_(world_size=2)).to_json())
-    assert main([str(path), "--model", "gpt", "--batch", "2", "--seq", "32", "--world-size", "2", "--device", "cpu"]) == 0
+    assert (
+        main([str(path), "--model", "gpt", "--batch", "2", "--seq", "32", "--world-size", "2", "--device", "cpu"]) == 0
+    )
     out = capsys.readouterr().out
     assert "0 (stage 0)" in out and "1 (stage 1)" in out
-    assert main([str(path), "--model", "gpt", "--batch", "2", "--seq", "32", "--world-size", "2", "--device", "cpu",
-                 "--device-memory", "1KiB"]) == 1
+    assert (
+        main(
+            [
+                str(path),
+                "--model",
+                "gpt",
+                "--batch",
+                "2",
+                "--seq",
+                "32",
+                "--world-size",
+                "2",
+                "--device",
+                "cpu",
+                "--device-memory",
+                "1KiB",
+            ]
+        )
+        == 1
+    )
     assert "does NOT fit in 1KiB" in capsys.readouterr().out
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
@@ -276,8 +336,16 @@ def test_steps_2_counts_what_one_step_keeps_alive_into_the_next():
             return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), batch[1].reshape(-1))
 
     def peak(steps):
-        return estimate(ca.compose(), TASK.model, (shape, shape), world_size=1, device="cpu", loss_fn=KeepsLastTwo(),
-                        optimizer=TASK.optimizer, steps=steps).peak
+        return estimate(
+            ca.compose(),
+            TASK.model,
+            (shape, shape),
+            world_size=1,
+            device="cpu",
+            loss_fn=KeepsLastTwo(),
+            optimizer=TASK.optimizer,
+            steps=steps,
+        ).peak
 
     logits_bytes = TASK.batch_size * TASK.seq_len * TASK.model().head.out_features * 4
     assert peak(2) - peak(1) == logits_bytes

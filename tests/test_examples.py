@@ -23,7 +23,9 @@ def launch(script: str, *args: str, env: dict | None = None, timeout: float = 24
     full_env = {**os.environ, **(env or {})}
     full_env.pop("OMP_NUM_THREADS", None)  # the launcher sets 1 per rank
     cmd = [sys.executable, "-m", "composable_atorch", "launch", "--nproc", "2", str(EXAMPLES / script), *args]
-    proc = subprocess.run(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
+    proc = subprocess.run(
+        cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout
+    )
     assert proc.returncode == 0, proc.stdout[-4000:]
     return proc.stdout
 
@@ -63,5 +65,7 @@ def test_accelerate_to_composable_both_scripts_and_resume(tmp_path):
     out = launch("accelerate_to_composable.py", "--out", str(tmp_path))
     assert "[ddp] step 6" in out and "[composable] step 6" in out
     assert (tmp_path / "model" / "model.safetensors").is_file()
-    out = launch("accelerate_to_composable.py", "--out", str(tmp_path), "--mode", "composable", "--resume", "--steps", "8")
+    out = launch(
+        "accelerate_to_composable.py", "--out", str(tmp_path), "--mode", "composable", "--resume", "--steps", "8"
+    )
     assert "resumed from step-00000006 at step 6; skipping the 12 batch(es)" in out and "[composable] step 8" in out

@@ -17,8 +17,14 @@ HERE = os.path.dirname(__file__)
 sys.path.insert(0, os.path.join(HERE, "scripts"))
 import seed_task  # noqa: E402
 
-COMMON = dict(optim_func=torch.optim.AdamW, dataset=seed_task.DictText(), loss_func=seed_task.loss_func,
-              model_input_format="unpack_dict", optim_args={"lr": 3e-3}, dataloader_args={"batch_size": 8, "shuffle": True})
+COMMON = dict(
+    optim_func=torch.optim.AdamW,
+    dataset=seed_task.DictText(),
+    loss_func=seed_task.loss_func,
+    model_input_format="unpack_dict",
+    optim_args={"lr": 3e-3},
+    dataloader_args={"batch_size": 8, "shuffle": True},
+)
 
 
 def train(result, steps):
@@ -55,9 +61,17 @@ def test_unknown_karg_and_bad_inputs_are_config_errors_before_any_work():
 def test_semi_automatic_in_one_process_trains_and_round_trips_the_strategy(tmp_path):
     path = tmp_path / "plan.json"
     status, result, best = ca.auto_accelerate(
-        seed_task.build(), load_strategy=[("amp_native", {"dtype": torch.bfloat16}), ("checkpoint", (Block,)), ("accumulate", {"steps": 2})],
-        save_strategy_to_file=str(path), lr_scheduler_cls=torch.optim.lr_scheduler.StepLR, lr_scheduler_args={"step_size": 100},
-        **COMMON)
+        seed_task.build(),
+        load_strategy=[
+            ("amp_native", {"dtype": torch.bfloat16}),
+            ("checkpoint", (Block,)),
+            ("accumulate", {"steps": 2}),
+        ],
+        save_strategy_to_file=str(path),
+        lr_scheduler_cls=torch.optim.lr_scheduler.StepLR,
+        lr_scheduler_args={"step_size": 100},
+        **COMMON,
+    )
     assert status is True
     assert best.names == ("checkpoint", "amp", "accumulate")
     assert result.args.use_optim_backward is True  # accumulation scales the loss in optim.backward
@@ -76,10 +90,17 @@ def test_semi_automatic_in_one_process_trains_and_round_trips_the_strategy(tmp_p
 @pytest.mark.dist
 def test_both_modes_under_torchrun_agree_on_one_plan_and_train(tmp_path):
     script = os.path.join(HERE, "scripts", "facade_torchrun.py")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([os.path.join(HERE, "scripts"), HERE, os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([os.path.join(HERE, "scripts"), HERE, os.environ.get("PYTHONPATH", "")]),
+    }
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", script, str(tmp_path)],
-        env=env, capture_output=True, text=True, timeout=540,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=540,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
@@ -98,11 +119,16 @@ def test_both_modes_under_torchrun_agree_on_one_plan_and_train(tmp_path):
 def test_dry_run_on_load_strategy_reports_success_and_failure():
     kwargs = {**COMMON, "trial_timeout": 120}
     status, result, best = ca.auto_accelerate(
-        seed_task.build(), load_strategy=[("amp_native", {"dtype": torch.bfloat16})], ignore_dryrun_on_load_strategy=False, **kwargs
+        seed_task.build(),
+        load_strategy=[("amp_native", {"dtype": torch.bfloat16})],
+        ignore_dryrun_on_load_strategy=False,
+        **kwargs,
     )
     assert status is True and best.names == ("amp",)
     status, result, best = ca.auto_accelerate(
-        seed_task.build(), load_strategy=["amp_native"], ignore_dryrun_on_load_strategy=False,
+        seed_task.build(),
+        load_strategy=["amp_native"],
+        ignore_dryrun_on_load_strategy=False,
         **{**kwargs, "loss_func": seed_task.broken_loss_func},
     )
     assert (status, result, best) == (False, None, None)
@@ -112,8 +138,15 @@ def test_finetune_strategy_measures_the_loaded_plan_first_and_returns_a_measured
     loaded = ca.compose(ca.amp("bf16"), ca.checkpoint(Block))
     path = tmp_path / "tuned.json"
     status, result, best = ca.auto_accelerate(
-        seed_task.build(), load_strategy=loaded, finetune_strategy=True, n_trials=2, trial_timeout=120,
-        storage=str(tmp_path / "study.db"), study_name="finetune", save_strategy_to_file=str(path), **COMMON,
+        seed_task.build(),
+        load_strategy=loaded,
+        finetune_strategy=True,
+        n_trials=2,
+        trial_timeout=120,
+        storage=str(tmp_path / "study.db"),
+        study_name="finetune",
+        save_strategy_to_file=str(path),
+        **COMMON,
     )
     assert status is True
     import optuna

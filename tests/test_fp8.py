@@ -53,7 +53,10 @@ def test_selection_follows_dims_include_and_exclude():
     model = Mixed()
     chosen, kept = select_linears(model)
     assert chosen == ["layers.0.0", "layers.0.2", "layers.1.0", "layers.1.2", "lm_head"]
-    assert dict(kept) == {"odd": "weight 24x32: dims not both multiples of 16", "back": "weight 32x24: dims not both multiples of 16"}
+    assert dict(kept) == {
+        "odd": "weight 24x32: dims not both multiples of 16",
+        "back": "weight 32x24: dims not both multiples of 16",
+    }
     chosen, kept = select_linears(model, exclude=("lm_head",))
     assert chosen == ["layers.0.0", "layers.0.2", "layers.1.0", "layers.1.2"]
     assert dict(kept)["lm_head"] == "exclude: 'lm_head' in its name"
@@ -75,7 +78,9 @@ def test_torchao_swaps_exactly_the_selected_layers_and_explains_the_rest():
     model, optim, _ = applied
     swapped = sorted(n for n, m in model.named_modules() if isinstance(m, Float8Linear))
     assert swapped == ["layers.0.0", "layers.0.2", "layers.1.0", "layers.1.2"]
-    assert {n: type(model.get_submodule(n)) for n in ("odd", "back", "lm_head")} == dict.fromkeys(("odd", "back", "lm_head"), nn.Linear)
+    assert {n: type(model.get_submodule(n)) for n in ("odd", "back", "lm_head")} == dict.fromkeys(
+        ("odd", "back", "lm_head"), nn.Linear
+    )
     assert [n for n, _ in model.named_parameters()] == names
     assert {id(p) for g in optim.param_groups for p in g["params"]} == {id(p) for p in model.parameters()}
     text = plan.explain(applied=applied)
@@ -134,8 +139,16 @@ def test_llama_fp8_without_lm_head_trains_20_steps_within_tolerance_of_bf16():
     def run(*transforms):
         torch.manual_seed(0)
         config = transformers.LlamaConfig(
-            vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=32, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=32,
+            bos_token_id=0,
+            eos_token_id=0,
+            pad_token_id=0,
         )
         model = transformers.LlamaForCausalLM(config)
         optim = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -229,10 +242,23 @@ def test_bad_config_is_a_config_error_naming_the_field(kwargs, field):
 
 def test_recipe_keywords_follow_what_delayed_scaling_accepts():
     formats = types.SimpleNamespace(HYBRID="hybrid-enum", E4M3="e4m3-enum")
-    t = ca.fp8(margin=1, interval=2, fp8_format="e4m3", amax_history_len=16, amax_compute_algo="most_recent", reduce_amax=False)
-    accepted = {"margin", "fp8_format", "amax_history_len", "amax_compute_algo", "reduce_amax", "scaling_factor_compute_algo"}
+    t = ca.fp8(
+        margin=1, interval=2, fp8_format="e4m3", amax_history_len=16, amax_compute_algo="most_recent", reduce_amax=False
+    )
+    accepted = {
+        "margin",
+        "fp8_format",
+        "amax_history_len",
+        "amax_compute_algo",
+        "reduce_amax",
+        "scaling_factor_compute_algo",
+    }
     assert t.recipe_kwargs(accepted, formats) == {
-        "margin": 1, "fp8_format": "e4m3-enum", "amax_history_len": 16, "amax_compute_algo": "most_recent", "reduce_amax": False
+        "margin": 1,
+        "fp8_format": "e4m3-enum",
+        "amax_history_len": 16,
+        "amax_compute_algo": "most_recent",
+        "reduce_amax": False,
     }
     assert t.recipe_kwargs(accepted | {"interval"}, formats)["interval"] == 2
 
@@ -240,8 +266,17 @@ def test_recipe_keywords_follow_what_delayed_scaling_accepts():
 def test_seed_config_json_round_trip_and_candidates():
     from composable_atorch import strategy
 
-    seed = {"include": None, "exclude": ["lm_head"], "verbose": True, "margin": 0, "interval": 1, "fp8_format": "HYBRID",
-            "amax_history_len": 1024, "amax_compute_algo": "max", "reduce_amax": True}
+    seed = {
+        "include": None,
+        "exclude": ["lm_head"],
+        "verbose": True,
+        "margin": 0,
+        "interval": 1,
+        "fp8_format": "HYBRID",
+        "amax_history_len": 1024,
+        "amax_compute_algo": "max",
+        "reduce_amax": True,
+    }
     plan = strategy.load([("fp8", seed)], env=TORCHAO)
     assert plan.requested == (ca.fp8(exclude=("lm_head",)),)
     assert plan.transforms[0].backend == "torchao"

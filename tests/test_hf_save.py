@@ -17,8 +17,15 @@ def tiny_llama(seed: int = 0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=4, max_position_embeddings=64)
+    cfg = LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=64,
+    )
     return LlamaForCausalLM(cfg)
 
 
@@ -36,8 +43,13 @@ def train_and_save(rank: int, world: int, out: str) -> dict:
 
     gaps = {}
     probe = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(7))
-    plans = {"fsdp": ca.fsdp(wrap=(LlamaDecoderLayer,)), "ddp": ca.ddp(), "zero1": ca.zero1(), "zero2": ca.zero2(),
-             "tensor_parallel": ca.tensor_parallel()}  # transformers' own Llama TP plan; DTensor weights gathered
+    plans = {
+        "fsdp": ca.fsdp(wrap=(LlamaDecoderLayer,)),
+        "ddp": ca.ddp(),
+        "zero1": ca.zero1(),
+        "zero2": ca.zero2(),
+        "tensor_parallel": ca.tensor_parallel(),
+    }  # transformers' own Llama TP plan; DTensor weights gathered
     for name, plan in plans.items():
         # the data dimension is 1 under tensor parallelism: both ranks train on the same batch
         shard = slice(None) if name == "tensor_parallel" else slice(rank, None, world)

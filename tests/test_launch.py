@@ -23,7 +23,10 @@ SCRIPT = Path(__file__).parent / "scripts" / "report_ranks.py"
         (["--nproc", "two", str(SCRIPT)], "not an integer"),
         (["--nproc", "2", "missing_script.py"], "not found"),
         (["--nproc", "1", "--nnodes", "2", str(SCRIPT)], "needs --rdzv-endpoint"),
-        (["--nproc", "1", "--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "127.0.0.1:29400", str(SCRIPT)], "below --nnodes 2"),
+        (
+            ["--nproc", "1", "--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "127.0.0.1:29400", str(SCRIPT)],
+            "below --nnodes 2",
+        ),
         (["--nproc", "1", "--nnodes", "2", "--rdzv-endpoint", "localhost", str(SCRIPT)], "HOST:PORT"),
     ],
 )
@@ -35,8 +38,19 @@ def test_bad_arguments_exit_2_with_a_message(capsys, argv, message):
 
 def test_torchrun_command_lines():
     ns = launch.parser().parse_args(["--nproc", "4", "train.py", "--lr", "3"])
-    assert launch.torchrun_args(ns) == ["--standalone", "--nproc-per-node", "4", "--max-restarts", "0", "train.py", "--lr", "3"]
-    ns = launch.parser().parse_args(["--nnodes", "2", "--node-rank", "1", "--nproc", "8", "--rdzv-endpoint", "10.0.0.1:29400", "t.py"])
+    assert launch.torchrun_args(ns) == [
+        "--standalone",
+        "--nproc-per-node",
+        "4",
+        "--max-restarts",
+        "0",
+        "train.py",
+        "--lr",
+        "3",
+    ]
+    ns = launch.parser().parse_args(
+        ["--nnodes", "2", "--node-rank", "1", "--nproc", "8", "--rdzv-endpoint", "10.0.0.1:29400", "t.py"]
+    )
     args = launch.torchrun_args(ns)
     assert args[: args.index("--nproc-per-node")] == [
         "--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "10.0.0.1:29400",
@@ -69,7 +83,18 @@ def test_one_node_two_processes(tmp_path):
 def test_two_nodes_on_localhost_through_c10d_rendezvous(tmp_path):
     endpoint = f"127.0.0.1:{free_port()}"
     nodes = [
-        run_launch("--nnodes", "2", "--node-rank", str(r), "--nproc", "1", "--rdzv-endpoint", endpoint, env_changes={"OMP_NUM_THREADS": "3"}, out=tmp_path)
+        run_launch(
+            "--nnodes",
+            "2",
+            "--node-rank",
+            str(r),
+            "--nproc",
+            "1",
+            "--rdzv-endpoint",
+            endpoint,
+            env_changes={"OMP_NUM_THREADS": "3"},
+            out=tmp_path,
+        )
         for r in (1, 0)  # the non-host node first: it waits for node 0's store
     ]
     logs = [p.communicate(timeout=180)[0].decode() for p in nodes]
@@ -82,7 +107,18 @@ def test_two_nodes_on_localhost_through_c10d_rendezvous(tmp_path):
 @pytest.mark.dist
 def test_a_failing_rank_fails_the_launch_with_its_exit_code(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
-    cmd = [sys.executable, "-m", "composable_atorch", "launch", "--nproc", "1", str(SCRIPT), str(tmp_path), "--exit-code", "3"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "composable_atorch",
+        "launch",
+        "--nproc",
+        "1",
+        str(SCRIPT),
+        str(tmp_path),
+        "--exit-code",
+        "3",
+    ]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
     assert result.returncode == 3, result.stderr[-2000:]
     assert "report_ranks.py FAILED" in result.stderr

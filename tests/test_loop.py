@@ -73,6 +73,7 @@ def test_clip_grad_matches_manual_clipping():
 
 # toy transforms registered only for this module's definitions: nothing leaks into the registry
 with registry_scope():
+
     @dataclass(frozen=True)
     class ToyReplaceParams(Transform):
         """Returns a deep copy of the model: every parameter object is new, names are the same."""
@@ -83,7 +84,6 @@ with registry_scope():
         def apply(self, state, ctx):
             state.model = copy.deepcopy(state.model)
             return state
-
 
     @dataclass(frozen=True)
     class ToyDropParam(Transform):
@@ -106,7 +106,9 @@ def test_optimizer_rebuilt_by_name_keeps_groups_and_hyperparameters():
     decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
     no_decay = [p for n, p in model.named_parameters() if not n.endswith("weight")]
     optim = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0, "lr": 5e-4}], lr=1e-3, betas=(0.8, 0.9)
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0, "lr": 5e-4}],
+        lr=1e-3,
+        betas=(0.8, 0.9),
     )
     new_model, new_optim, _ = ToyReplaceParams()(model, optim)
     assert isinstance(new_optim.optimizer, torch.optim.AdamW) and new_optim.optimizer is not optim

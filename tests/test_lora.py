@@ -62,7 +62,9 @@ def lora_cases(rank: int, world: int, out: str) -> dict:
 
         # wrap_trainable_outmost: no fully_shard-ed block below the root holds a trainable parameter
         blocks_with_trainable = sum(
-            1 for m in model.modules() if isinstance(m, FSDPModule) and m is not model and any(p.requires_grad for p in m.parameters())
+            1
+            for m in model.modules()
+            if isinstance(m, FSDPModule) and m is not model and any(p.requires_grad for p in m.parameters())
         )
         n_trainable = sum(1 for p in model.parameters() if p.requires_grad)
         model(input_ids=x[rank::world], labels=x[rank::world]).loss.backward()

@@ -74,7 +74,9 @@ def _full_state(model, optim):
         n = name.removeprefix("module.")
         weights[n] = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
         st = optim.state[p]
-        moments[n] = [(st[k].full_tensor() if hasattr(st[k], "full_tensor") else st[k]).clone() for k in ("exp_avg", "exp_avg_sq")]
+        moments[n] = [
+            (st[k].full_tensor() if hasattr(st[k], "full_tensor") else st[k]).clone() for k in ("exp_avg", "exp_avg_sq")
+        ]
     return weights, moments
 
 
@@ -117,7 +119,11 @@ def _world(rank, world, directory):
         # ddp (implied by parallel_mode) over tensor-parallel DTensors: gradients all-reduced by a hook
         "tp2_ddp2": (ca.tensor_parallel(), ca.parallel_mode([("tensor", 2), ("data", 2)])),
         "pp2_dp2": (ca.pipeline_parallel(microbatches=2), ca.parallel_mode([("pipeline", 2), ("data", 2)])),
-        "tp2_pp2": (ca.tensor_parallel(), ca.pipeline_parallel(microbatches=2, schedule="GPipe"), ca.parallel_mode([("tensor", 2), ("pipeline", 2)])),
+        "tp2_pp2": (
+            ca.tensor_parallel(),
+            ca.pipeline_parallel(microbatches=2, schedule="GPipe"),
+            ca.parallel_mode([("tensor", 2), ("pipeline", 2)]),
+        ),
         "mixed_tp2_dp2": (ca.mixed_parallel(), ca.parallel_mode([("tensor", 2), ("data", 2)])),
         "mixed_tp2_pp2": (ca.mixed_parallel(), ca.parallel_mode([("tensor", 2), ("pipeline", 2)])),
         # degrees given to mixed_parallel itself (what the search proposes): it lays out the mesh
@@ -185,13 +191,23 @@ def test_degrees_are_search_candidates():
     found = MixedParallel.candidates(SearchContext(env=env, batch_size=16))
     # every factorization with model parallelism; with a pipeline, micro-batches = stages and 2 x stages
     assert {(c.tensor, c.pipeline, c.microbatches) for c in found if c.pipeline > 1} == {
-        (1, 2, 2), (1, 2, 4), (1, 4, 4), (1, 4, 8), (2, 2, 2), (2, 2, 4)}
+        (1, 2, 2),
+        (1, 2, 4),
+        (1, 4, 4),
+        (1, 4, 8),
+        (2, 2, 2),
+        (2, 2, 4),
+    }
     assert {(c.tensor, c.pipeline) for c in found if c.pipeline == 1} == {(2, 1), (4, 1)}
     # micro-batch counts that do not divide the per-data-rank batch, and data sizes that do not
     # divide the global batch, are not offered
     small = MixedParallel.candidates(SearchContext(env=env, batch_size=4))
     assert {(c.tensor, c.pipeline, c.microbatches) for c in small if c.pipeline > 1} == {
-        (1, 2, 2), (1, 4, 4), (2, 2, 2), (2, 2, 4)}
+        (1, 2, 2),
+        (1, 4, 4),
+        (2, 2, 2),
+        (2, 2, 4),
+    }
     assert MixedParallel.candidates(SearchContext(env=env, batch_size=1)) == (MixedParallel(tensor=4, pipeline=1),)
     for c in found:  # every candidate composes on its own (it lays out its own mesh)
         plan = ca.compose(c, env=env)

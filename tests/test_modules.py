@@ -76,27 +76,58 @@ needs_hf = pytest.mark.skipif(transformers is None, reason="transformers is not 
 HF_MODELS = {
     "gpt2": lambda: transformers.GPT2LMHeadModel(
         transformers.GPT2Config(
-            vocab_size=128, n_positions=32, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0,
-            bos_token_id=0, eos_token_id=0, attn_implementation="eager",
+            vocab_size=128,
+            n_positions=32,
+            n_embd=32,
+            n_layer=2,
+            n_head=2,
+            resid_pdrop=0,
+            embd_pdrop=0,
+            attn_pdrop=0,
+            bos_token_id=0,
+            eos_token_id=0,
+            attn_implementation="eager",
         )
     ),
     "llama": lambda: transformers.LlamaForCausalLM(
         transformers.LlamaConfig(
-            vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=32, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+            vocab_size=128,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=32,
+            bos_token_id=0,
+            eos_token_id=0,
+            pad_token_id=0,
             attn_implementation="eager",
         )
     ),
     "bert": lambda: transformers.BertModel(
         transformers.BertConfig(
-            vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-            max_position_embeddings=32, hidden_dropout_prob=0, attention_probs_dropout_prob=0, attn_implementation="eager",
+            vocab_size=128,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=64,
+            max_position_embeddings=32,
+            hidden_dropout_prob=0,
+            attention_probs_dropout_prob=0,
+            attn_implementation="eager",
         )
     ),
     "clip_text": lambda: transformers.CLIPTextModel(
         transformers.CLIPTextConfig(
-            vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-            max_position_embeddings=32, bos_token_id=1, eos_token_id=2, attn_implementation="eager",
+            vocab_size=128,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            max_position_embeddings=32,
+            bos_token_id=1,
+            eos_token_id=2,
+            attn_implementation="eager",
         )
     ),
 }
@@ -124,13 +155,19 @@ def test_transformers_attention_switches_to_sdpa_within_tolerance(kind):
     assert [n for n, _ in model.named_parameters()] == [n for n, _ in eager.named_parameters()]
     x = torch.randint(3, 128, (2, 16))
     torch.testing.assert_close(main_output(model(x)), main_output(eager(x)), atol=TOL, rtol=0)
-    assert f"hf_sdpa: {type(model).__name__} attention eager -> sdpa via set_attn_implementation" in plan.explain(applied=applied)
+    assert f"hf_sdpa: {type(model).__name__} attention eager -> sdpa via set_attn_implementation" in plan.explain(
+        applied=applied
+    )
 
 
 @needs_hf
 def test_transformers_default_sdpa_is_left_alone_and_said():
     torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=1, n_head=2, bos_token_id=0, eos_token_id=0))
+    model = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(
+            vocab_size=128, n_positions=32, n_embd=32, n_layer=1, n_head=2, bos_token_id=0, eos_token_id=0
+        )
+    )
     plan = ca.compose(ca.module_replace())
     applied = plan(model)
     assert "already uses sdpa attention (transformers' default), left alone" in plan.explain(applied=applied)
@@ -178,7 +215,10 @@ def test_llama_rmsnorm_pair_is_cuda_only_and_its_target_matches():
     torch.testing.assert_close(fused(x), norm(x), atol=1e-6, rtol=0)
     plan = ca.compose(ca.module_replace())
     applied = plan(hf_model("llama"))
-    assert "llama_rmsnorm_fused: not used, needs a cuda device (this environment is cpu), for torch's fused rms_norm" in plan.explain(applied=applied)
+    assert (
+        "llama_rmsnorm_fused: not used, needs a cuda device (this environment is cpu), for torch's fused rms_norm"
+        in plan.explain(applied=applied)
+    )
 
 
 # -- pairs, dtype filter, errors -----------------------------------------------------------------
@@ -238,7 +278,9 @@ def test_pairs_are_filtered_by_the_plans_training_dtype():
     applied = plan(Holder())
     model, _, _ = applied
     assert type(model.scale) is Scale
-    assert "test_fast_scale_bf16: not used, it supports bfloat16 and this plan trains in float32" in plan.explain(applied=applied)
+    assert "test_fast_scale_bf16: not used, it supports bfloat16 and this plan trains in float32" in plan.explain(
+        applied=applied
+    )
     plan = ca.compose(ca.module_replace(pairs=("test_fast_scale_bf16",)), ca.amp("bf16"))
     applied = plan(Holder())
     model, _, _ = applied

@@ -71,7 +71,9 @@ def test_seed_forms_and_json_round_trip():
     assert plan.transforms[0].groups == (("tensor", 2), ("pipeline", 2), ("data", 4))
     assert "tensor 2 x pipeline 2 x data 4 = world 16" in plan.explain()
     assert ca.Plan.from_json(plan.to_json(), env=env) == plan
-    assert ca.strategy.load(["parallel_mode", ("zero2", {"not_use_fsdp": True})], env=env.with_(packages={"fairscale"})).names == (
+    assert ca.strategy.load(
+        ["parallel_mode", ("zero2", {"not_use_fsdp": True})], env=env.with_(packages={"fairscale"})
+    ).names == (
         "parallel_mode",
         "zero2",
     )

@@ -25,7 +25,10 @@ def gpt(n_layer=4):
 
 def batches(n=STEPS, batch=8):
     g = torch.Generator().manual_seed(1)
-    return [(torch.randint(0, 256, (batch, 16), generator=g), torch.randint(0, 256, (batch, 16), generator=g)) for _ in range(n)]
+    return [
+        (torch.randint(0, 256, (batch, 16), generator=g), torch.randint(0, 256, (batch, 16), generator=g))
+        for _ in range(n)
+    ]
 
 
 def reference(model, data):
@@ -37,8 +40,16 @@ def llama():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=256,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        tie_word_embeddings=False,
+    )
     return LlamaForCausalLM(cfg)
 
 
@@ -50,7 +61,9 @@ def _pipeline_case(schedule, microbatches, split="auto", make=gpt, stages_per_ra
         ref_losses = reference(_Logits(ref), data)
     else:
         ref_losses = reference(ref, data)
-    pp = ca.pipeline_parallel(microbatches=microbatches, schedule=schedule, split=split, stages_per_rank=stages_per_rank)
+    pp = ca.pipeline_parallel(
+        microbatches=microbatches, schedule=schedule, split=split, stages_per_rank=stages_per_rank
+    )
     plan = ca.compose(pp, ca.parallel_mode([("pipeline", 2)]))
     model, optim, _ = plan(model, torch.optim.SGD(model.parameters(), lr=LR))
     losses = [ca.train_step(model, optim, x, y, lm_loss) for x, y in data]
@@ -92,7 +105,10 @@ def _data_mean_case(rank):
     ref_losses = reference(ref, data)  # a plain optimizer: rank-local, no collective
     model, optim, _ = ca.compose(ca.parallel_mode([("data", 2)]))(model, torch.optim.SGD(model.parameters(), lr=LR))
     half = data[0][0].size(0) // 2
-    losses = [ca.train_step(model, optim, x[rank * half:(rank + 1) * half], y[rank * half:(rank + 1) * half], lm_loss) for x, y in data]
+    losses = [
+        ca.train_step(model, optim, x[rank * half : (rank + 1) * half], y[rank * half : (rank + 1) * half], lm_loss)
+        for x, y in data
+    ]
     return {"losses": losses, "gap": max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True))}
 
 

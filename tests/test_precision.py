@@ -140,7 +140,10 @@ def test_half_master_weights_closer_to_fp32_than_pure_bf16():
     pure_err = max(abs(a - b) for a, b in zip(pure_l, ref_l, strict=True))
     master_err = max(abs(a - b) for a, b in zip(master_l, ref_l, strict=True))
     assert master_err < pure_err / 3, (master_err, pure_err)
-    dist = {k: sum(float((p[n] - ref_p[n]).norm()) ** 2 for n in ref_p) ** 0.5 for k, p in (("pure", pure_p), ("master", master_p))}
+    dist = {
+        k: sum(float((p[n] - ref_p[n]).norm()) ** 2 for n in ref_p) ** 0.5
+        for k, p in (("pure", pure_p), ("master", master_p))
+    }
     assert dist["master"] < dist["pure"]
 
 

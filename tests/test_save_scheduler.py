@@ -18,7 +18,9 @@ def setup():
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.OneCycleLR(optim, max_lr=1e-2, total_steps=8)
     data = torch.randint(0, 256, (16, CFG.seq_len + 1), generator=torch.Generator().manual_seed(3))
-    loader = ca.resumable(torch.utils.data.DataLoader(data, batch_size=2, shuffle=True, generator=torch.Generator().manual_seed(4)))
+    loader = ca.resumable(
+        torch.utils.data.DataLoader(data, batch_size=2, shuffle=True, generator=torch.Generator().manual_seed(4))
+    )
     return model, optim, sched, loader
 
 

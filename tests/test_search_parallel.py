@@ -33,7 +33,9 @@ def train_and_gather(rank: int, world: int, plan_json: str, steps: int) -> dict:
     workload = TINY.workload()
     model, optim, loader = Plan.from_json(plan_json)(*workload.build())
     data = batches(loader)
-    losses = [train_step(model, optim, data, workload.loss_fn, "cpu", criterion=workload.criterion)[0] for _ in range(steps)]
+    losses = [
+        train_step(model, optim, data, workload.loss_fn, "cpu", criterion=workload.criterion)[0] for _ in range(steps)
+    ]
     mine = {}
     for name, p in ca.runtime.optim.named_parameters(model).items():
         mine[name] = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().clone().numpy()
@@ -53,9 +55,15 @@ def train_and_gather(rank: int, world: int, plan_json: str, steps: int) -> dict:
 def test_world_4_study_explores_parallel_degrees_and_the_chosen_plan_trains_one_model():
     env = Environment.detect().with_(world_size=4)
     others = tuple(sorted(set(ca.registry()) - {"mixed_parallel"}))
-    result = search(TINY.workload(), trial=TrialSettings(world_size=4, warmup_steps=1, measure_steps=2, timeout=240),
-                    budget=Budget(n_trials=4), space=SpaceOptions(excluded=others, included=("mixed_parallel",)),
-                    study=StudyOptions(seed=0, sampler="random", predict=False), env=env, progress=False)
+    result = search(
+        TINY.workload(),
+        trial=TrialSettings(world_size=4, warmup_steps=1, measure_steps=2, timeout=240),
+        budget=Budget(n_trials=4),
+        space=SpaceOptions(excluded=others, included=("mixed_parallel",)),
+        study=StudyOptions(seed=0, sampler="random", predict=False),
+        env=env,
+        progress=False,
+    )
     options = result.space.options["mixed_parallel"]
     # every factorization of 4 with model parallelism; a pipeline with 2 micro-batch counts each
     assert len(options) == 8 and sum("pipeline 1 " in label for label in options) == 2

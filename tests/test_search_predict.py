@@ -88,11 +88,16 @@ class Stub:
 
 def run(memory_limit=None, estimator=None, margin=0.03, n_trials=None, prior=3, **study):
     runner = Runner()
-    result = search(workload(), trial=TrialSettings(world_size=2),
-                    budget=Budget(n_trials=n_trials, memory_limit=memory_limit, memory_margin=margin),
-                    space=SpaceOptions(excluded=tuple(sorted(set(ca.registry()) - set(KEPT)))),
-                    study=StudyOptions(seed=0, preflight=False, prior=prior, **study), runner=runner,
-                    progress=False, estimator=estimator)
+    result = search(
+        workload(),
+        trial=TrialSettings(world_size=2),
+        budget=Budget(n_trials=n_trials, memory_limit=memory_limit, memory_margin=margin),
+        space=SpaceOptions(excluded=tuple(sorted(set(ca.registry()) - set(KEPT)))),
+        study=StudyOptions(seed=0, preflight=False, prior=prior, **study),
+        runner=runner,
+        progress=False,
+        estimator=estimator,
+    )
     return result, runner
 
 
@@ -111,17 +116,26 @@ def test_plans_predicted_over_the_budget_are_recorded_with_the_prediction_and_ne
     rows = report.rows(result)
     ran = [r for r in rows if r["status"] == "ok"]
     assert len(ran) == 6 and all(r["predicted_mib"] == r["peak_mib"] for r in ran)
-    assert [r["status"] for r in rows[-2:]] == ["predicted-infeasible"] * 2 and all(r["peak_mib"] is None for r in rows[-2:])
+    assert [r["status"] for r in rows[-2:]] == ["predicted-infeasible"] * 2 and all(
+        r["peak_mib"] is None for r in rows[-2:]
+    )
     written = report.write_all(result, tmp_path)
     data = json.loads(written["trials"].read_text())
     assert data["summary"]["skipped_by_prediction"] == 2 and data["summary"]["runs_over_budget"] == 0
     page = written["report"].read_text()
     assert "predicted MiB" in page and "measured peak MiB" in page
     text = report.text_table(result)
-    assert "predicted MiB" in text and "2 predicted over the budget" in text and "0 run(s) over the budget anyway" in text
+    assert (
+        "predicted MiB" in text and "2 predicted over the budget" in text and "0 run(s) over the budget anyway" in text
+    )
     # the stub saw a meta-device model, the global batch and the world size
     _, model, batch, world, device, loss_fn, optimizer = stub.calls[0]
-    assert next(model.parameters()).is_meta and batch[0].shape[0] == 16 and world == 2 and device == result.space.env.device
+    assert (
+        next(model.parameters()).is_meta
+        and batch[0].shape[0] == 16
+        and world == 2
+        and device == result.space.env.device
+    )
     assert loss_fn is lm_step and optimizer is adamw  # the workload's own loss and optimizer
 
 
@@ -182,7 +196,9 @@ def test_estimate_plan_reads_the_agreed_interface():
     env = Environment.detect().with_(world_size=2)
     plan = ca.compose(env=env)
     pred = predict_plan(Stub(), plan, None, None, world_size=2, device="cpu")
-    assert pred == Prediction(true_peak(plan.names), (true_peak(plan.names), true_peak(plan.names) - 1), 16 / true_speed(plan.names))
+    assert pred == Prediction(
+        true_peak(plan.names), (true_peak(plan.names), true_peak(plan.names) - 1), 16 / true_speed(plan.names)
+    )
     assert pred.speed_key == (0, pred.step_time_s) and Prediction(1, flops=7).speed_key == (1, 7.0)
     assert Prediction.from_dict(pred.to_dict()) == pred
     assert pred.over(pred.peak_bytes, 0.01) and not pred.over(pred.peak_bytes, 0.0) and not pred.over(None, 0.5)

@@ -25,9 +25,9 @@ def test_seed_list_form_maps_names_and_configs():
 def test_seed_defaults():
     assert strategy.load(["amp_native"], env=CPU).transforms == (ca.amp("fp16"),)
     assert strategy.load(["half"], env=CPU).transforms == (ca.half("fp16"),)
-    assert strategy.load([("amp_native", {"dtype": torch.bfloat16, "skip_if_nonfinite": True})], env=CPU).transforms == (
-        ca.amp("bf16", skip_if_nonfinite=True),
-    )
+    assert strategy.load(
+        [("amp_native", {"dtype": torch.bfloat16, "skip_if_nonfinite": True})], env=CPU
+    ).transforms == (ca.amp("bf16", skip_if_nonfinite=True),)
     assert strategy.load([("checkpoint", {"wrap_class": (Block,), "no_reentrant": False})], env=CPU).transforms == (
         ca.checkpoint(Block, reentrant=True),
     )

@@ -31,8 +31,15 @@ def llama():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=32)
+    cfg = LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
     return LlamaForCausalLM(cfg)
 
 
@@ -40,7 +47,17 @@ def gpt2(drop=0.0, attn_drop=0.0, **extra):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    cfg = GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=32, resid_pdrop=drop, embd_pdrop=drop, attn_pdrop=attn_drop, **extra)
+    cfg = GPT2Config(
+        vocab_size=128,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        n_positions=32,
+        resid_pdrop=drop,
+        embd_pdrop=drop,
+        attn_pdrop=attn_drop,
+        **extra,
+    )
     return GPT2LMHeadModel(cfg)
 
 
@@ -79,7 +96,10 @@ def lm(out, y):
 
 def _batches(vocab):
     g = torch.Generator().manual_seed(1)
-    return [(torch.randint(0, vocab, (4, 16), generator=g), torch.randint(0, vocab, (4, 16), generator=g)) for _ in range(STEPS)]
+    return [
+        (torch.randint(0, vocab, (4, 16), generator=g), torch.randint(0, vocab, (4, 16), generator=g))
+        for _ in range(STEPS)
+    ]
 
 
 def _train(model, optim, batches):
@@ -111,14 +131,18 @@ def _case(make, plan_arg, vocab, sp=False, transform=None):
     optim = torch.optim.SGD(model.parameters(), lr=LR)
     # ranks seeded differently: tensor_parallel synchronizes the stream replicated dropouts draw
     torch.manual_seed(5 if torch.distributed.get_rank() == 0 else 6)
-    plan = ca.compose(transform or ca.tensor_parallel(plan_arg, sequence_parallel=sp), ca.parallel_mode([("tensor", 2)]))
+    plan = ca.compose(
+        transform or ca.tensor_parallel(plan_arg, sequence_parallel=sp), ca.parallel_mode([("tensor", 2)])
+    )
     model, optim, _ = plan(model, optim)
     sharded = {}
     for name, p in model.named_parameters():
         if hasattr(p, "to_local") and any(pl.is_shard() for pl in p.placements):
             sharded[name] = p.to_local().numel() / p.numel()
     # SequenceParallel makes the blocks' norm weights replicated DTensors
-    sp_norms = sum(1 for n, p in model.named_parameters() if "norm" in n or ".ln" in n or "ln_" in n if hasattr(p, "placements"))
+    sp_norms = sum(
+        1 for n, p in model.named_parameters() if "norm" in n or ".ln" in n or "ln_" in n if hasattr(p, "placements")
+    )
     losses = [ca.train_step(model, optim, x, y, lm) for x, y in batches]
     full = _full(model)
     ref_p = dict(ref.named_parameters())
@@ -156,14 +180,18 @@ def _dropout_streams():
     """One training forward: replic_drop masks equal across tensor ranks, parallel_drop masks differ."""
     import warnings
 
-    model = gpt2(drop=0.5, attn_drop=0.5, reorder_and_upcast_attn=True, attn_implementation="eager")  # calls attn_dropout
+    model = gpt2(
+        drop=0.5, attn_drop=0.5, reorder_and_upcast_attn=True, attn_implementation="eager"
+    )  # calls attn_dropout
     model, _, _ = ca.compose(ca.tensor_parallel(gpt2_tpinfo()), ca.parallel_mode([("tensor", 2)]))(model)
     seen = {}
     attn = model.transformer.h[0].attn
 
     def keep(name):
         def hook(_module, _args, out):
-            seen.setdefault(name, (out == 0).numpy().copy())  # numpy: tensors would cross the process boundary by shared memory
+            seen.setdefault(
+                name, (out == 0).numpy().copy()
+            )  # numpy: tensors would cross the process boundary by shared memory
 
         return hook
 
@@ -198,7 +226,11 @@ def _strided_checkpoint(directory):
     ca.load_state(directory, model2, optim2, verbose=False)
     back = _full(model2)
     ok = all(torch.equal(back[n], full[n]) for n in full)
-    return {"full": {n: t.detach().numpy() for n, t in full.items()}, "exp_avg": {n: t.detach().numpy() for n, t in state.items()}, "tp_roundtrip": ok}
+    return {
+        "full": {n: t.detach().numpy() for n, t in full.items()},
+        "exp_avg": {n: t.detach().numpy() for n, t in state.items()},
+        "tp_roundtrip": ok,
+    }
 
 
 def _world(rank, world, directory):
@@ -215,7 +247,9 @@ def _world(rank, world, directory):
         "gpt2_sp": _case(gpt2, gpt2_tpinfo(), 128, sp=True),
         "gpt2_replic_dropout": _case(gpt2_dropout, gpt2_tpinfo(), 128),
         # the seed name sequence_parallel (tensor_parallel with sequence_parallel=True); dropouts in the blocks see a sequence shard
-        "gpt2_replic_dropout_seq_seed_name": _case(gpt2_dropout, None, 128, sp=True, transform=lookup("sequence_parallel").from_seed({"plan": gpt2_tpinfo()})),
+        "gpt2_replic_dropout_seq_seed_name": _case(
+            gpt2_dropout, None, 128, sp=True, transform=lookup("sequence_parallel").from_seed({"plan": gpt2_tpinfo()})
+        ),
         "llama_seq_seed_name": _case(llama, None, 128, sp=True, transform=lookup("sequence_parallel").from_seed(None)),
     }
 
@@ -224,7 +258,9 @@ def _world(rank, world, directory):
 def test_tensor_parallel_matches_one_process(tmp_path):
     results = run_world(_world, 2, str(tmp_path / "ckpt"), timeout=600)
     drops = [r.pop("dropout") for r in results]
-    assert (drops[0]["resid_dropout"] == drops[1]["resid_dropout"]).all(), "replic_drop: one stream on every tensor rank"
+    assert (drops[0]["resid_dropout"] == drops[1]["resid_dropout"]).all(), (
+        "replic_drop: one stream on every tensor rank"
+    )
     assert drops[0]["resid_dropout"].any()
     assert (drops[0]["attn_dropout"] != drops[1]["attn_dropout"]).any(), "parallel_drop: a stream per rank"
     assert drops[0]["warned"] and drops[1]["warned"]
@@ -251,7 +287,10 @@ def _check_strided_checkpoint(ranks, directory):
     for name, p in model.named_parameters():
         assert torch.equal(p.detach(), torch.from_numpy(saved["full"][name])), name
         assert torch.equal(optim.state[p]["exp_avg"], torch.from_numpy(saved["exp_avg"][name])), name
-    assert not torch.equal(torch.from_numpy(saved["full"]["transformer.h.0.attn.c_attn.weight"]), gpt2().transformer.h[0].attn.c_attn.weight.detach())
+    assert not torch.equal(
+        torch.from_numpy(saved["full"]["transformer.h.0.attn.c_attn.weight"]),
+        gpt2().transformer.h[0].attn.c_attn.weight.detach(),
+    )
 
 
 # -- planning and bad input (single process) ------------------------------------------------------

@@ -23,7 +23,9 @@ def plan():
 def test_jsonl_logs_config_plan_then_metrics(tmp_path, plan):
     import torch
 
-    with init_trackers("exp", log_with="jsonl", project_dir=tmp_path, config={"lr": 3e-4, "opt": {"betas": [0.9, 0.95]}}, plan=plan) as t:
+    with init_trackers(
+        "exp", log_with="jsonl", project_dir=tmp_path, config={"lr": 3e-4, "opt": {"betas": [0.9, 0.95]}}, plan=plan
+    ) as t:
         t.log({"loss": torch.tensor(2.5)}, step=1)
         t.log({"loss": 2.0, "lr": 1e-4}, step=2)
     lines = [json.loads(x) for x in (tmp_path / "exp" / "metrics.jsonl").read_text().splitlines()]
@@ -43,7 +45,11 @@ def test_tensorboard_writes_scalars_and_the_plan(tmp_path, plan):
     acc = EventAccumulator(str(tmp_path / "tb"), size_guidance={"tensors": 0, "scalars": 0})
     acc.Reload()
     assert [(e.step, e.value) for e in acc.Scalars("loss")] == [(0, 3.0), (1, 2.0), (2, 1.0)]
-    texts = {tag: acc.Tensors(tag)[0].tensor_proto.string_val[0].decode() for tag in acc.Tags()["tensors"] if tag.startswith("plan")}
+    texts = {
+        tag: acc.Tensors(tag)[0].tensor_proto.string_val[0].decode()
+        for tag in acc.Tags()["tensors"]
+        if tag.startswith("plan")
+    }
     assert texts and ca.Plan.from_json(next(iter(texts.values()))) == plan
 
 
@@ -62,7 +68,14 @@ def test_wandb_goes_through_its_client(tmp_path, monkeypatch, plan):
     fake = types.ModuleType("wandb")
     fake.init = lambda **kw: calls.append(("init", kw)) or Run()
     monkeypatch.setitem(sys.modules, "wandb", fake)
-    t = init_trackers("proj", log_with="wandb", project_dir=tmp_path, config={"lr": 1}, plan=plan, init_kwargs={"wandb": {"entity": "me"}})
+    t = init_trackers(
+        "proj",
+        log_with="wandb",
+        project_dir=tmp_path,
+        config={"lr": 1},
+        plan=plan,
+        init_kwargs={"wandb": {"entity": "me"}},
+    )
     t.log({"loss": 1.5}, step=4)
     t.finish()
     assert calls[0] == ("init", {"project": "proj", "dir": str(tmp_path), "config": {"lr": 1}, "entity": "me"})

@@ -1,8 +1,8 @@
 """composable_atorch: compose PyTorch training optimizations as checked, ordered, reusable plans.
 
-    plan = fsdp(wrap=(Block,)) | amp("bf16") | checkpoint(Block)
-    print(plan.explain())
-    model, optim, loader = plan(model, optim, loader)
+plan = fsdp(wrap=(Block,)) | amp("bf16") | checkpoint(Block)
+print(plan.explain())
+model, optim, loader = plan(model, optim, loader)
 """
 
 from composable_atorch import errors, estimate, strategy

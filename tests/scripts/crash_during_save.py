@@ -46,7 +46,9 @@ for step in (1, 2, 3):
     optim.zero_grad()
     if step == 2:
         ca.save_state(ckpt, model, optim, loader, step=2)
-        model_sd, optim_sd = get_state_dict(model, [optim.optimizer], options=StateDictOptions(flatten_optimizer_state_dict=True))
+        model_sd, optim_sd = get_state_dict(
+            model, [optim.optimizer], options=StateDictOptions(flatten_optimizer_state_dict=True)
+        )
         ref = {f"model.{k}": v for k, v in model_sd.items()}
         ref.update({f"optim.{k}": v for k, v in optim_sd.items() if isinstance(v, torch.Tensor)})
         save_file({k: v.contiguous() for k, v in ref.items()}, os.path.join(out, "step2.safetensors"))

@@ -40,7 +40,12 @@ def train(result, steps=12):
 
 def checksum(model):
     with torch.no_grad():
-        return float(sum(p.full_tensor().double().sum() if hasattr(p, "full_tensor") else p.double().sum() for p in model.parameters()))
+        return float(
+            sum(
+                p.full_tensor().double().sum() if hasattr(p, "full_tensor") else p.double().sum()
+                for p in model.parameters()
+            )
+        )
 
 
 def main():
@@ -48,19 +53,43 @@ def main():
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    common = dict(optim_func=torch.optim.AdamW, dataset=seed_task.DictText(), loss_func=seed_task.loss_func,
-                  model_input_format="unpack_dict", optim_args={"lr": 3e-3}, dataloader_args={"batch_size": 8, "shuffle": True})
+    common = dict(
+        optim_func=torch.optim.AdamW,
+        dataset=seed_task.DictText(),
+        loss_func=seed_task.loss_func,
+        model_input_format="unpack_dict",
+        optim_args={"lr": 3e-3},
+        dataloader_args={"batch_size": 8, "shuffle": True},
+    )
     report = {}
     status, result, plan = ca.auto_accelerate(
-        seed_task.build(), load_strategy=["parallel_mode", ("amp_native", {"dtype": torch.bfloat16})],
-        save_strategy_to_file=os.path.join(out_dir, "semi.json"), **common)
-    report["semi"] = {"status": status, "plan": plan.to_json(), "losses": train(result), "checksum": checksum(result.model),
-                      "use_optim_backward": result.args.use_optim_backward}
+        seed_task.build(),
+        load_strategy=["parallel_mode", ("amp_native", {"dtype": torch.bfloat16})],
+        save_strategy_to_file=os.path.join(out_dir, "semi.json"),
+        **common,
+    )
+    report["semi"] = {
+        "status": status,
+        "plan": plan.to_json(),
+        "losses": train(result),
+        "checksum": checksum(result.model),
+        "use_optim_backward": result.args.use_optim_backward,
+    }
     keep = {"amp", "checkpoint", "ddp", "fsdp", "zero1", "zero2"}
     status, result, plan = ca.auto_accelerate(
-        seed_task.build(), excluded=sorted(set(ca.registry()) - keep), n_trials=2, trial_timeout=90,
-        save_strategy_to_file=os.path.join(out_dir, "auto.json"), **common)
-    report["auto"] = {"status": status, "plan": plan.to_json(), "losses": train(result), "checksum": checksum(result.model)}
+        seed_task.build(),
+        excluded=sorted(set(ca.registry()) - keep),
+        n_trials=2,
+        trial_timeout=90,
+        save_strategy_to_file=os.path.join(out_dir, "auto.json"),
+        **common,
+    )
+    report["auto"] = {
+        "status": status,
+        "plan": plan.to_json(),
+        "losses": train(result),
+        "checksum": checksum(result.model),
+    }
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(report, f)
     dist.destroy_process_group()

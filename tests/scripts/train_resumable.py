@@ -53,7 +53,9 @@ def full_state(step: int) -> None:
     if rank == 0:
         tensors = {f"model.{k}": v for k, v in model_sd.items()}
         tensors.update({f"optim.{k}": v for k, v in optim_sd.items() if isinstance(v, torch.Tensor)})
-        save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(args.out, f"full-step-{step}.safetensors"))
+        save_file(
+            {k: v.contiguous() for k, v in tensors.items()}, os.path.join(args.out, f"full-step-{step}.safetensors")
+        )
 
 
 step = 0

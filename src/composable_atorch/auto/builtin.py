@@ -43,4 +43,6 @@ class GPTTask:
 
     def workload(self, seed: int = 0) -> Workload:
         # criterion: the same loss on (output, targets), so pipeline plans train too (see Workload)
-        return Workload(self.model, self.optimizer, self.dataset(), GPTTask.loss, self.batch_size, seed=seed, criterion=lm_loss)
+        return Workload(
+            self.model, self.optimizer, self.dataset(), GPTTask.loss, self.batch_size, seed=seed, criterion=lm_loss
+        )

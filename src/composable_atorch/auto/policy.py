@@ -74,9 +74,15 @@ class Budget:
     memory_margin: float = 0.03
 
     def __post_init__(self):
-        if isinstance(self.memory_margin, bool) or not isinstance(self.memory_margin, int | float) or not 0 <= self.memory_margin < 1:
+        if (
+            isinstance(self.memory_margin, bool)
+            or not isinstance(self.memory_margin, int | float)
+            or not 0 <= self.memory_margin < 1
+        ):
             raise ConfigError("memory_margin", self.memory_margin, "a fraction >= 0 and < 1, e.g. 0.03 (3 %)")
-        if self.n_trials is not None and (not isinstance(self.n_trials, int) or isinstance(self.n_trials, bool) or self.n_trials < 1):
+        if self.n_trials is not None and (
+            not isinstance(self.n_trials, int) or isinstance(self.n_trials, bool) or self.n_trials < 1
+        ):
             raise ConfigError("n_trials", self.n_trials, "None (every valid plan) or an integer >= 1")
         if self.time_limit is not None and (not isinstance(self.time_limit, int | float) or self.time_limit <= 0):
             raise ConfigError("time_limit", self.time_limit, "None or a positive number of seconds")
@@ -135,7 +141,11 @@ class StudyOptions:
             raise ConfigError("n_startup_trials", self.n_startup_trials, "an integer >= 0")
         if isinstance(self.prior, bool) or not isinstance(self.prior, int) or self.prior < 0:
             raise ConfigError("prior", self.prior, "an integer >= 0: plans predicted fastest, measured first")
-        if isinstance(self.predict_ahead_s, bool) or not isinstance(self.predict_ahead_s, int | float) or self.predict_ahead_s < 0:
+        if (
+            isinstance(self.predict_ahead_s, bool)
+            or not isinstance(self.predict_ahead_s, int | float)
+            or self.predict_ahead_s < 0
+        ):
             raise ConfigError("predict_ahead_s", self.predict_ahead_s, "seconds >= 0 to predict plans before the study")
 
     @property

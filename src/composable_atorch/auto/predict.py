@@ -84,7 +84,9 @@ def default_estimator() -> Estimator | None:
     return estimate
 
 
-def predict_plan(estimator: Estimator, plan: Plan, model, batch, *, world_size: int, device: str, **options) -> Prediction:
+def predict_plan(
+    estimator: Estimator, plan: Plan, model, batch, *, world_size: int, device: str, **options
+) -> Prediction:
     """Call the estimator on one plan and keep what the search uses: peak per rank, step time, FLOPs.
     ``options`` go to the estimator as they are (the workload's ``loss_fn``, ``optimizer`` and
     ``criterion``)."""
@@ -92,8 +94,12 @@ def predict_plan(estimator: Estimator, plan: Plan, model, batch, *, world_size: 
     per_rank = tuple(int(r.peak) for r in est.ranks)
     peak = est.peak if est.peak is not None else max(per_rank, default=None)
     step, flops = getattr(est, "step_time_s", None), getattr(est, "flops", None)
-    return Prediction(None if peak is None else int(peak), per_rank, None if step is None else float(step),
-                      None if flops is None else int(flops))
+    return Prediction(
+        None if peak is None else int(peak),
+        per_rank,
+        None if step is None else float(step),
+        None if flops is None else int(flops),
+    )
 
 
 class PredictionTimeout(Exception):
@@ -162,10 +168,17 @@ class Predictor:
         if key not in self.cache:
             try:
                 with time_limit(self.timeout_s):
-                    self.cache[key] = predict_plan(self.estimator, plan, self.model(), self.batch(),
-                                                    world_size=self.env.world_size, device=self.env.device,
-                                                    loss_fn=self.workload.loss_fn, optimizer=self.workload.optim_fn,
-                                                    criterion=self.workload.criterion)
+                    self.cache[key] = predict_plan(
+                        self.estimator,
+                        plan,
+                        self.model(),
+                        self.batch(),
+                        world_size=self.env.world_size,
+                        device=self.env.device,
+                        loss_fn=self.workload.loss_fn,
+                        optimizer=self.workload.optim_fn,
+                        criterion=self.workload.criterion,
+                    )
             except Exception as exc:  # noqa: BLE001 - no prediction: the plan is measured instead
                 self.cache[key] = Prediction(reason=f"{type(exc).__name__}: {exc}"[:300])
         return self.cache[key]

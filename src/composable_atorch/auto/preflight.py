@@ -37,14 +37,20 @@ def loss_hint(batch, exc: BaseException) -> str:
     """What to set when ``loss_fn(model, batch)`` fails on the plain model (names the argument)."""
     shape = _describe(batch)
     if isinstance(batch, dict):
-        return (f"the loader yields {shape}; a model whose forward takes those as keyword arguments needs the batch "
-                "unpacked: set model_input_format='unpack_dict' in auto_accelerate, or call model(**batch) in loss_fn")
+        return (
+            f"the loader yields {shape}; a model whose forward takes those as keyword arguments needs the batch "
+            "unpacked: set model_input_format='unpack_dict' in auto_accelerate, or call model(**batch) in loss_fn"
+        )
     if isinstance(batch, list | tuple) and isinstance(exc, TypeError | ValueError | AttributeError):
-        return (f"the loader yields {shape}; a model whose forward takes those as positional arguments needs the batch "
-                "unpacked: set model_input_format='unpack_sequence' in auto_accelerate, or call model(*batch) in "
-                "loss_fn; or pass prepare_input to pick the model's input")
-    return (f"make loss_fn(model, batch) run on one batch of the dataset ({shape}) in a single process, without any "
-            "plan; check the model's forward signature, prepare_input and loss_func")
+        return (
+            f"the loader yields {shape}; a model whose forward takes those as positional arguments needs the batch "
+            "unpacked: set model_input_format='unpack_sequence' in auto_accelerate, or call model(*batch) in "
+            "loss_fn; or pass prepare_input to pick the model's input"
+        )
+    return (
+        f"make loss_fn(model, batch) run on one batch of the dataset ({shape}) in a single process, without any "
+        "plan; check the model's forward signature, prepare_input and loss_func"
+    )
 
 
 def out_of_memory(exc: BaseException) -> bool:
@@ -70,15 +76,25 @@ def preflight(workload: Workload) -> PreflightResult:
         model = workload.model_fn()
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"returned {type(model).__name__}, not a torch.nn.Module")
-        stage, hint = "optim_fn(model)", "optim_fn must take the model (or be an optimizer class) and return a torch optimizer"
+        stage, hint = (
+            "optim_fn(model)",
+            "optim_fn must take the model (or be an optimizer class) and return a torch optimizer",
+        )
         optim = make_optimizer(workload.optim_fn, model)
-        stage, hint = "the data loader", ("the dataset must batch with torch's DataLoader at batch_size; check "
-                                          "dataloader_args / loader_kwargs and the dataset's __getitem__")
+        stage, hint = (
+            "the data loader",
+            (
+                "the dataset must batch with torch's DataLoader at batch_size; check "
+                "dataloader_args / loader_kwargs and the dataset's __getitem__"
+            ),
+        )
         kwargs = {"drop_last": True, **workload.loader_kwargs, "shuffle": False}
         kwargs.pop("generator", None)
         batch = next(iter(DataLoader(workload.dataset, batch_size=workload.batch_size, **kwargs)))
     except StopIteration:
-        raise WorkloadError("the data loader", "no full batch", f"give a dataset of at least batch_size={workload.batch_size} samples") from None
+        raise WorkloadError(
+            "the data loader", "no full batch", f"give a dataset of at least batch_size={workload.batch_size} samples"
+        ) from None
     except Exception as exc:  # noqa: BLE001 - every failure of the user's own code becomes the error
         if out_of_memory(exc):
             return PreflightResult(False, time.monotonic() - start, f"out of memory in {stage}: {exc}")
@@ -88,9 +104,16 @@ def preflight(workload: Workload) -> PreflightResult:
         if isinstance(loss, list | tuple) and loss:
             loss = loss[0]
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
-            what = type(loss).__name__ if not isinstance(loss, torch.Tensor) else f"a tensor of shape {tuple(loss.shape)}, requires_grad={loss.requires_grad}"
-            raise WorkloadError("loss_fn(model, batch)", f"returned {what}",
-                                "return the scalar loss tensor of the batch (or a tuple whose first item it is)")
+            what = (
+                type(loss).__name__
+                if not isinstance(loss, torch.Tensor)
+                else f"a tensor of shape {tuple(loss.shape)}, requires_grad={loss.requires_grad}"
+            )
+            raise WorkloadError(
+                "loss_fn(model, batch)",
+                f"returned {what}",
+                "return the scalar loss tensor of the batch (or a tuple whose first item it is)",
+            )
     except WorkloadError:
         raise
     except Exception as exc:  # noqa: BLE001
@@ -104,5 +127,9 @@ def preflight(workload: Workload) -> PreflightResult:
     except Exception as exc:  # noqa: BLE001
         if out_of_memory(exc):
             return PreflightResult(False, time.monotonic() - start, f"out of memory in the backward: {exc}")
-        raise _fail("the backward pass and optimizer step", exc, "check the loss depends on the model's parameters and the optimizer holds them") from exc
+        raise _fail(
+            "the backward pass and optimizer step",
+            exc,
+            "check the loss depends on the model's parameters and the optimizer holds them",
+        ) from exc
     return PreflightResult(True, time.monotonic() - start)

@@ -30,9 +30,13 @@ class TrialRecord:
         attrs = trial.user_attrs
         result = TrialResult.from_dict(attrs["result"]) if attrs.get("result") else None
         return cls(
-            number=trial.number, status=attrs.get("status", trial.state.name.lower()),
-            assignment=dict(attrs.get("assignment") or trial.params), plan_json=attrs.get("plan_json"),
-            steps=tuple(attrs.get("steps", ())), result=result, reason=attrs.get("reason"),
+            number=trial.number,
+            status=attrs.get("status", trial.state.name.lower()),
+            assignment=dict(attrs.get("assignment") or trial.params),
+            plan_json=attrs.get("plan_json"),
+            steps=tuple(attrs.get("steps", ())),
+            result=result,
+            reason=attrs.get("reason"),
             predicted=Prediction.from_dict(attrs.get("predicted")),
         )
 

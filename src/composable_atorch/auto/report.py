@@ -45,28 +45,35 @@ def rows(result: SearchResult) -> list[dict]:
     out = []
     for r in measured + skipped:
         res, pred = r.result, r.predicted
-        out.append({
-            "trial": r.number,
-            "plan": r.plan_label,
-            "steps": list(r.steps),
-            "samples_per_s": None if not res or res.samples_per_s is None else round(res.samples_per_s, 2),
-            "tokens_per_s": None if not res or res.tokens_per_s is None else round(res.tokens_per_s, 1),
-            "predicted_mib": _mib(pred.peak_bytes) if pred else None,
-            "peak_mib": None if not res or res.peak_bytes is None else round(res.peak_bytes / MiB, 2),
-            "predicted_step_s": None if not pred or pred.step_time_s is None else round(pred.step_time_s, 4),
-            "status": r.status,
-            "reason": r.reason or "",
-            "best": result.best is not None and r.number == result.best.number,
-        })
+        out.append(
+            {
+                "trial": r.number,
+                "plan": r.plan_label,
+                "steps": list(r.steps),
+                "samples_per_s": None if not res or res.samples_per_s is None else round(res.samples_per_s, 2),
+                "tokens_per_s": None if not res or res.tokens_per_s is None else round(res.tokens_per_s, 1),
+                "predicted_mib": _mib(pred.peak_bytes) if pred else None,
+                "peak_mib": None if not res or res.peak_bytes is None else round(res.peak_bytes / MiB, 2),
+                "predicted_step_s": None if not pred or pred.step_time_s is None else round(pred.step_time_s, 4),
+                "status": r.status,
+                "reason": r.reason or "",
+                "best": result.best is not None and r.number == result.best.number,
+            }
+        )
     return out
 
 
 def summary(result: SearchResult) -> dict:
     e = result.enumeration
     return {
-        "space": {"assignments": e.total, "valid_plans": len(e.valid), "invalid_assignments": len(e.invalid),
-                  "duplicate_assignments": e.duplicates,
-                  "rejected_sub_combinations": len(result.space.rejected), "knobs": {k: list(v) for k, v in result.space.options.items()}},
+        "space": {
+            "assignments": e.total,
+            "valid_plans": len(e.valid),
+            "invalid_assignments": len(e.invalid),
+            "duplicate_assignments": e.duplicates,
+            "rejected_sub_combinations": len(result.space.rejected),
+            "knobs": {k: list(v) for k, v in result.space.options.items()},
+        },
         "environment": result.space.env.describe(),
         "memory_limit_mib": None if result.memory_limit is None else round(result.memory_limit / MiB, 2),
         "memory_margin": result.memory_margin,
@@ -89,14 +96,34 @@ def summary(result: SearchResult) -> dict:
 def table(result: SearchResult) -> Table:
     """The trials table for a rich console."""
     t = Table(title=f"trials ({_title(result)})")
-    for col, justify in (("#", "right"), ("plan", "left"), ("samples/s", "right"), ("tokens/s", "right"),
-                         ("predicted MiB", "right"), ("peak MiB", "right"), ("status", "left"), ("reason", "left")):
+    for col, justify in (
+        ("#", "right"),
+        ("plan", "left"),
+        ("samples/s", "right"),
+        ("tokens/s", "right"),
+        ("predicted MiB", "right"),
+        ("peak MiB", "right"),
+        ("status", "left"),
+        ("reason", "left"),
+    ):
         t.add_column(col, justify=justify, overflow="fold")
     for row in rows(result):
-        style = "bold green" if row["best"] else {"failed": "red", "infeasible": "yellow", "predicted-infeasible": "dim"}.get(row["status"])
-        t.add_row(str(row["trial"]), row["plan"] + ("  ← best" if row["best"] else ""), _num(row["samples_per_s"]),
-                  _num(row["tokens_per_s"], 0), _num(row["predicted_mib"]), _num(row["peak_mib"]), row["status"],
-                  row["reason"][:120], style=style)
+        style = (
+            "bold green"
+            if row["best"]
+            else {"failed": "red", "infeasible": "yellow", "predicted-infeasible": "dim"}.get(row["status"])
+        )
+        t.add_row(
+            str(row["trial"]),
+            row["plan"] + ("  ← best" if row["best"] else ""),
+            _num(row["samples_per_s"]),
+            _num(row["tokens_per_s"], 0),
+            _num(row["predicted_mib"]),
+            _num(row["peak_mib"]),
+            row["status"],
+            row["reason"][:120],
+            style=style,
+        )
     return t
 
 
@@ -104,12 +131,19 @@ def _title(result: SearchResult) -> str:
     s = summary(result)
     budget = "" if s["memory_limit_mib"] is None else f", memory budget {s['memory_limit_mib']} MiB per rank"
     rejected = s["space"]["invalid_assignments"] + s["space"]["rejected_sub_combinations"]
-    predicted = "" if s["memory_limit_mib"] is None else (
-        f"; {s['skipped_by_prediction']} predicted over the budget (margin {s['memory_margin']:g}), not run; "
-        f"{s['runs_over_budget']} run(s) over the budget anyway")
-    return (f"{s['measured_total']} measured of {s['space']['valid_plans']} valid plans{budget}{predicted}; {rejected} invalid "
-            f"combinations rejected by compose(); {s['invalid_proposals']} invalid and {s['duplicate_proposals']} "
-            "repeated proposals cost no run")
+    predicted = (
+        ""
+        if s["memory_limit_mib"] is None
+        else (
+            f"; {s['skipped_by_prediction']} predicted over the budget (margin {s['memory_margin']:g}), not run; "
+            f"{s['runs_over_budget']} run(s) over the budget anyway"
+        )
+    )
+    return (
+        f"{s['measured_total']} measured of {s['space']['valid_plans']} valid plans{budget}{predicted}; {rejected} invalid "
+        f"combinations rejected by compose(); {s['invalid_proposals']} invalid and {s['duplicate_proposals']} "
+        "repeated proposals cost no run"
+    )
 
 
 def _num(value, digits: int = 1) -> str:
@@ -120,8 +154,10 @@ def text_table(result: SearchResult) -> str:
     """The trials table as plain text (logs, files)."""
     lines = [_title(result), f"{'#':>4}  {'plan':<48} {'samples/s':>10} {'predicted MiB':>13} {'peak MiB':>9}  status"]
     for r in rows(result):
-        lines.append(f"{r['trial']:>4}  {r['plan'][:48]:<48} {_num(r['samples_per_s']):>10} {_num(r['predicted_mib']):>13} {_num(r['peak_mib']):>9}  "
-                     f"{r['status']}{' (best)' if r['best'] else ''} {r['reason'][:80]}")
+        lines.append(
+            f"{r['trial']:>4}  {r['plan'][:48]:<48} {_num(r['samples_per_s']):>10} {_num(r['predicted_mib']):>13} {_num(r['peak_mib']):>9}  "
+            f"{r['status']}{' (best)' if r['best'] else ''} {r['reason'][:80]}"
+        )
     return "\n".join(lines)
 
 
@@ -130,9 +166,11 @@ def figures(study) -> list[tuple[str, object | None, str]]:
     from optuna import visualization as vis
 
     out = []
-    for title, make in (("optimization history", vis.plot_optimization_history),
-                        ("parameter importances", vis.plot_param_importances),
-                        ("slices", vis.plot_slice)):
+    for title, make in (
+        ("optimization history", vis.plot_optimization_history),
+        ("parameter importances", vis.plot_param_importances),
+        ("slices", vis.plot_slice),
+    ):
         try:
             out.append((title, make(study), ""))
         except Exception as exc:  # noqa: BLE001 - e.g. too few complete trials for importances
@@ -144,7 +182,10 @@ def write_html(result: SearchResult, path: str | Path) -> Path:
     path = Path(path)
     parts = [f"<h1>composable_atorch search</h1><p>{html.escape(_title(result))}</p>"]
     parts.append("<pre>" + html.escape(json.dumps(summary(result), indent=2)) + "</pre>")
-    head = "".join(f"<th>{c}</th>" for c in ("#", "plan", "samples/s", "tokens/s", "predicted MiB", "measured peak MiB", "status", "reason"))
+    head = "".join(
+        f"<th>{c}</th>"
+        for c in ("#", "plan", "samples/s", "tokens/s", "predicted MiB", "measured peak MiB", "status", "reason")
+    )
     bold = ' style="font-weight:bold"'
     body = "".join(
         f"<tr{bold if r['best'] else ''}><td>{r['trial']}</td><td>{html.escape(r['plan'])}</td>"
@@ -163,8 +204,11 @@ def write_html(result: SearchResult, path: str | Path) -> Path:
             continue
         parts.append(fig.to_html(full_html=False, include_plotlyjs=include_js))
         include_js = False
-    path.write_text("<!doctype html><html><head><meta charset='utf-8'><title>search report</title></head><body>"
-                    + "\n".join(parts) + "</body></html>")
+    path.write_text(
+        "<!doctype html><html><head><meta charset='utf-8'><title>search report</title></head><body>"
+        + "\n".join(parts)
+        + "</body></html>"
+    )
     return path
 
 
@@ -180,4 +224,3 @@ def write_all(result: SearchResult, out_dir: str | Path) -> dict[str, Path]:
     written["trials"].write_text(json.dumps({"summary": summary(result), "trials": rows(result)}, indent=2) + "\n")
     written["report"] = write_html(result, out / "report.html")
     return written
-

@@ -191,7 +191,9 @@ class SearchSpace:
             if not found:
                 if kind in included_kinds:
                     raise ConfigError(
-                        "included", kind, f"transforms that offer search candidates here ({kind} offers none for {self.env.describe()}); pass it in load_strategy instead"
+                        "included",
+                        kind,
+                        f"transforms that offer search candidates here ({kind} offers none for {self.env.describe()}); pass it in load_strategy instead",
                     )
                 continue
             per_kind[kind] = ([] if kind in included_kinds else [None]) + list(dict.fromkeys(found))
@@ -205,7 +207,9 @@ class SearchSpace:
     def _knob(self, group: tuple[str, ...], per_kind: dict) -> dict[str, tuple[Transform, ...]]:
         if len(group) == 1:
             return {ABSENT if t is None else label_of(t): (() if t is None else (t,)) for t in per_kind[group[0]]}
-        combos = [tuple(t for t in combo if t is not None) for combo in itertools.product(*(per_kind[k] for k in group))]
+        combos = [
+            tuple(t for t in combo if t is not None) for combo in itertools.product(*(per_kind[k] for k in group))
+        ]
         by_key: dict[str, tuple[Transform, ...]] = {}
         for combo in sorted(combos, key=len, reverse=True):  # the explicit spelling wins over an implied one
             label = " + ".join(label_of(t) for t in combo) or ABSENT

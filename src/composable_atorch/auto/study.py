@@ -33,7 +33,16 @@ from composable_atorch.core.plan import Plan
 from composable_atorch.environment import Environment
 from composable_atorch.errors import ConfigError
 
-__all__ = ["Budget", "SearchResult", "SpaceOptions", "StudyOptions", "TrialRecord", "parse_bytes", "search", "storage_url"]
+__all__ = [
+    "Budget",
+    "SearchResult",
+    "SpaceOptions",
+    "StudyOptions",
+    "TrialRecord",
+    "parse_bytes",
+    "search",
+    "storage_url",
+]
 
 #: Consecutive proposals that are invalid or already measured before an untried neighbour of the
 #: best plan is enqueued (samplers on small categorical spaces keep proposing their favourite).
@@ -69,8 +78,10 @@ def needs_criterion(plan: Plan) -> str | None:
     """Why a workload without ``criterion`` cannot train ``plan`` (a pipeline runs the loss inside its
     schedule, on the last stage's output: ``loss_fn(model, batch)`` has no place there)."""
     if pipeline_degree(plan) > 1:
-        return ("RequirementError: a pipeline plan needs Workload.criterion(output, targets) and batches of "
-                "(inputs, targets); this workload gives loss_fn(model, batch) only")
+        return (
+            "RequirementError: a pipeline plan needs Workload.criterion(output, targets) and batches of "
+            "(inputs, targets); this workload gives loss_fn(model, batch) only"
+        )
     return None
 
 
@@ -88,12 +99,31 @@ def _example_model(model_fn):
 #: the keywords of the 0.x signature ``search(model_fn, optim_fn, dataset, loss_fn, **these)``
 #: and the policy each one belongs to
 LEGACY_KEYWORDS = {
-    "world_size": "trial", "warmup_steps": "trial", "measure_steps": "trial", "trial_timeout": "trial",
-    "n_trials": "budget", "time_limit": "budget", "memory_limit": "budget",
-    "excluded": "space", "included": "space", "start_from": "space", "allow_compile": "space", "customize": "space",
-    "storage": "study", "study_name": "study", "seed": "study", "sampler": "study", "n_startup_trials": "study",
-    "baseline_first": "study", "preflight": "study", "batch_size": "workload", "loader_kwargs": "workload",
-    "memory_margin": "budget", "predict": "study", "prior": "study", "predict_ahead_s": "study",
+    "world_size": "trial",
+    "warmup_steps": "trial",
+    "measure_steps": "trial",
+    "trial_timeout": "trial",
+    "n_trials": "budget",
+    "time_limit": "budget",
+    "memory_limit": "budget",
+    "excluded": "space",
+    "included": "space",
+    "start_from": "space",
+    "allow_compile": "space",
+    "customize": "space",
+    "storage": "study",
+    "study_name": "study",
+    "seed": "study",
+    "sampler": "study",
+    "n_startup_trials": "study",
+    "baseline_first": "study",
+    "preflight": "study",
+    "batch_size": "workload",
+    "loader_kwargs": "workload",
+    "memory_margin": "budget",
+    "predict": "study",
+    "prior": "study",
+    "predict_ahead_s": "study",
 }
 
 
@@ -101,22 +131,38 @@ def policies_from_keywords(model_fn, optim_fn, dataset, loss_fn, **kwargs):
     """The 0.x call's four factories and keywords as ``(workload, trial, budget, space, study)``."""
     unknown = sorted(set(kwargs) - set(LEGACY_KEYWORDS))
     if unknown:
-        raise TypeError(f"search() got unexpected keyword argument(s) {unknown}; "
-                        "pass trial=, budget=, space= and study= policies (composable_atorch.auto.policy)")
+        raise TypeError(
+            f"search() got unexpected keyword argument(s) {unknown}; "
+            "pass trial=, budget=, space= and study= policies (composable_atorch.auto.policy)"
+        )
     if "world_size" not in kwargs or "batch_size" not in kwargs:
-        raise TypeError("search(model_fn, optim_fn, dataset, loss_fn, ...) needs world_size= and batch_size=; "
-                        "or pass a Workload: search(workload, trial=TrialSettings(world_size=...))")
+        raise TypeError(
+            "search(model_fn, optim_fn, dataset, loss_fn, ...) needs world_size= and batch_size=; "
+            "or pass a Workload: search(workload, trial=TrialSettings(world_size=...))"
+        )
     batch_size = kwargs.pop("batch_size")
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise ConfigError("batch_size", batch_size, "the global batch size, an integer >= 1")
-    workload = Workload(model_fn, optim_fn, dataset, loss_fn, batch_size, dict(kwargs.pop("loader_kwargs", None) or {}),
-                        kwargs.get("seed") or 0)
+    workload = Workload(
+        model_fn,
+        optim_fn,
+        dataset,
+        loss_fn,
+        batch_size,
+        dict(kwargs.pop("loader_kwargs", None) or {}),
+        kwargs.get("seed") or 0,
+    )
     groups: dict[str, dict] = {"trial": {}, "budget": {}, "space": {}, "study": {}}
     for key, value in kwargs.items():
         groups[LEGACY_KEYWORDS[key]]["timeout" if key == "trial_timeout" else key] = value
     groups["trial"].setdefault("measure_steps", 5)
-    return (workload, TrialSettings(**groups["trial"]), Budget(**groups["budget"]), SpaceOptions(**groups["space"]),
-            StudyOptions(**groups["study"]))
+    return (
+        workload,
+        TrialSettings(**groups["trial"]),
+        Budget(**groups["budget"]),
+        SpaceOptions(**groups["space"]),
+        StudyOptions(**groups["study"]),
+    )
 
 
 def search(
@@ -150,12 +196,16 @@ def search(
     """
     if not isinstance(workload, Workload):
         if len(args) != 3 or any(p is not None for p in (trial, budget, space, study)):
-            raise TypeError("search(workload, *, trial=, budget=, space=, study=) or the 0.x form "
-                            "search(model_fn, optim_fn, dataset, loss_fn, world_size=, batch_size=, ...)")
+            raise TypeError(
+                "search(workload, *, trial=, budget=, space=, study=) or the 0.x form "
+                "search(model_fn, optim_fn, dataset, loss_fn, world_size=, batch_size=, ...)"
+            )
         workload, trial, budget, space, study = policies_from_keywords(workload, *args, **legacy)
     elif args or legacy:
-        raise TypeError(f"search(workload, ...) takes only policy keywords (trial=, budget=, space=, study=); got "
-                        f"{len(args)} more positional and {sorted(legacy)}")
+        raise TypeError(
+            f"search(workload, ...) takes only policy keywords (trial=, budget=, space=, study=); got "
+            f"{len(args)} more positional and {sorted(legacy)}"
+        )
     trial, budget = trial or TrialSettings(), budget or Budget()
     space, study = space or SpaceOptions(), study or StudyOptions()
     checked = None
@@ -168,7 +218,9 @@ def search(
     predictor = None
     if study.predict:
         estimator = estimator or default_estimator()
-        predictor = estimator if isinstance(estimator, Predictor) or estimator is None else Predictor(estimator, workload, env)
+        predictor = (
+            estimator if isinstance(estimator, Predictor) or estimator is None else Predictor(estimator, workload, env)
+        )
     loop = _Loop(workload, trial, budget, space, study, env, runner, progress, predictor)
     result = loop.run()
     result.preflight = checked
@@ -178,26 +230,48 @@ def search(
 class _Loop:
     """The ask/tell loop, one method per outcome of a proposal: invalid, duplicate, failed, measured."""
 
-    def __init__(self, workload, trial: TrialSettings, budget: Budget, space: SpaceOptions, study: StudyOptions,
-                 env: Environment, runner, progress: bool, predictor: Predictor | None = None):
+    def __init__(
+        self,
+        workload,
+        trial: TrialSettings,
+        budget: Budget,
+        space: SpaceOptions,
+        study: StudyOptions,
+        env: Environment,
+        runner,
+        progress: bool,
+        predictor: Predictor | None = None,
+    ):
         import optuna
 
         from composable_atorch.core.transform import SearchContext
 
         self.trial_settings, self.budget, self.runner, self.progress, self.env = trial, budget, runner, progress, env
         self.limit = budget.memory_bytes
-        context = SearchContext(env=env, block_classes=block_classes(_example_model(workload.model_fn)),
-                                batch_size=workload.batch_size, allow_compile=space.allow_compile)
+        context = SearchContext(
+            env=env,
+            block_classes=block_classes(_example_model(workload.model_fn)),
+            batch_size=workload.batch_size,
+            allow_compile=space.allow_compile,
+        )
         start_from = space.start_from
-        self.space = SearchSpace(context, excluded=space.excluded, included=space.included,
-                                 extra=start_from.requested if start_from else (), customize=space.customize,
-                                 admit=None if workload.criterion is not None else needs_criterion)
+        self.space = SearchSpace(
+            context,
+            excluded=space.excluded,
+            included=space.included,
+            extra=start_from.requested if start_from else (),
+            customize=space.customize,
+            admit=None if workload.criterion is not None else needs_criterion,
+        )
         self.enumeration = self.space.enumerate()
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         url = study.url
         self.study = optuna.create_study(
-            direction="maximize", sampler=make_sampler(study.sampler, study.seed, study.n_startup_trials), storage=url,
-            study_name=study.study_name or ("composable_atorch-search" if url else None), load_if_exists=True,
+            direction="maximize",
+            sampler=make_sampler(study.sampler, study.seed, study.n_startup_trials),
+            storage=url,
+            study_name=study.study_name or ("composable_atorch-search" if url else None),
+            load_if_exists=True,
         )
         self.study.set_user_attr("memory_limit", self.limit)
         self.seen: dict[str, int] = {}
@@ -207,8 +281,11 @@ class _Loop:
                 self.seen.setdefault(t.user_attrs["plan_key"], t.number)
         self.rng = random.Random(study.seed)
         self.predictor, self.margin, self.predictions, self.prediction_s = predictor, budget.memory_margin, {}, 0.0
-        self.earlier_skips = {t.user_attrs.get("plan_key"): t.number for t in self.study.trials
-                              if t.user_attrs.get("status") == "predicted-infeasible"}
+        self.earlier_skips = {
+            t.user_attrs.get("plan_key"): t.number
+            for t in self.study.trials
+            if t.user_attrs.get("status") == "predicted-infeasible"
+        }
         if predictor is not None:
             self._predict_ahead(study.predict_ahead_s)
         untried = [k for k in self.enumeration.valid if k not in self.seen]
@@ -255,19 +332,30 @@ class _Loop:
     def _skip(self, trial, key: str) -> None:
         """Record a plan predicted over the budget on ``trial`` (told as pruned and infeasible by the caller)."""
         point, pred = self.enumeration.valid[key], self.predictions[key]
-        for name, value in (("plan_key", key), ("steps", list(point.plan.names)), ("plan_json", point.plan.to_json(indent=None)),
-                            ("status", "predicted-infeasible"), ("predicted", pred.to_dict())):
+        for name, value in (
+            ("plan_key", key),
+            ("steps", list(point.plan.names)),
+            ("plan_json", point.plan.to_json(indent=None)),
+            ("status", "predicted-infeasible"),
+            ("predicted", pred.to_dict()),
+        ):
             trial.set_user_attr(name, value)
-        trial.set_user_attr("reason", f"predicted peak {pred.peak_bytes / 2**20:.1f} MiB x (1 + margin {self.margin:g}) > "
-                                      f"budget {self.limit / 2**20:.1f} MiB; not run")
+        trial.set_user_attr(
+            "reason",
+            f"predicted peak {pred.peak_bytes / 2**20:.1f} MiB x (1 + margin {self.margin:g}) > "
+            f"budget {self.limit / 2**20:.1f} MiB; not run",
+        )
         trial.set_constraint("memory", (pred.peak_bytes - self.limit) / self.limit)
         self.seen[key] = trial.number
 
     def _enqueue_prior(self, count: int) -> tuple[str, ...]:
         """Enqueue the ``count`` plans predicted fastest (:attr:`Prediction.speed_key`) among those
         predicted to fit and not measured yet; ties keep the seeded random order of the predictions."""
-        ranked = [(p.speed_key, i, k) for i, (k, p) in enumerate(self.predictions.items())
-                  if p.speed_key is not None and k not in self.seen]
+        ranked = [
+            (p.speed_key, i, k)
+            for i, (k, p) in enumerate(self.predictions.items())
+            if p.speed_key is not None and k not in self.seen
+        ]
         chosen = [k for _, _, k in sorted(ranked)[:count]]
         for key in chosen:
             self.study.enqueue_trial(dict(self.enumeration.valid[key].assignment), skip_if_exists=False)
@@ -279,18 +367,23 @@ class _Loop:
         preds = list(self.predictions.values())
         known, timed = sum(p.known for p in preds), sum(p.step_time_s is not None for p in preds)
         why = next((p.reason for p in preds if not p.known), None)
-        return (f"{known} of {len(self.enumeration.valid)} valid plans predicted ({timed} with a step time; "
-                f"{self.prediction_s:.1f} s ahead of the study, the rest when proposed); "
-                f"{sum(r == 'predicted-infeasible' for r in self._statuses())} predicted over the budget, not run"
-                + (f"; no prediction for some: {why}" if why else ""))
+        return (
+            f"{known} of {len(self.enumeration.valid)} valid plans predicted ({timed} with a step time; "
+            f"{self.prediction_s:.1f} s ahead of the study, the rest when proposed); "
+            f"{sum(r == 'predicted-infeasible' for r in self._statuses())} predicted over the budget, not run"
+            + (f"; no prediction for some: {why}" if why else "")
+        )
 
     def _statuses(self) -> list[str]:
         return [t.user_attrs.get("status", "") for t in self.study.trials]
 
     def _enqueue_first(self, plan: Plan | None) -> None:
         if plan is None:  # the baseline: what compose() makes of no request (at world > 1, data parallel)
-            base = self.space.point({k: ABSENT for k in self.space.kinds}) if all(
-                ABSENT in c for c in self.space.options.values()) else None
+            base = (
+                self.space.point({k: ABSENT for k in self.space.kinds})
+                if all(ABSENT in c for c in self.space.options.values())
+                else None
+            )
             key = base.key if base is not None and base.valid else self._key_of_nothing()
             point = self.enumeration.valid.get(key) if key else None
             if point is not None and point.key not in self.seen:
@@ -331,7 +424,13 @@ class _Loop:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
         console = Console(stderr=False, quiet=not self.progress)
-        columns = (TextColumn("[bold]search"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[best]}"), TimeElapsedColumn())
+        columns = (
+            TextColumn("[bold]search"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[best]}"),
+            TimeElapsedColumn(),
+        )
         start, stopped_by = time.monotonic(), ""
         with Progress(*columns, console=console, disable=not self.progress, transient=False) as bar:
             self.bar, self.task = bar, bar.add_task("search", total=self.target, best="")
@@ -346,18 +445,31 @@ class _Loop:
         best = _best(records)
         c = self.counts
         return SearchResult(
-            study=self.study, space=self.space, enumeration=self.enumeration, records=records, best=best,
-            best_plan=Plan.from_json(best.plan_json, env=self.env) if best else None, memory_limit=self.limit,
-            wall_time=time.monotonic() - start, measured_now=c["measured"], invalid_proposals=c["invalid"],
-            duplicate_proposals=c["duplicate"], dry_runs_on_invalid=c["dry_invalid"], stopped_by=stopped_by,
-            memory_margin=self.budget.memory_margin, prediction_note=self.prediction_note(),
-            prediction_s=self.prediction_s, prior_labels=self.prior_labels,
+            study=self.study,
+            space=self.space,
+            enumeration=self.enumeration,
+            records=records,
+            best=best,
+            best_plan=Plan.from_json(best.plan_json, env=self.env) if best else None,
+            memory_limit=self.limit,
+            wall_time=time.monotonic() - start,
+            measured_now=c["measured"],
+            invalid_proposals=c["invalid"],
+            duplicate_proposals=c["duplicate"],
+            dry_runs_on_invalid=c["dry_invalid"],
+            stopped_by=stopped_by,
+            memory_margin=self.budget.memory_margin,
+            prediction_note=self.prediction_note(),
+            prediction_s=self.prediction_s,
+            prior_labels=self.prior_labels,
         )
 
     def _step(self, remaining: float | None) -> None:
         """Ask for one proposal and tell optuna its outcome."""
         if self.repeats >= MAX_REPEATS:
-            self.study.enqueue_trial(_neighbour(self.study, self.enumeration, self.seen, self.rng), skip_if_exists=False)
+            self.study.enqueue_trial(
+                _neighbour(self.study, self.enumeration, self.seen, self.rng), skip_if_exists=False
+            )
             self.repeats = 0
         trial = self.study.ask()
         assignment = self.space.suggest(trial)
@@ -406,8 +518,10 @@ class _Loop:
         self.repeats += 1
         self._skip(trial, point.key)
         self.study.tell(trial, state=optuna.trial.TrialState.PRUNED)
-        self.bar.console.print(f"  #{trial.number} {TrialRecord(trial.number, '', dict(point.assignment)).plan_label}: "
-                               f"[dim]predicted over the budget, not run[/dim]")
+        self.bar.console.print(
+            f"  #{trial.number} {TrialRecord(trial.number, '', dict(point.assignment)).plan_label}: "
+            f"[dim]predicted over the budget, not run[/dim]"
+        )
 
     def _tell_duplicate(self, trial, point: Point) -> None:
         import optuna

@@ -85,7 +85,9 @@ def check_picklable(workload: Workload) -> None:
             pickle.dumps(getattr(workload, name))
         except Exception as exc:  # noqa: BLE001 - pickling can fail in many ways
             raise ConfigError(
-                name, getattr(workload, name), f"a module-level function, class or picklable object: trials run in fresh processes ({exc})"
+                name,
+                getattr(workload, name),
+                f"a module-level function, class or picklable object: trials run in fresh processes ({exc})",
             ) from None
 
 
@@ -186,9 +188,15 @@ def run_trial(plan_json: str, workload: Workload, settings: TrialSettings) -> Tr
 
     def spec_for(tmp: str) -> RankSpec:
         return RankSpec(
-            plan_json=plan_json, workload=workload, world_size=settings.world_size, out_dir=tmp,
-            init_file=os.path.join(tmp, "pg_init"), warmup_steps=settings.warmup_steps,
-            measure_steps=settings.measure_steps, measure_memory=settings.measure_memory, timeout=settings.timeout,
+            plan_json=plan_json,
+            workload=workload,
+            world_size=settings.world_size,
+            out_dir=tmp,
+            init_file=os.path.join(tmp, "pg_init"),
+            warmup_steps=settings.warmup_steps,
+            measure_steps=settings.measure_steps,
+            measure_memory=settings.measure_memory,
+            timeout=settings.timeout,
         )
 
     results, failure, wall = _spawn(spec_for, settings.world_size, settings.timeout)
@@ -204,9 +212,16 @@ def run_trial(plan_json: str, workload: Workload, settings: TrialSettings) -> Tr
     peaks = [r.get("peak_bytes") for r in results]
     known = [p for p in peaks if p is not None]
     return TrialResult(
-        status="ok", samples_per_s=samples, tokens_per_s=tokens, step_time=step_time,
-        peak_bytes=max(known) if known else None, peak_bytes_per_rank=peaks, memory_method=head.get("memory_method"),
-        wall_time=wall, losses=head.get("losses", []), samples_per_step=per_step,
+        status="ok",
+        samples_per_s=samples,
+        tokens_per_s=tokens,
+        step_time=step_time,
+        peak_bytes=max(known) if known else None,
+        peak_bytes_per_rank=peaks,
+        memory_method=head.get("memory_method"),
+        wall_time=wall,
+        losses=head.get("losses", []),
+        samples_per_step=per_step,
     )
 
 
@@ -228,13 +243,28 @@ def samples_per_step(results: list[dict], global_batch: int) -> float:
     return distinct / steps
 
 
-def train_plan(plan_json: str, workload: Workload, *, world_size: int, steps: int, timeout: float,
-               on_step: Callable[[int, float], None] | None = None) -> tuple[list[float] | None, str | None]:
+def train_plan(
+    plan_json: str,
+    workload: Workload,
+    *,
+    world_size: int,
+    steps: int,
+    timeout: float,
+    on_step: Callable[[int, float], None] | None = None,
+) -> tuple[list[float] | None, str | None]:
     """Train a plan for ``steps`` optimizer steps at ``world_size``: (rank 0's losses, failure or None)."""
 
     def spec_for(tmp: str) -> RankSpec:
-        return RankSpec(plan_json=plan_json, workload=workload, world_size=world_size, out_dir=tmp,
-                        init_file=os.path.join(tmp, "pg_init"), mode="train", train_steps=steps, timeout=timeout)
+        return RankSpec(
+            plan_json=plan_json,
+            workload=workload,
+            world_size=world_size,
+            out_dir=tmp,
+            init_file=os.path.join(tmp, "pg_init"),
+            mode="train",
+            train_steps=steps,
+            timeout=timeout,
+        )
 
     results, failure, _ = _spawn(spec_for, world_size, timeout, on_progress=on_step or (lambda *_: None))
     if failure is not None:

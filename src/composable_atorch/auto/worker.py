@@ -203,8 +203,10 @@ def needs_criterion(model) -> str | None:
 
     if getattr(model, PIPELINE_ATTR, None) is None:
         return None
-    return ("this plan is a pipeline: its loss runs inside the schedule on the last stage's output, so it needs "
-            "Workload.criterion(output, targets) and a loader of (inputs, targets) batches")
+    return (
+        "this plan is a pipeline: its loss runs inside the schedule on the last stage's output, so it needs "
+        "Workload.criterion(output, targets) and a loader of (inputs, targets) batches"
+    )
 
 
 def step_call(model, batch, loss_fn, criterion) -> tuple[Any, Any, Any, Any]:
@@ -215,8 +217,9 @@ def step_call(model, batch, loss_fn, criterion) -> tuple[Any, Any, Any, Any]:
     return WholeBatch(model, loss_fn), batch, None, loss_of_output
 
 
-def train_step(model, optim, data: Iterator, loss_fn, device: str, before_micro=None, seen: list | None = None,
-               *, criterion=None) -> tuple[float, Any]:
+def train_step(
+    model, optim, data: Iterator, loss_fn, device: str, before_micro=None, seen: list | None = None, *, criterion=None
+) -> tuple[float, Any]:
     """One optimizer step through :func:`composable_atorch.train_step` (the call that trains every plan):
     as many micro-batches as the plan's accumulation asks for (each batch this rank consumed is
     appended to ``seen`` when given). Returns the step's mean loss and its last batch."""
@@ -275,7 +278,10 @@ def peak_bytes_of_step(step: Callable[..., Any], model, optim, device: str) -> t
         step(before_micro=tracker.reset_mod_stats)
     peak = tracker.get_tracker_snapshot("peak")
     total = sum(int(snap.get("Total", 0)) for snap in peak.values())
-    return total, "torch MemTracker peak over one step (parameters, gradients, optimizer state, activations, temporaries)"
+    return (
+        total,
+        "torch MemTracker peak over one step (parameters, gradients, optimizer state, activations, temporaries)",
+    )
 
 
 def _isolate() -> None:
@@ -313,8 +319,12 @@ def rank_main(rank: int, spec: RankSpec, progress=None) -> None:
         del os.environ[key]
     world = spec.world_size
     os.environ.update(
-        OMP_NUM_THREADS="1", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-        LOCAL_WORLD_SIZE=str(world), DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cpu"),
+        OMP_NUM_THREADS="1",
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cpu"),
     )
     result_path = os.path.join(spec.out_dir, f"rank{rank}.json")
     try:
@@ -326,14 +336,24 @@ def rank_main(rank: int, spec: RankSpec, progress=None) -> None:
         if device == "cuda":
             torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(
-            "nccl" if device == "cuda" else "gloo", init_method=f"file://{spec.init_file}", rank=rank,
-            world_size=world, timeout=datetime.timedelta(seconds=max(30.0, spec.timeout)),
+            "nccl" if device == "cuda" else "gloo",
+            init_method=f"file://{spec.init_file}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=max(30.0, spec.timeout)),
         )
         out = _run(rank, spec, device, progress)
         _write(result_path, {"status": "ok", **out})
     except BaseException as exc:  # noqa: BLE001 - every failure becomes the trial's reason
-        _write(result_path, {"status": "error", "kind": classify(exc), "reason": f"{type(exc).__name__}: {exc}"[:2000],
-                             "traceback": traceback.format_exc()[-4000:]})
+        _write(
+            result_path,
+            {
+                "status": "error",
+                "kind": classify(exc),
+                "reason": f"{type(exc).__name__}: {exc}"[:2000],
+                "traceback": traceback.format_exc()[-4000:],
+            },
+        )
         os._exit(1)  # do not wait in collectives or atexit handlers of a broken group
     with contextlib.suppress(Exception):
         dist.destroy_process_group()
@@ -374,15 +394,20 @@ def _run(rank: int, spec: RankSpec, device: str, progress) -> dict:
     for _ in range(spec.measure_steps):
         t0 = time.perf_counter()
         consumed.append([])
-        loss, batch = train_step(model, optim, data, loss_fn, device, seen=consumed[-1], criterion=criterion)  # .item() inside: the step is done
+        loss, batch = train_step(
+            model, optim, data, loss_fn, device, seen=consumed[-1], criterion=criterion
+        )  # .item() inside: the step is done
         step_times.append(time.perf_counter() - t0)
         losses.append(loss)
     dist.barrier()
     elapsed = time.perf_counter() - start
     # after the clock: what this rank trained on, sample by sample, per measured step
     per_step = [[sample_ids(b) for b in step] for step in consumed]
-    ids = None if any(got is None for step in per_step for got in step) else [
-        [i for got in step for i in got] for step in per_step]
+    ids = (
+        None
+        if any(got is None for step in per_step for got in step)
+        else [[i for got in step for i in got] for step in per_step]
+    )
     peak, method = None, None
     if spec.measure_memory:
         fetched = prefetch(optim, data, device)  # before the tracker: it measures forward/backward/step only

@@ -38,14 +38,27 @@ DEMO_EXCLUDED = ("fp8",)
 DEMO_PREDICT_AHEAD_S = 20.0
 
 
-def train(plan_json: str, *, world_size: int, steps: int, console: Console, timeout: float = 900.0) -> list[float] | None:
+def train(
+    plan_json: str, *, world_size: int, steps: int, console: Console, timeout: float = 900.0
+) -> list[float] | None:
     """Train a plan at ``world_size`` in fresh processes with a progress bar; rank 0's losses."""
-    columns = (TextColumn("[bold]training"), BarColumn(), TextColumn("step {task.completed}/{task.total}"),
-               TextColumn("loss {task.fields[loss]:.3f}"), TimeElapsedColumn())
+    columns = (
+        TextColumn("[bold]training"),
+        BarColumn(),
+        TextColumn("step {task.completed}/{task.total}"),
+        TextColumn("loss {task.fields[loss]:.3f}"),
+        TimeElapsedColumn(),
+    )
     with Progress(*columns, console=console) as bar:
         task = bar.add_task("train", total=steps, loss=float("nan"))
-        losses, failure = train_plan(plan_json, TASK.workload(), world_size=world_size, steps=steps, timeout=timeout,
-                                     on_step=lambda step, loss: bar.update(task, completed=step, loss=loss))
+        losses, failure = train_plan(
+            plan_json,
+            TASK.workload(),
+            world_size=world_size,
+            steps=steps,
+            timeout=timeout,
+            on_step=lambda step, loss: bar.update(task, completed=step, loss=loss),
+        )
     if failure:
         console.print(f"[red]training failed: {failure}[/red]")
         return None
@@ -53,8 +66,11 @@ def train(plan_json: str, *, world_size: int, steps: int, console: Console, time
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m composable_atorch demo", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m composable_atorch demo",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--out", default="runs/demo", help="where best_plan.json, report.html and trials.json go")
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--trials", type=int, default=10, help="plans to measure in the search")
@@ -73,16 +89,23 @@ def main(argv: list[str]) -> int:
         if args.plan:
             plan = strategy.load(args.plan, env=env)
         else:
-            console.print(f"[bold]searching[/bold] plans for a {TASK.n_layer}-block GPT (d={TASK.d_model}, seq {TASK.seq_len}, "
-                          f"global batch {TASK.batch_size}) at world {args.world_size}, memory budget {args.memory_limit} per rank; "
-                          f"left out: {', '.join(DEMO_EXCLUDED)} (emulated on a CPU)")
+            console.print(
+                f"[bold]searching[/bold] plans for a {TASK.n_layer}-block GPT (d={TASK.d_model}, seq {TASK.seq_len}, "
+                f"global batch {TASK.batch_size}) at world {args.world_size}, memory budget {args.memory_limit} per rank; "
+                f"left out: {', '.join(DEMO_EXCLUDED)} (emulated on a CPU)"
+            )
             result = search(
-                TASK.workload(args.seed), trial=TrialSettings(world_size=args.world_size, measure_steps=5), env=env,
+                TASK.workload(args.seed),
+                trial=TrialSettings(world_size=args.world_size, measure_steps=5),
+                env=env,
                 budget=Budget(n_trials=args.trials, time_limit=args.time_limit, memory_limit=args.memory_limit),
-                space=SpaceOptions(excluded=DEMO_EXCLUDED), study=StudyOptions(seed=args.seed, predict_ahead_s=DEMO_PREDICT_AHEAD_S),
+                space=SpaceOptions(excluded=DEMO_EXCLUDED),
+                study=StudyOptions(seed=args.seed, predict_ahead_s=DEMO_PREDICT_AHEAD_S),
             )
             console.print(report.table(result))
-            console.print(f"predictions: {result.prediction_note}; {result.over_budget_runs} run(s) over the memory budget")
+            console.print(
+                f"predictions: {result.prediction_note}; {result.over_budget_runs} run(s) over the memory budget"
+            )
             written = report.write_all(result, out)
             for what, path in written.items():
                 console.print(f"{what}: {path}")
@@ -100,6 +123,8 @@ def main(argv: list[str]) -> int:
     n = min(10, len(losses))
     first, last = sum(losses[:n]) / n, sum(losses[-n:]) / n
     (out / "train_losses.json").write_text(json.dumps({"plan": plan.to_dict(), "losses": losses}) + "\n")
-    console.print(f"final loss: first {n} steps {first:.3f} -> last {n} steps {last:.3f} "
-                  f"({'falling' if last < first else 'NOT falling'}; {time.perf_counter() - start:.0f} s in all)")
+    console.print(
+        f"final loss: first {n} steps {first:.3f} -> last {n} steps {last:.3f} "
+        f"({'falling' if last < first else 'NOT falling'}; {time.perf_counter() - start:.0f} s in all)"
+    )
     return 0 if last < first else 1

@@ -20,8 +20,16 @@ import torch
 from composable_atorch.errors import CompositionError
 
 #: Llama-2-7B's published shape (no download): hidden 4096, 32 layers, 32 heads, MLP 11008, vocab 32000
-LLAMA_7B = dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
-                num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096, rms_norm_eps=1e-5)
+LLAMA_7B = dict(
+    hidden_size=4096,
+    intermediate_size=11008,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=32,
+    vocab_size=32000,
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-5,
+)
 
 
 def build_model(spec: str, seq: int):
@@ -67,8 +75,11 @@ def main(argv: list[str]) -> int:
     from composable_atorch.estimate import estimate, parse_bytes
     from composable_atorch.estimate.core import as_plan_dict
 
-    parser = argparse.ArgumentParser(prog="python -m composable_atorch estimate", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m composable_atorch estimate",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("plan", help="a plan JSON file (plan.to_json(), best_plan.json)")
     parser.add_argument("--model", default="gpt", help="gpt | llama-7b | hf:<config.json>")
     parser.add_argument("--batch", type=int, default=4, help="samples per data-parallel rank")
@@ -87,8 +98,14 @@ def main(argv: list[str]) -> int:
         pipeline = degrees(data, args.world_size)["pipeline"] > 1
         # a pipeline trains on (inputs, targets) with the loss inside its schedule: next-token cross-entropy
         batch = (shape, shape) if args.model == "gpt" or pipeline else {"input_ids": shape, "labels": shape}
-        est = estimate(data, build, batch, world_size=args.world_size, device=args.device,
-                       criterion=lm_criterion if pipeline else None)
+        est = estimate(
+            data,
+            build,
+            batch,
+            world_size=args.world_size,
+            device=args.device,
+            criterion=lm_criterion if pipeline else None,
+        )
         limit = parse_bytes(args.device_memory, "--device-memory") if args.device_memory else None
     except CompositionError as exc:
         print(f"error: {exc}")
@@ -100,5 +117,7 @@ def main(argv: list[str]) -> int:
         print(est.table())
         if limit is not None:
             ok = est.fits(limit, args.margin)
-            print(f"{'fits' if ok else 'does NOT fit'} in {args.device_memory} per device (peak + {args.margin:.0%} margin)")
+            print(
+                f"{'fits' if ok else 'does NOT fit'} in {args.device_memory} per device (peak + {args.margin:.0%} margin)"
+            )
     return 0 if limit is None or est.fits(limit, args.margin) else 1

@@ -12,7 +12,9 @@ from composable_atorch.errors import CompositionError
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m composable_atorch explain", description=__doc__)
     parser.add_argument("plan", help="a plan JSON file written by strategy.dump / the search")
-    parser.add_argument("--world-size", type=int, default=None, help="check against this world size instead of this process's")
+    parser.add_argument(
+        "--world-size", type=int, default=None, help="check against this world size instead of this process's"
+    )
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None)
     parser.add_argument("--cc", default=None, help="compute capability, e.g. 9.0 (with --device cuda)")
     args = parser.parse_args(argv)

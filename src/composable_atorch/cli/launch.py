@@ -77,10 +77,19 @@ def parser() -> argparse.ArgumentParser:
     p = _Parser(prog=PROG, description="Run a training script on N processes (a thin layer over torchrun).")
     p.add_argument("--nproc", type=_positive, required=True, help="processes on this node (e.g. one per GPU)")
     p.add_argument("--nnodes", type=_positive, default=1, help="number of nodes (default 1)")
-    p.add_argument("--node-rank", type=_non_negative, default=0, help="this node's index, 0..nnodes-1 (node 0 hosts the rendezvous)")
-    p.add_argument("--rdzv-endpoint", type=_endpoint, default=None, help="HOST:PORT of node 0, required with --nnodes > 1")
+    p.add_argument(
+        "--node-rank",
+        type=_non_negative,
+        default=0,
+        help="this node's index, 0..nnodes-1 (node 0 hosts the rendezvous)",
+    )
+    p.add_argument(
+        "--rdzv-endpoint", type=_endpoint, default=None, help="HOST:PORT of node 0, required with --nnodes > 1"
+    )
     p.add_argument("--rdzv-id", default="composable_atorch", help="job id shared by all nodes of one run")
-    p.add_argument("--max-restarts", type=_non_negative, default=0, help="restart the group after a failure up to this many times")
+    p.add_argument(
+        "--max-restarts", type=_non_negative, default=0, help="restart the group after a failure up to this many times"
+    )
     p.add_argument("script", help="the training script (a .py file)")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     return p

@@ -34,7 +34,11 @@ def load_task(path: str) -> Workload:
         raise ConfigError("--task", path, f"'module:function' returning a Workload ({exc})") from None
     workload = factory()
     if not isinstance(workload, Workload):
-        raise ConfigError("--task", path, f"a function returning a composable_atorch.auto.Workload (it returned {type(workload).__name__})")
+        raise ConfigError(
+            "--task",
+            path,
+            f"a function returning a composable_atorch.auto.Workload (it returned {type(workload).__name__})",
+        )
     return workload
 
 
@@ -43,18 +47,28 @@ def parser(prog: str = "python -m composable_atorch search") -> argparse.Argumen
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--trials", type=int, default=None, help="plans to measure (default: every valid plan)")
     p.add_argument("--time-limit", type=float, default=None, help="seconds for the whole search")
-    p.add_argument("--memory-limit", default=None, help="peak bytes per rank, e.g. 40MiB; over-budget plans are infeasible")
-    p.add_argument("--memory-margin", type=float, default=0.03,
-                   help="safety margin on predicted memory: plans predicted over limit / (1 + margin) are not run")
+    p.add_argument(
+        "--memory-limit", default=None, help="peak bytes per rank, e.g. 40MiB; over-budget plans are infeasible"
+    )
+    p.add_argument(
+        "--memory-margin",
+        type=float,
+        default=0.03,
+        help="safety margin on predicted memory: plans predicted over limit / (1 + margin) are not run",
+    )
     p.add_argument("--no-predict", action="store_true", help="measure every proposed plan; no predictions first")
     p.add_argument("--exclude", default=None, help="comma-separated transform names to leave out")
     p.add_argument("--include", default=None, help="comma-separated transform names every plan must have")
-    p.add_argument("--compile", action="store_true", help="let torch.compile join the search (cold compiles take minutes)")
+    p.add_argument(
+        "--compile", action="store_true", help="let torch.compile join the search (cold compiles take minutes)"
+    )
     p.add_argument("--storage", default=None, help="sqlite file (or optuna URL) to persist and resume the study")
     p.add_argument("--study-name", default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sampler", default="tpe", choices=("tpe", "gp", "random"))
-    p.add_argument("--trial-timeout", type=float, default=120.0, help="seconds one trial may take before it counts as a hang")
+    p.add_argument(
+        "--trial-timeout", type=float, default=120.0, help="seconds one trial may take before it counts as a hang"
+    )
     p.add_argument("--out", default="runs/search", help="where best_plan.json, trials.json and report.html go")
     p.add_argument("--task", default=None, help="module:function returning a Workload (default: the built-in GPT)")
     g = p.add_argument_group("built-in GPT")
@@ -72,15 +86,28 @@ def main(argv: list[str]) -> int:
         if args.task:
             workload = load_task(args.task)
         else:
-            workload = GPTTask(seq_len=args.seq_len, d_model=args.d_model, n_layer=args.layers, batch_size=args.batch_size).workload(args.seed)
+            workload = GPTTask(
+                seq_len=args.seq_len, d_model=args.d_model, n_layer=args.layers, batch_size=args.batch_size
+            ).workload(args.seed)
         result = search(
             workload,
             trial=TrialSettings(world_size=args.world_size, measure_steps=5, timeout=args.trial_timeout),
-            budget=Budget(n_trials=args.trials, time_limit=args.time_limit, memory_limit=args.memory_limit,
-                          memory_margin=args.memory_margin),
-            space=SpaceOptions(excluded=_names(args.exclude), included=_names(args.include), allow_compile=args.compile),
-            study=StudyOptions(storage=args.storage, study_name=args.study_name, seed=args.seed, sampler=args.sampler,
-                               predict=not args.no_predict),
+            budget=Budget(
+                n_trials=args.trials,
+                time_limit=args.time_limit,
+                memory_limit=args.memory_limit,
+                memory_margin=args.memory_margin,
+            ),
+            space=SpaceOptions(
+                excluded=_names(args.exclude), included=_names(args.include), allow_compile=args.compile
+            ),
+            study=StudyOptions(
+                storage=args.storage,
+                study_name=args.study_name,
+                seed=args.seed,
+                sampler=args.sampler,
+                predict=not args.no_predict,
+            ),
         )
     except CompositionError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -46,9 +46,9 @@ from composable_atorch.errors import CompositionError, ConfigError, WorkloadErro
 from composable_atorch.runtime.optim import OptimizerHook
 
 #: ATorch's ``AutoAccelerateResult`` fields, in ATorch's order.
-AccelerateResult = namedtuple("AccelerateResult", ["model", "optim", "dataloader", "loss_func", "prepare_input", "lr_scheduler", "args"])
-
-
+AccelerateResult = namedtuple(
+    "AccelerateResult", ["model", "optim", "dataloader", "loss_func", "prepare_input", "lr_scheduler", "args"]
+)
 
 
 class AtorchStrategy(Plan):
@@ -170,16 +170,31 @@ def auto_accelerate(
     ``save_strategy_to_file`` when given (never pickle).
     """
     req = Request.of(
-        model, kargs, optim_func=optim_func, dataset=dataset, loss_func=loss_func, prepare_input=prepare_input,
-        model_input_format=model_input_format, optim_args=optim_args, optim_param_func=optim_param_func,
-        dataloader_args=dataloader_args, distributed_sampler_cls=distributed_sampler_cls, excluded=excluded,
-        included=included, load_strategy=load_strategy, lr_scheduler_cls=lr_scheduler_cls,
-        lr_scheduler_args=lr_scheduler_args, finetune_strategy=finetune_strategy, save_strategy_to_file=save_strategy_to_file,
+        model,
+        kargs,
+        optim_func=optim_func,
+        dataset=dataset,
+        loss_func=loss_func,
+        prepare_input=prepare_input,
+        model_input_format=model_input_format,
+        optim_args=optim_args,
+        optim_param_func=optim_param_func,
+        dataloader_args=dataloader_args,
+        distributed_sampler_cls=distributed_sampler_cls,
+        excluded=excluded,
+        included=included,
+        load_strategy=load_strategy,
+        lr_scheduler_cls=lr_scheduler_cls,
+        lr_scheduler_args=lr_scheduler_args,
+        finetune_strategy=finetune_strategy,
+        save_strategy_to_file=save_strategy_to_file,
     )
     opts = req.opts
     env = Environment.detect()
     _ensure_process_group(env.world_size)
-    loaded = None if load_strategy is None else req.settings(strategy.load(load_strategy, env=env))  # typed errors on every rank
+    loaded = (
+        None if load_strategy is None else req.settings(strategy.load(load_strategy, env=env))
+    )  # typed errors on every rank
 
     local = _unserializable(req, loaded)
     if local is not None:  # every rank applies the plan it loaded itself (it holds functions: not JSON)
@@ -203,17 +218,24 @@ def auto_accelerate(
     loader = None if dataset is None else torch.utils.data.DataLoader(dataset, **req.dataloader_args)
     model, optim, loader = plan(model, optim, loader)
     if loss_func is not None and hasattr(getattr(model, "module", None), "loss_fn"):
-        model.module.loss_fn = loss_func  # a DeepSpeed pipeline engine computes the loss inside train_batch (ds_3d_parallel)
+        model.module.loss_fn = (
+            loss_func  # a DeepSpeed pipeline engine computes the loss inside train_batch (ds_3d_parallel)
+        )
     _seed_sampler(loader, opts["sampler_seed"], plan)
     if opts["verbose"] and _rank() == 0:
         print(plan.explain())
     scheduler = None
     if lr_scheduler_cls is not None:
         scheduler = lr_scheduler_cls(optim, **(lr_scheduler_args or {}))
-    args = AccelerateArgs(use_optim_backward=_needs_optim_backward(optim), requires_set_gradient_accumulation_boundary=_needs_boundary(optim))
+    args = AccelerateArgs(
+        use_optim_backward=_needs_optim_backward(optim),
+        requires_set_gradient_accumulation_boundary=_needs_boundary(optim),
+    )
     wrap = getattr(optim, "loss_wrapper", None)
     result_loss = wrap(loss_func) if callable(wrap) and loss_func is not None else loss_func
-    result = AccelerateResult(model, optim, loader, result_loss, prepare_input or default_prepare_input, scheduler, args)
+    result = AccelerateResult(
+        model, optim, loader, result_loss, prepare_input or default_prepare_input, scheduler, args
+    )
     return True, result, plan
 
 
@@ -228,7 +250,9 @@ def _unserializable(req: Request, loaded: Plan | None) -> Plan | None:
     except ConfigError as exc:
         why = f"the strategy holds values JSON cannot hold ({exc})"
     if not req.opts["ignore_dryrun_on_load_strategy"] and req.can_train:
-        raise ConfigError("ignore_dryrun_on_load_strategy", False, f"True: a dry run runs the plan in fresh processes, and {why}")
+        raise ConfigError(
+            "ignore_dryrun_on_load_strategy", False, f"True: a dry run runs the plan in fresh processes, and {why}"
+        )
     if req.save_strategy_to_file:
         raise ConfigError("save_strategy_to_file", req.save_strategy_to_file, f"None: {why}")
     return loaded
@@ -245,7 +269,13 @@ def _decide(req: Request, loaded: Plan | None, env: Environment) -> str:
         else:
             text, failure = _search(req, loaded, env)
     except WorkloadError as exc:
-        return json.dumps({"plan": None, "failure": str(exc), "workload_error": {"part": exc.part, "error": exc.error, "hint": exc.hint}})
+        return json.dumps(
+            {
+                "plan": None,
+                "failure": str(exc),
+                "workload_error": {"part": exc.part, "error": exc.error, "hint": exc.hint},
+            }
+        )
     except CompositionError as exc:
         failure = f"{type(exc).__name__}: {exc}"
     return json.dumps({"plan": None if failure else text, "failure": failure})
@@ -259,8 +289,14 @@ def _seed_sampler(loader, seed: int | None, plan: AtorchStrategy) -> None:
     if isinstance(sampler, torch.utils.data.distributed.DistributedSampler) or hasattr(sampler, "seed"):
         sampler.seed = seed
         return
-    why = "there is no loader (no dataset)" if loader is None else "the loader has no distributed sampler (a single data shard)"
-    object.__setattr__(plan, "facade_notes", plan.facade_notes + (f"auto_accelerate sampler_seed={seed}: no effect: {why}",))
+    why = (
+        "there is no loader (no dataset)"
+        if loader is None
+        else "the loader has no distributed sampler (a single data shard)"
+    )
+    object.__setattr__(
+        plan, "facade_notes", plan.facade_notes + (f"auto_accelerate sampler_seed={seed}: no effect: {why}",)
+    )
 
 
 def _needs_optim_backward(optim) -> bool:
@@ -268,7 +304,8 @@ def _needs_optim_backward(optim) -> bool:
     base = OptimizerHook
     hooks = getattr(optim, "hooks", ())
     return any(
-        type(h).scale_loss is not base.scale_loss or type(h).backward is not base.backward
+        type(h).scale_loss is not base.scale_loss
+        or type(h).backward is not base.backward
         or type(h).backward_context is not base.backward_context
         for h in hooks
     )
@@ -285,9 +322,16 @@ def _dry_run(req: Request, plan: Plan) -> str | None:
     workload = req.workload()
     check_picklable(workload)
     world = int(os.environ.get("WORLD_SIZE", plan.env.world_size))
-    result = run_trial(plan.to_json(), workload, TrialSettings(world_size=world, timeout=req.opts["trial_timeout"], measure_memory=False))
+    result = run_trial(
+        plan.to_json(),
+        workload,
+        TrialSettings(world_size=world, timeout=req.opts["trial_timeout"], measure_memory=False),
+    )
     if req.opts["verbose"]:
-        print(f"auto_accelerate: dry run {result.status}" + (f": {result.reason}" if result.reason else f", {result.samples_per_s:.1f} samples/s"))
+        print(
+            f"auto_accelerate: dry run {result.status}"
+            + (f": {result.reason}" if result.reason else f", {result.samples_per_s:.1f} samples/s")
+        )
     return None if result.ok else f"dry run failed: {result.reason}"
 
 
@@ -299,7 +343,9 @@ def _search(req: Request, loaded: Plan | None, env: Environment) -> tuple[str | 
 
     o = req.opts
     if not req.can_train:
-        raise ConfigError("optim_func", req.optim_func, "given, with loss_func and a dataset (or sample_batch=): the search trains")
+        raise ConfigError(
+            "optim_func", req.optim_func, "given, with loss_func and a dataset (or sample_batch=): the search trains"
+        )
     n_trials = o["n_trials"] if o["n_trials"] is not None or o["time_limit"] is not None else 12
     result = search(
         req.workload(),
@@ -307,10 +353,14 @@ def _search(req: Request, loaded: Plan | None, env: Environment) -> tuple[str | 
         budget=Budget(n_trials=n_trials, time_limit=o["time_limit"], memory_limit=o["memory_limit"]),
         space=SpaceOptions(excluded=req.excluded, included=req.included, start_from=loaded, customize=req.settings),
         study=StudyOptions(storage=o["storage"], study_name=o["study_name"], seed=o["seed"]),
-        env=env, progress=bool(o["verbose"]),
+        env=env,
+        progress=bool(o["verbose"]),
     )
     if o["verbose"]:
         print(report.text_table(result))
     if result.best_plan is None:
-        return None, f"no plan trained within the budget ({len(result.measured)} measured; stopped by {result.stopped_by})"
+        return (
+            None,
+            f"no plan trained within the budget ({len(result.measured)} measured; stopped by {result.stopped_by})",
+        )
     return result.best_plan.to_json(), None

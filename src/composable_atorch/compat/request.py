@@ -62,7 +62,7 @@ KARGS: dict[str, Any] = {
 #: keywords ATorch reads that change nothing here, and why (explain() shows the note when one is given)
 NO_EFFECT = {
     "meta_init_offload_name": "ATorch offloads meta-initialized weights under this name for its FSDP loader; "
-                              "here the model arrives built on the CPU and fsdp shards it in place, so there is nothing to offload",
+    "here the model arrives built on the CPU and fsdp shards it in place, so there is nothing to offload",
 }
 MODEL_INPUT_FORMATS = (None, "unpack_sequence", "unpack_dict")
 
@@ -203,8 +203,11 @@ class Request:
         """Check the call (typed errors, before any work) and freeze it."""
         unknown = sorted(set(kargs) - set(KARGS))
         if unknown:
-            raise ConfigError(f"auto_accelerate keyword {unknown[0]!r}", kargs[unknown[0]],
-                              f"one of {sorted(KARGS)} (ATorch ignores unknown keywords; here a misspelling is an error)")
+            raise ConfigError(
+                f"auto_accelerate keyword {unknown[0]!r}",
+                kargs[unknown[0]],
+                f"one of {sorted(KARGS)} (ATorch ignores unknown keywords; here a misspelling is an error)",
+            )
         for name in ("excluded", "included"):
             value = named.get(name)
             if value is not None and (isinstance(value, str) or not all(isinstance(v, str) for v in value)):
@@ -222,12 +225,22 @@ class Request:
         if self.model_input_format not in MODEL_INPUT_FORMATS:
             raise ConfigError("model_input_format", self.model_input_format, "None, 'unpack_sequence' or 'unpack_dict'")
         if self.optim_func is not None and not callable(self.optim_func):
-            raise ConfigError("optim_func", self.optim_func, "an optimizer class or a function (parameters, **optim_args) -> optimizer")
+            raise ConfigError(
+                "optim_func",
+                self.optim_func,
+                "an optimizer class or a function (parameters, **optim_args) -> optimizer",
+            )
         if self.lr_scheduler_cls is not None and self.optim_func is None:
-            raise ConfigError("lr_scheduler_cls", self.lr_scheduler_cls, "None when there is no optim_func (a scheduler needs an optimizer)")
+            raise ConfigError(
+                "lr_scheduler_cls",
+                self.lr_scheduler_cls,
+                "None when there is no optim_func (a scheduler needs an optimizer)",
+            )
         b = o["batch_size"]
         if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
-            raise ConfigError("batch_size", b, "None or the global batch size of sample_batch measurements, an integer >= 1")
+            raise ConfigError(
+                "batch_size", b, "None or the global batch size of sample_batch measurements, an integer >= 1"
+            )
         if not isinstance(o["expand_sample_batch"], bool):
             raise ConfigError("expand_sample_batch", o["expand_sample_batch"], "True or False")
         seed = o["sampler_seed"]
@@ -239,24 +252,41 @@ class Request:
         if o["sample_batch"] is not None:
             rows = _rows(o["sample_batch"])
             if rows < 1:
-                raise ConfigError("sample_batch", type(o["sample_batch"]).__name__,
-                                  "a batch: a tensor, or a list / tuple / dict of tensors, sharing a first (batch) dimension >= 1")
+                raise ConfigError(
+                    "sample_batch",
+                    type(o["sample_batch"]).__name__,
+                    "a batch: a tensor, or a list / tuple / dict of tensors, sharing a first (batch) dimension >= 1",
+                )
             if b is not None and b > rows and not o["expand_sample_batch"]:
-                raise ConfigError("batch_size", b, f"at most sample_batch's {rows} rows, or pass expand_sample_batch=True to repeat them up to {b}")
+                raise ConfigError(
+                    "batch_size",
+                    b,
+                    f"at most sample_batch's {rows} rows, or pass expand_sample_batch=True to repeat them up to {b}",
+                )
         if self.finetune_strategy and self.load_strategy is not None and not self.can_train:
-            raise ConfigError("finetune_strategy", True, "False unless optim_func, loss_func and a dataset (or sample_batch=) are given "
-                              "(fine-tuning measures training steps)")
+            raise ConfigError(
+                "finetune_strategy",
+                True,
+                "False unless optim_func, loss_func and a dataset (or sample_batch=) are given "
+                "(fine-tuning measures training steps)",
+            )
         if self.load_strategy is None:
             missing = [n for n, v in (("optim_func", self.optim_func), ("loss_func", self.loss_func)) if v is None]
             if self.dataset is None and o["sample_batch"] is None:
                 missing.append("dataset")
             if missing:
-                raise ConfigError(missing[0], None, "given: fully automatic mode (no load_strategy) measures training steps, "
-                                  "so it needs optim_func, loss_func and a dataset (or sample_batch=)")
+                raise ConfigError(
+                    missing[0],
+                    None,
+                    "given: fully automatic mode (no load_strategy) measures training steps, "
+                    "so it needs optim_func, loss_func and a dataset (or sample_batch=)",
+                )
 
     @property
     def optim_maker(self) -> SeedOptimizer | None:
-        return None if self.optim_func is None else SeedOptimizer(self.optim_func, self.optim_args, self.optim_param_func)
+        return (
+            None if self.optim_func is None else SeedOptimizer(self.optim_func, self.optim_args, self.optim_param_func)
+        )
 
     @property
     def settings(self) -> Settings:
@@ -264,7 +294,9 @@ class Request:
 
     @property
     def can_train(self) -> bool:
-        return None not in (self.optim_func, self.loss_func) and (self.dataset is not None or self.opts["sample_batch"] is not None)
+        return None not in (self.optim_func, self.loss_func) and (
+            self.dataset is not None or self.opts["sample_batch"] is not None
+        )
 
     def workload(self):
         """What a dry run or a trial trains: the dataset, or sample_batch's rows when there is none."""
@@ -279,8 +311,14 @@ class Request:
         loader_kwargs = {k: v for k, v in args.items() if k not in ("batch_size", "sampler", "batch_sampler")}
         loader_kwargs.setdefault("shuffle", False)
         loader_kwargs.setdefault("drop_last", False)
-        return Workload(ModelCopy(self.model), self.optim_maker, dataset,
-                        SeedLoss(self.loss_func, self.prepare_input, self.model_input_format), batch_size, loader_kwargs)
+        return Workload(
+            ModelCopy(self.model),
+            self.optim_maker,
+            dataset,
+            SeedLoss(self.loss_func, self.prepare_input, self.model_input_format),
+            batch_size,
+            loader_kwargs,
+        )
 
     def notes(self) -> tuple[str, ...]:
         """What explain() adds for keywords accepted with no effect, or with an effect worth saying."""
@@ -289,11 +327,17 @@ class Request:
             if o[key] is not None:
                 out.append(f"auto_accelerate {key}={o[key]!r}: no effect here: {why}")
         if o["sample_batch"] is not None and self.dataset is not None:
-            out.append("auto_accelerate sample_batch: no effect: a dataset is given, and dry runs and the search train on it")
+            out.append(
+                "auto_accelerate sample_batch: no effect: a dataset is given, and dry runs and the search train on it"
+            )
         if not o["ignore_dryrun_on_load_strategy"] and self.load_strategy is not None and not self.can_train:
-            out.append("auto_accelerate ignore_dryrun_on_load_strategy=False: dry run skipped, as ATorch skips it: "
-                       "it needs optim_func, loss_func and a dataset (or sample_batch=)")
+            out.append(
+                "auto_accelerate ignore_dryrun_on_load_strategy=False: dry run skipped, as ATorch skips it: "
+                "it needs optim_func, loss_func and a dataset (or sample_batch=)"
+            )
         if o["batch_size"] is not None and (self.dataset is not None or o["sample_batch"] is None):
-            out.append("auto_accelerate batch_size: no effect: it sizes sample_batch measurements only; "
-                       "the returned loader's global batch is dataloader_args['batch_size']")
+            out.append(
+                "auto_accelerate batch_size: no effect: it sizes sample_batch measurements only; "
+                "the returned loader's global batch is dataloader_args['batch_size']"
+            )
         return tuple(out)

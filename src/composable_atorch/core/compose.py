@@ -29,7 +29,9 @@ def _flatten(items) -> list[Transform]:
         elif isinstance(item, list | tuple):
             out.extend(_flatten(item))
         else:
-            raise ConfigError("compose() argument", item, "transforms or plans, e.g. compose(amp('bf16'), checkpoint(Block))")
+            raise ConfigError(
+                "compose() argument", item, "transforms or plans, e.g. compose(amp('bf16'), checkpoint(Block))"
+            )
     return out
 
 
@@ -42,7 +44,10 @@ def _unique(transforms: list[Transform]) -> list[Transform]:
             by_name[t.name] = t
         elif seen != t:
             raise ConflictError(
-                seen.describe(), t.describe(), "two transforms of the same kind with different configs", f"keep one {t.name}(...)"
+                seen.describe(),
+                t.describe(),
+                "two transforms of the same kind with different configs",
+                f"keep one {t.name}(...)",
             )
     return sorted(by_name.values(), key=Transform.sort_key)
 
@@ -61,7 +66,10 @@ def _check_conflicts(transforms: list[Transform]) -> None:
         if shared:
             role = sorted(shared)[0]
             raise ConflictError(
-                a.describe(), b.describe(), f"both own {role!r} and only one transform may", f"keep either {a.name} or {b.name}"
+                a.describe(),
+                b.describe(),
+                f"both own {role!r} and only one transform may",
+                f"keep either {a.name} or {b.name}",
             )
 
 
@@ -156,10 +164,18 @@ def compose(*items, strict: bool = False, env: Environment | None = None):
             if rule.role in present:
                 continue
             if strict:
-                raise RequirementError("plan", f"an owner of {rule.role!r} ({rule.reason})", f"add {owner.name}(...) or another owner of {rule.role!r} yourself")
+                raise RequirementError(
+                    "plan",
+                    f"an owner of {rule.role!r} ({rule.reason})",
+                    f"add {owner.name}(...) or another owner of {rule.role!r} yourself",
+                )
             new = _admit(owner(), env, strict, notes)
             if new is None:
-                raise RequirementError("plan", f"an owner of {rule.role!r} ({rule.reason}), and the default {owner.name} cannot run here", notes[-1])
+                raise RequirementError(
+                    "plan",
+                    f"an owner of {rule.role!r} ({rule.reason}), and the default {owner.name} cannot run here",
+                    notes[-1],
+                )
             active.append(new)
             implied_by[new.name] = f"the environment ({rule.when.describe()})"
             notes.append(f"implied {new.describe()} by the environment ({rule.when.describe()}): {rule.reason}")
@@ -172,11 +188,15 @@ def compose(*items, strict: bool = False, env: Environment | None = None):
                 if imp.name in present or present & set(imp.satisfied_by):
                     continue
                 if strict:
-                    raise RequirementError(t.name, f"{imp.name} in the plan ({imp.reason})", f"add {imp.name}(...) yourself")
+                    raise RequirementError(
+                        t.name, f"{imp.name} in the plan ({imp.reason})", f"add {imp.name}(...) yourself"
+                    )
                 # an implied step is checked and adapted to the environment like a requested one
                 new = _admit(lookup(imp.name)(**imp.config), env, strict, notes)
                 if new is None:
-                    raise RequirementError(t.name, f"{imp.name} ({imp.reason}), which this environment cannot run", notes[-1])
+                    raise RequirementError(
+                        t.name, f"{imp.name} ({imp.reason}), which this environment cannot run", notes[-1]
+                    )
                 active.append(new)
                 implied_by[new.name] = t.name
                 notes.append(f"implied {new.describe()} by {t.name}: {imp.reason}")

@@ -90,7 +90,9 @@ class Plan:
         compose = composer()
 
         if not isinstance(data, dict) or data.get("format") != FORMAT:
-            raise ConfigError("plan format", data.get("format") if isinstance(data, dict) else type(data).__name__, repr(FORMAT))
+            raise ConfigError(
+                "plan format", data.get("format") if isinstance(data, dict) else type(data).__name__, repr(FORMAT)
+            )
         if data.get("version") != VERSION:
             raise ConfigError("plan version", data.get("version"), str(VERSION))
         entries = data.get("transforms")
@@ -109,14 +111,18 @@ class Plan:
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise ConfigError("plan JSON", text[:60], f"valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
+            raise ConfigError(
+                "plan JSON", text[:60], f"valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})"
+            ) from None
         return cls.from_dict(data, env=env, strict=strict)
 
     # -- people -----------------------------------------------------------------------------
     def explain(self, applied: Applied | TrainState | None = None) -> str:
         """The plan for people; with ``applied`` (what ``plan(...)`` / ``plan.apply(...)`` returned)
         also what each step did. The plan's own text never changes by applying it."""
-        lines = [f"Plan with {len(self.steps)} step(s) for {self.env.describe()}" + (" [strict]" if self.strict else "")]
+        lines = [
+            f"Plan with {len(self.steps)} step(s) for {self.env.describe()}" + (" [strict]" if self.strict else "")
+        ]
         for i, step in enumerate(self.steps, 1):
             t = step.transform
             implied = f"  (implied by {step.implied_by})" if step.implied_by else ""
@@ -135,7 +141,9 @@ class Plan:
         if self.notes:
             lines.append("Notes:")
             lines.extend(f"  - {n}" for n in self.notes)
-        report = applied.state.report if isinstance(applied, Applied) else (applied.report if applied is not None else {})
+        report = (
+            applied.state.report if isinstance(applied, Applied) else (applied.report if applied is not None else {})
+        )
         if report:
             lines.append("Applied:")
             for name, entries in report.items():
@@ -157,7 +165,9 @@ class Plan:
                 f"compose the plan again here (Plan.from_json(text) re-checks it), or launch {self.env.world_size} processes",
             )
         if runtime.device != self.env.device:
-            raise RequirementError("plan", f"a {self.env.device} device (this run is on {runtime.device})", "compose it again here")
+            raise RequirementError(
+                "plan", f"a {self.env.device} device (this run is on {runtime.device})", "compose it again here"
+            )
 
     def apply(self, model, optim=None, loader=None, *, runtime: Environment | None = None) -> TrainState:
         """Apply every step in order and return the full :class:`TrainState`."""
@@ -168,7 +178,9 @@ class Plan:
         if optim is not None and not isinstance(optim, torch.optim.Optimizer):
             raise ConfigError("optim", type(optim).__name__, "a torch.optim.Optimizer, or None")
         if isinstance(optim, PlanOptimizer):
-            raise ConfigError("optim", "a PlanOptimizer", "the user's own optimizer (a plan is applied once, to the original triple)")
+            raise ConfigError(
+                "optim", "a PlanOptimizer", "the user's own optimizer (a plan is applied once, to the original triple)"
+            )
         self.check_runtime(runtime)
         state = TrainState(model=model, optim=optim, loader=loader, param_names=parameter_names(model, optim))
         ctx = ApplyContext(plan=self, env=self.env, strict=self.strict)

@@ -50,7 +50,9 @@ def _from_text(text: str, *, env, strict) -> Plan:
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ConfigError("strategy JSON", text[:60], f"valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
+        raise ConfigError(
+            "strategy JSON", text[:60], f"valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})"
+        ) from None
     if isinstance(data, dict):
         return Plan.from_dict(data, env=env, strict=strict)
     if isinstance(data, list):
@@ -82,7 +84,9 @@ def load(strategy: Any, *, env: Environment | None = None, strict: bool | None =
         return _from_text(strategy, env=env, strict=bool(strict))
     if isinstance(strategy, list | tuple):
         return _from_seed_list(strategy, env=env, strict=bool(strict))
-    raise ConfigError("strategy", type(strategy).__name__, "a Plan, a list of (name, config), a JSON string or bytes, or a .json path")
+    raise ConfigError(
+        "strategy", type(strategy).__name__, "a Plan, a list of (name, config), a JSON string or bytes, or a .json path"
+    )
 
 
 def dump(plan: Any, path: str | os.PathLike | None = None) -> str:

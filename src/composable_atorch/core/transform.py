@@ -204,7 +204,9 @@ def _register(cls: type[Transform], replace: bool) -> None:
     for alias in cls.aliases:
         owner = _ALIASES.get(alias) or (alias if alias in _REGISTRY else None)
         if owner is not None and owner != cls.name and not replace:
-            raise ConfigError(f"alias of transform {cls.name!r}", alias, f"an alias not taken (it names {owner!r}), or replace=True")
+            raise ConfigError(
+                f"alias of transform {cls.name!r}", alias, f"an alias not taken (it names {owner!r}), or replace=True"
+            )
     _REGISTRY[cls.name] = cls
     for alias in cls.aliases:
         _ALIASES[alias] = cls.name
@@ -271,5 +273,7 @@ def set_composer(compose: Callable[..., Any]) -> None:
 def composer() -> Callable[..., Any]:
     """The registered :func:`~composable_atorch.core.compose.compose`."""
     if not _COMPOSER:
-        raise ConfigError("compose", "not registered", "import composable_atorch (it registers compose) before composing with |")
+        raise ConfigError(
+            "compose", "not registered", "import composable_atorch (it registers compose) before composing with |"
+        )
     return _COMPOSER[0]

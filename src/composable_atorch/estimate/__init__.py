@@ -21,4 +21,3 @@ from composable_atorch.estimate.result import Estimate, RankCost
 estimate_plan = estimate
 
 __all__ = ["Estimate", "EstimateError", "RankCost", "estimate", "estimate_plan", "parse_bytes"]
-

@@ -29,8 +29,15 @@ from composable_atorch.estimate.simulate import simulate_rank
 DEVICES = ("cuda", "cpu")
 
 #: MemTracker category -> RankCost field (buffers travel with the parameters)
-_KINDS = {"Parameter": "parameters", "Buffer": "parameters", "Gradient": "gradients", "Optstate": "optimizer",
-          "Activation": "activations", "Temp": "temporary", "Other": "temporary"}
+_KINDS = {
+    "Parameter": "parameters",
+    "Buffer": "parameters",
+    "Gradient": "gradients",
+    "Optstate": "optimizer",
+    "Activation": "activations",
+    "Temp": "temporary",
+    "Other": "temporary",
+}
 
 
 def as_plan_dict(plan: Any) -> dict:
@@ -49,7 +56,9 @@ def as_plan_dict(plan: Any) -> dict:
         try:
             return json.loads(text)
         except json.JSONDecodeError as exc:
-            raise ConfigError("plan", str(plan)[:60], f"a Plan, a transform, or plan JSON (text or a file path): {exc.msg}") from None
+            raise ConfigError(
+                "plan", str(plan)[:60], f"a Plan, a transform, or plan JSON (text or a file path): {exc.msg}"
+            ) from None
     raise ConfigError("plan", type(plan).__name__, "a Plan, a transform, or plan JSON (text or a file path)")
 
 
@@ -59,13 +68,25 @@ def compose_for(data: dict, env: Environment) -> Plan:
         return Plan.from_dict(data, env=env)
     except CompositionError as exc:
         raise ConfigError(
-            "world_size", env.world_size,
+            "world_size",
+            env.world_size,
             f"a world size this plan can use ({type(exc).__name__}: {exc}); change world_size or the plan's degrees",
         ) from exc
 
 
-def estimate(plan: Any, model: Any, batch: Any, *, world_size: int, device: str = "cuda", loss_fn=None,
-             optimizer=None, step_time: bool = True, steps: int = 1, criterion=None) -> Estimate:
+def estimate(
+    plan: Any,
+    model: Any,
+    batch: Any,
+    *,
+    world_size: int,
+    device: str = "cuda",
+    loss_fn=None,
+    optimizer=None,
+    step_time: bool = True,
+    steps: int = 1,
+    criterion=None,
+) -> Estimate:
     """Predict each rank's memory (and, where torch can, the step time) of ``plan`` on ``world_size`` ranks.
 
     ``model``: a module (on the meta device, built under ``record_module_init``, or anywhere: only
@@ -95,15 +116,23 @@ def estimate(plan: Any, model: Any, batch: Any, *, world_size: int, device: str 
     model = meta_model(model)
     data = as_plan_dict(plan)
     here = Environment.detect().with_(world_size=world_size)
-    target = here if here.device == device else here.with_(device=device, compute_capability=(8, 0) if device == "cuda" else None)
+    target = (
+        here
+        if here.device == device
+        else here.with_(device=device, compute_capability=(8, 0) if device == "cuda" else None)
+    )
     target_plan = compose_for(data, target)
     sim_plan = compose_for(data, here.with_(device="cpu", compute_capability=None))
     notes = []
     if target_plan.names != sim_plan.names:
-        notes.append(f"on {device} the plan has steps {list(target_plan.names)}; simulated on the CPU: {list(sim_plan.names)}")
+        notes.append(
+            f"on {device} the plan has steps {list(target_plan.names)}; simulated on the CPU: {list(sim_plan.names)}"
+        )
     if device != "cpu":
-        notes.append("simulated with fake CPU tensors: the CUDA caching allocator's rounding and fragmentation, "
-                     "cuBLAS/NCCL workspaces and the CUDA context are not counted")
+        notes.append(
+            "simulated with fake CPU tensors: the CUDA caching allocator's rounding and fragmentation, "
+            "cuBLAS/NCCL workspaces and the CUDA context are not counted"
+        )
     # DDP's gradient buckets (the contract's grad_copies) live in its C++ reducer from its
     # construction on: on CUDA max_memory_allocated counts them the whole step (added to the peak
     # here); the CPU trial's MemTracker first sees them when the backward writes into them, so on
@@ -112,36 +141,68 @@ def estimate(plan: Any, model: Any, batch: Any, *, world_size: int, device: str 
     mailbox = Mailbox()
 
     def simulate(rank: int):
-        return simulate_rank(sim_plan, model, batch, global_batch=global_batch, rank=rank, loss_fn=loss_fn,
-                             optimizer=optimizer, steps=steps, step_time=step_time and device == "cuda",
-                             buckets_in_backward=not whole_step, criterion=criterion, mailbox=mailbox)
+        return simulate_rank(
+            sim_plan,
+            model,
+            batch,
+            global_batch=global_batch,
+            rank=rank,
+            loss_fn=loss_fn,
+            optimizer=optimizer,
+            steps=steps,
+            step_time=step_time and device == "cuda",
+            buckets_in_backward=not whole_step,
+            criterion=criterion,
+            mailbox=mailbox,
+        )
 
     run = simulate(0)  # rank 0 holds stage 0 of any layout
     runs = [run]
     if run.stage_of_rank is not None:  # the other stages in stage order: each reads the one before's metadata
         for s in range(1, max(run.stage_of_rank) + 1):
             runs.append(simulate(run.stage_of_rank.index(s)))
-        notes.append(f"pipeline: {len(runs)} stages, one rank simulated per stage (tensor and data ranks of a stage hold "
-                     "equal shares); stage metadata handed on in stage order (the fake group's P2P carries no values)")
+        notes.append(
+            f"pipeline: {len(runs)} stages, one rank simulated per stage (tensor and data ranks of a stage hold "
+            "equal shares); stage metadata handed on in stage order (the fake group's P2P carries no values)"
+        )
     for name in run.skipped:
         notes.append(f"{name} cannot run in the fake world: left out, its cost added from its contract")
     costs = [to_rank_cost(r.by_kind, r.extra_temporary if whole_step else 0, stage=r.stage) for r in runs]
     ranks = [costs[s] for s in run.stage_of_rank] if run.stage_of_rank is not None else [costs[0]] * world_size
     if run.extra_temporary:
-        notes.append(f"DDP's gradient buckets ({run.extra_temporary / 2**20:.1f} MiB) are in the peak "
-                     + ("for the whole step (allocated when DDP is built)" if whole_step else
-                        "from the backward on (where the CPU trial's MemTracker first sees them; on CUDA: the whole step)"))
-    extra = {"memtracker": run.by_kind, "ddp_bucket_bytes": run.extra_temporary} if run.extra_temporary else {"memtracker": run.by_kind}
+        notes.append(
+            f"DDP's gradient buckets ({run.extra_temporary / 2**20:.1f} MiB) are in the peak "
+            + (
+                "for the whole step (allocated when DDP is built)"
+                if whole_step
+                else "from the backward on (where the CPU trial's MemTracker first sees them; on CUDA: the whole step)"
+            )
+        )
+    extra = (
+        {"memtracker": run.by_kind, "ddp_bucket_bytes": run.extra_temporary}
+        if run.extra_temporary
+        else {"memtracker": run.by_kind}
+    )
     if len(runs) > 1:
         extra["memtracker_by_stage"] = [r.by_kind for r in runs]
     if run.step_time_s is None:
-        extra["step_time_reason"] = ("torch's RuntimeEstimator needs a CUDA device (none here)" if device == "cuda"
-                                     else "torch's RuntimeEstimator models CUDA devices only")
+        extra["step_time_reason"] = (
+            "torch's RuntimeEstimator needs a CUDA device (none here)"
+            if device == "cuda"
+            else "torch's RuntimeEstimator models CUDA devices only"
+        )
     return Estimate(
-        ranks=ranks, world_size=world_size, device=device, steps=tuple(sim_plan.names),
-        notes=tuple(notes), step_time_s=max_or_none(r.step_time_s for r in runs), step_time_mode=run.step_time_mode,
+        ranks=ranks,
+        world_size=world_size,
+        device=device,
+        steps=tuple(sim_plan.names),
+        notes=tuple(notes),
+        step_time_s=max_or_none(r.step_time_s for r in runs),
+        step_time_mode=run.step_time_mode,
         flops=max_or_none(r.flops for r in runs),
-        micro_batch=run.micro_batch, micro_batches=run.micro_batches, extra=extra,
+        micro_batch=run.micro_batch,
+        micro_batches=run.micro_batches,
+        extra=extra,
     )
 
 
@@ -151,7 +212,11 @@ def to_rank_cost(by_kind: dict[str, int], extra_temporary: int = 0, stage: int |
         if kind in _KINDS:
             fields[_KINDS[kind]] += int(n)
     fields["temporary"] += int(extra_temporary)
-    return RankCost(**fields, peak=int(by_kind.get("Total", sum(fields.values()) - extra_temporary)) + int(extra_temporary), stage=stage)
+    return RankCost(
+        **fields,
+        peak=int(by_kind.get("Total", sum(fields.values()) - extra_temporary)) + int(extra_temporary),
+        stage=stage,
+    )
 
 
 def max_or_none(values) -> Any:

@@ -15,8 +15,18 @@ from torch.nn import functional as F
 
 from composable_atorch.errors import CompositionError, ConfigError
 
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 
 
 class EstimateError(CompositionError):
@@ -56,7 +66,8 @@ def meta_model(model: Any) -> torch.nn.Module:
                 built = model()
         except Exception as exc:  # noqa: BLE001 - any failure means it cannot be built on meta
             raise EstimateError(
-                "the model cannot be built on the meta device", exc,
+                "the model cannot be built on the meta device",
+                exc,
                 "build it without reading tensor values in __init__ (no .item(), no loading weights), e.g. "
                 "`with torch.device('meta'): model = MyModel(config)`, or under record_module_init(); "
                 "load weights after the estimate",
@@ -64,11 +75,15 @@ def meta_model(model: Any) -> torch.nn.Module:
         if not isinstance(built, torch.nn.Module):
             raise ConfigError("model", type(built).__name__, "a torch.nn.Module or a function returning one")
         return built
-    raise ConfigError("model", type(model).__name__, "a torch.nn.Module on the meta device, or a function that builds one")
+    raise ConfigError(
+        "model", type(model).__name__, "a torch.nn.Module on the meta device, or a function that builds one"
+    )
 
 
 def _shape_leaf(value: Any) -> bool:
-    return isinstance(value, torch.Size) or (isinstance(value, tuple) and value and all(isinstance(v, int) and not isinstance(v, bool) for v in value))
+    return isinstance(value, torch.Size) or (
+        isinstance(value, tuple) and value and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+    )
 
 
 def leaves(batch: Any) -> list[Any]:
@@ -87,7 +102,8 @@ def check_batch(batch: Any) -> int:
     found = [x for x in leaves(batch) if (len(x) if not isinstance(x, torch.Tensor) else x.dim()) >= 1]
     if not found:
         raise ConfigError(
-            "batch", type(batch).__name__,
+            "batch",
+            type(batch).__name__,
             "a sample batch as the loader yields it (the global batch), or its shapes: tensors (meta is fine) or "
             "torch.Size, e.g. (torch.Size([16, 128]), torch.Size([16, 128])) for (tokens, targets)",
         )
@@ -134,7 +150,9 @@ def make_optimizer(optimizer: Any, model: torch.nn.Module) -> torch.optim.Optimi
         return optimizer(model.parameters())
     if callable(optimizer):
         return optimizer(model)
-    raise ConfigError("optimizer", type(optimizer).__name__, "None (AdamW), an optimizer class, or a function model -> optimizer")
+    raise ConfigError(
+        "optimizer", type(optimizer).__name__, "None (AdamW), an optimizer class, or a function model -> optimizer"
+    )
 
 
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]

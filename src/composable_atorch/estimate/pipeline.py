@@ -36,9 +36,11 @@ from typing import Any
 from composable_atorch.estimate.inputs import EstimateError
 from composable_atorch.runtime.train_step import PIPELINE_ATTR
 
-NEEDS_CRITERION = ("estimate(..., criterion=lambda output, targets: loss) and a batch of (inputs, targets) shapes: "
-                   "the plan is a pipeline, its loss runs inside the schedule on the last stage's output "
-                   "(as the search's Workload.criterion)")
+NEEDS_CRITERION = (
+    "estimate(..., criterion=lambda output, targets: loss) and a batch of (inputs, targets) shapes: "
+    "the plan is a pipeline, its loss runs inside the schedule on the last stage's output "
+    "(as the search's Workload.criterion)"
+)
 
 
 def runner_of(model) -> Any:
@@ -74,6 +76,7 @@ def wire(runner, mailbox: Mailbox) -> None:
         )
 
     for stage in runner.stages:
+
         def send_meta(self, meta, dst_stage):
             if isinstance(meta, _StageForwardMeta):
                 mailbox.forward[self.stage_index] = meta
@@ -81,14 +84,19 @@ def wire(runner, mailbox: Mailbox) -> None:
         def recv_meta(self, src_stage):
             if src_stage < self.stage_index:
                 if src_stage not in mailbox.forward:
-                    raise EstimateError(f"stage {self.stage_index} is simulated before stage {src_stage}",
-                                        "its input metadata is what that stage sends", "simulate the stages in order")
+                    raise EstimateError(
+                        f"stage {self.stage_index} is simulated before stage {src_stage}",
+                        "its input metadata is what that stage sends",
+                        "simulate the stages in order",
+                    )
                 return mailbox.forward[src_stage]
             outputs = self._stage_meta.outputs
             if any(isinstance(m, _DTensorMeta) for m in outputs):
-                raise EstimateError(f"pipeline stage {self.stage_index} sends a DTensor to the next stage",
-                                    "its gradient metadata cannot be derived without the next stage",
-                                    "let the stage boundary carry plain tensors (tensor parallel's use_local_output)")
+                raise EstimateError(
+                    f"pipeline stage {self.stage_index} sends a DTensor to the next stage",
+                    "its gradient metadata cannot be derived without the next stage",
+                    "let the stage boundary carry plain tensors (tensor parallel's use_local_output)",
+                )
             return _StageBackwardMeta(backward_metas=_derive_grad_metas(outputs))
 
         stage._send_meta = types.MethodType(send_meta, stage)
@@ -99,24 +107,31 @@ def split_batch(batch: Any) -> tuple[Any, Any]:
     """``(inputs, targets)`` of a pipeline batch; anything else is the typed error naming the fix."""
     if isinstance(batch, list | tuple) and len(batch) == 2:
         return batch[0], batch[1]
-    raise EstimateError("a pipeline plan trains on (inputs, targets) batches", f"got a {type(batch).__name__}", NEEDS_CRITERION)
+    raise EstimateError(
+        "a pipeline plan trains on (inputs, targets) batches", f"got a {type(batch).__name__}", NEEDS_CRITERION
+    )
 
 
 def schedule_step(runner, inputs, targets, criterion) -> None:
     """One pass of the runner's schedule over the micro-batches, as ``runner.step`` does it minus the
     loss read back as a Python float (a fake tensor has no value; the loss scalars are not the cost)."""
     if inputs.size(0) % runner.microbatches:
-        raise EstimateError("the per-rank batch does not split into the pipeline's micro-batches",
-                            f"{inputs.size(0)} rows, {runner.microbatches} micro-batches",
-                            "give a global batch that is a multiple of data size x microbatches")
+        raise EstimateError(
+            "the per-rank batch does not split into the pipeline's micro-batches",
+            f"{inputs.size(0)} rows, {runner.microbatches} micro-batches",
+            "give a global batch that is a multiple of data size x microbatches",
+        )
     schedule = runner._schedule(criterion)  # the runner's schedule for this loss (built once, as in runner.step)
     schedule._warmup_p2p = _dynamic_vote  # the vote's outcome (module doc); torch 2.13's private hook, on this instance
     first, last = 0 in runner.local, runner.n_stages - 1 in runner.local
     losses: list = []
     runner.running = True
     try:
-        schedule.step(*((inputs,) if first else ()), return_outputs=False,
-                      **({"target": targets, "losses": losses} if last else {}))
+        schedule.step(
+            *((inputs,) if first else ()),
+            return_outputs=False,
+            **({"target": targets, "losses": losses} if last else {}),
+        )
     finally:
         runner.running = False
 

@@ -95,19 +95,32 @@ class Estimate:
         head = ("ranks",) + FIELDS + ("peak",)
         rows = []
         for ids, r in self.distinct_ranks():
-            label = f"{ids[0]}" if len(ids) == 1 else f"{ids[0]}-{ids[-1]}" if ids == list(range(ids[0], ids[-1] + 1)) else ",".join(map(str, ids))
+            label = (
+                f"{ids[0]}"
+                if len(ids) == 1
+                else f"{ids[0]}-{ids[-1]}"
+                if ids == list(range(ids[0], ids[-1] + 1))
+                else ",".join(map(str, ids))
+            )
             if r.stage is not None:
                 label += f" (stage {r.stage})"
             rows.append((label,) + tuple(human(getattr(r, f)) for f in FIELDS) + (human(r.peak),))
         widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
         lines = ["  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(head, widths)))]
         lines.append("  ".join("-" * w for w in widths))
-        lines += ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in rows]
-        step = "step time: " + (f"{self.step_time_s:.4f} s ({self.step_time_mode})" if self.step_time_s is not None else
-                                f"not estimated ({self.extra.get('step_time_reason', 'no estimator for this device')})")
+        lines += [
+            "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in rows
+        ]
+        step = "step time: " + (
+            f"{self.step_time_s:.4f} s ({self.step_time_mode})"
+            if self.step_time_s is not None
+            else f"not estimated ({self.extra.get('step_time_reason', 'no estimator for this device')})"
+        )
         lines.append(f"peak per rank (max): {human(self.peak)}; world {self.world_size}, device {self.device}; {step}")
         if self.flops is not None:
-            lines.append(f"flops per step per rank: {self.flops:.3e}; micro-batch {self.micro_batch} x {self.micro_batches}")
+            lines.append(
+                f"flops per step per rank: {self.flops:.3e}; micro-batch {self.micro_batch} x {self.micro_batches}"
+            )
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 

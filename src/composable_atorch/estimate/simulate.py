@@ -135,9 +135,22 @@ def local_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def simulate_rank(plan: Plan, model: torch.nn.Module, batch: Any, *, global_batch: int, rank: int,
-                  loss_fn=None, optimizer=None, warmup: int = 2, steps: int = 1, step_time: bool = False,
-                  buckets_in_backward: bool = True, criterion=None, mailbox: Mailbox | None = None) -> RankRun:
+def simulate_rank(
+    plan: Plan,
+    model: torch.nn.Module,
+    batch: Any,
+    *,
+    global_batch: int,
+    rank: int,
+    loss_fn=None,
+    optimizer=None,
+    warmup: int = 2,
+    steps: int = 1,
+    step_time: bool = False,
+    buckets_in_backward: bool = True,
+    criterion=None,
+    mailbox: Mailbox | None = None,
+) -> RankRun:
     """Simulate ``rank`` of ``plan`` (composed for the fake world's size) on a fresh copy of the
     model's shapes; the model passed in is not changed. ``steps``: training steps tracked after the
     ``warmup`` (the peak is their maximum; 2 counts what one step leaves alive into the next, which
@@ -204,7 +217,8 @@ def simulate_rank(plan: Plan, model: torch.nn.Module, batch: Any, *, global_batc
                 raise
             except Exception as exc:  # noqa: BLE001 - name what failed
                 raise EstimateError(
-                    "one training step of the plan cannot run on fake tensors", exc,
+                    "one training step of the plan cannot run on fake tensors",
+                    exc,
                     "pass loss_fn=(model, batch) -> loss (or criterion=(output, targets) -> loss) matching your "
                     "batch, and keep the forward free of value-dependent Python control flow (.item(), "
                     "data-dependent shapes)",
@@ -226,9 +240,18 @@ def simulate_rank(plan: Plan, model: torch.nn.Module, batch: Any, *, global_batc
             flops = int(counter.get_total_flops())
             if runner is not None:
                 micro, micro_steps = micro // runner.microbatches, runner.microbatches
-            run = RankRun(by_kind=by_kind, peak=by_kind.get("Total", 0), micro_batch=micro, micro_batches=micro_steps,
-                          grad_bytes=grad_bytes, flops=flops, skipped=skipped, extra_temporary=bucket_bytes,
-                          stage=stage, stage_of_rank=stage_of_rank)
+            run = RankRun(
+                by_kind=by_kind,
+                peak=by_kind.get("Total", 0),
+                micro_batch=micro,
+                micro_batches=micro_steps,
+                grad_bytes=grad_bytes,
+                flops=flops,
+                skipped=skipped,
+                extra_temporary=bucket_bytes,
+                stage=stage,
+                stage_of_rank=stage_of_rank,
+            )
             if step_time:
                 run.step_time_s, run.step_time_mode = runtime_of(step)
         return run
@@ -237,6 +260,7 @@ def simulate_rank(plan: Plan, model: torch.nn.Module, batch: Any, *, global_batc
 def criterion_loss(criterion):
     """``loss_fn(model, batch)`` from ``criterion(output, targets)`` (batches of ``(inputs, targets)``),
     as :func:`composable_atorch.train_step` trains a plan without a pipeline."""
+
     def loss_fn(model, batch):
         inputs, targets = split_batch(batch)
         return criterion(model(inputs), targets)
@@ -301,6 +325,7 @@ def buckets_from_backward(params: list[torch.Tensor], copies: float):
     handles = []
     if copies > 0:
         for first, nbytes in bucket_sizes(params, copies):
+
             def make(_param, nbytes=nbytes):
                 held.append(torch.empty(nbytes, dtype=torch.uint8, device=_param.device))
 

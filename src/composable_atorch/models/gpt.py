@@ -126,7 +126,11 @@ class FlashCausalSelfAttention(CausalSelfAttention):
 
         # flash-attn takes (batch, seq, heads, head_dim); the model keeps (batch, heads, seq, head_dim)
         out = flash_attn_func(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), dropout_p=self.dropout if self.training else 0.0, causal=True
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            dropout_p=self.dropout if self.training else 0.0,
+            causal=True,
         )
         return out.transpose(1, 2)
 
@@ -135,7 +139,13 @@ def _register_attention_pairs() -> None:
     from composable_atorch.transforms.modules import FLASH_ATTN, HALF_DTYPES, register_replace_pair
 
     # for one source the first usable pair wins: flash before sdpa
-    register_replace_pair("gpt_flash_attn", CausalSelfAttention, FlashCausalSelfAttention, supported_dtypes=HALF_DTYPES, requires=(FLASH_ATTN,))
+    register_replace_pair(
+        "gpt_flash_attn",
+        CausalSelfAttention,
+        FlashCausalSelfAttention,
+        supported_dtypes=HALF_DTYPES,
+        requires=(FLASH_ATTN,),
+    )
     register_replace_pair("gpt_sdpa", CausalSelfAttention, SDPACausalSelfAttention)
 
 

@@ -28,7 +28,7 @@ DIM_ALIASES = {"model": "tensor", "pipe": "pipeline"}
 #: Names ATorch knows whose feature is not built here: name -> what it is and what to use instead.
 DIM_NOT_BUILT = {
     "sequence": "sequence parallelism (ATorch's Ulysses all-to-all over the sequence) is not built in this version; "
-                "use ('tensor', n) for tensor parallelism, or drop the dimension",
+    "use ('tensor', n) for tensor parallelism, or drop the dimension",
     "expert": "expert parallelism (ATorch's MoE groups) is not built in this version; drop the dimension",
 }
 
@@ -155,7 +155,9 @@ def plan_layout(groups: Any, world_size: int, rank_order: Any = None) -> Layout:
     else:
         order = tuple(rank_order)
         if sorted(order) != list(range(world_size)) or any(isinstance(r, bool) for r in order):
-            raise ConfigError("parallel_mode.rank_order", rank_order, f"a permutation of the ranks 0..{world_size - 1}, or None")
+            raise ConfigError(
+                "parallel_mode.rank_order", rank_order, f"a permutation of the ranks 0..{world_size - 1}, or None"
+            )
     return Layout(dims=dims, world_size=world_size, rank_order=order)
 
 
@@ -207,7 +209,9 @@ def make_context(layout: Layout, device: str = "cpu") -> ParallelContext:
     if not (dist.is_available() and dist.is_initialized()):
         return ParallelContext(layout=layout)
     if dist.get_world_size() != layout.world_size:
-        raise ConfigError("parallel layout world size", layout.world_size, f"the running world size {dist.get_world_size()}")
+        raise ConfigError(
+            "parallel layout world size", layout.world_size, f"the running world size {dist.get_world_size()}"
+        )
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
     names = layout.mesh_dim_names

@@ -49,7 +49,9 @@ def split_batch(loader: DataLoader, parts: int, *, what: str) -> int:
 def rebuild_loader(loader: DataLoader, *, batch_size: int | None = None, sampler: Any = None) -> DataLoader:
     """The same loader with a new batch size and/or sampler; every other setting kept."""
     if isinstance(loader.batch_sampler, BatchSampler) is False and loader.batch_size is None:
-        raise ConfigError("loader.batch_sampler", type(loader.batch_sampler).__name__, "a DataLoader built with batch_size=")
+        raise ConfigError(
+            "loader.batch_sampler", type(loader.batch_sampler).__name__, "a DataLoader built with batch_size="
+        )
     kwargs = {k: getattr(loader, k) for k in _KEEP if hasattr(loader, k)}
     if kwargs.get("num_workers", 0) == 0:
         kwargs.pop("multiprocessing_context", None)

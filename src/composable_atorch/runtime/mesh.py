@@ -45,7 +45,14 @@ def create_parallel_group(groups, device: str = "cpu") -> ParallelContext:
     import torch.distributed as dist
 
     rank_order = None
-    if isinstance(groups, tuple) and len(groups) == 2 and (groups[1] is None or isinstance(groups[1], list | tuple)) and isinstance(groups[0], list | tuple) and groups[0] and isinstance(groups[0][0], list | tuple):
+    if (
+        isinstance(groups, tuple)
+        and len(groups) == 2
+        and (groups[1] is None or isinstance(groups[1], list | tuple))
+        and isinstance(groups[0], list | tuple)
+        and groups[0]
+        and isinstance(groups[0][0], list | tuple)
+    ):
         groups, rank_order = groups
     world = dist.get_world_size() if dist.is_initialized() else 1
     return make_context(plan_layout(groups, world, rank_order), device)

@@ -58,7 +58,9 @@ def parameter_names(model: torch.nn.Module, optim: torch.optim.Optimizer | None)
     for group in optim.param_groups:
         for p in group["params"]:
             seen[id(p)] = seen.get(id(p), 0) + 1
-    foreign = [f"tensor of shape {tuple(p.shape)}" for g in optim.param_groups for p in g["params"] if id(p) not in by_id]
+    foreign = [
+        f"tensor of shape {tuple(p.shape)}" for g in optim.param_groups for p in g["params"] if id(p) not in by_id
+    ]
     if foreign:
         raise ParameterMappingError("lose tensors the model does not own", foreign)
     dup = [by_id[i] for i, c in seen.items() if c > 1]
@@ -179,7 +181,11 @@ class PlanLoss(torch.Tensor):
 
     def backward(self, gradient=None, retain_graph=None, create_graph=False, inputs=None):
         optim = getattr(self, "_composable_atorch_optimizer", None)
-        kwargs = {k: v for k, v in (("gradient", gradient), ("retain_graph", retain_graph), ("inputs", inputs)) if v is not None}
+        kwargs = {
+            k: v
+            for k, v in (("gradient", gradient), ("retain_graph", retain_graph), ("inputs", inputs))
+            if v is not None
+        }
         if create_graph:
             kwargs["create_graph"] = True
         if optim is None:
@@ -329,7 +335,11 @@ class PlanOptimizer(torch.optim.Optimizer):
         """``loss`` (or the first element of a tuple/list of results) as a :class:`PlanLoss`:
         its plain ``.backward()`` runs ``self.backward(loss)``."""
         if isinstance(loss, list | tuple) and loss and isinstance(loss[0], torch.Tensor):
-            return type(loss)([self.wrap_loss(loss[0]), *loss[1:]]) if isinstance(loss, list) else (self.wrap_loss(loss[0]), *loss[1:])
+            return (
+                type(loss)([self.wrap_loss(loss[0]), *loss[1:]])
+                if isinstance(loss, list)
+                else (self.wrap_loss(loss[0]), *loss[1:])
+            )
         if not isinstance(loss, torch.Tensor):
             return loss
         wrapped = loss.as_subclass(PlanLoss)

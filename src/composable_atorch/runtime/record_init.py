@@ -119,7 +119,8 @@ def build_recorded(meta_module: nn.Module, init_weights=None) -> nn.Module:
         return copy.deepcopy(meta_module)
     if not is_recorded(meta_module):
         raise ConfigError(
-            f"meta module {type(meta_module).__name__}", "built on the meta device without recorded init args",
+            f"meta module {type(meta_module).__name__}",
+            "built on the meta device without recorded init args",
             "build the model inside `with record_module_init():` (or pass a real model)",
         )
     cls = type(meta_module)

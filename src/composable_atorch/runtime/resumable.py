@@ -195,7 +195,10 @@ def _resumable_class(base: type) -> type:
             return _SkipFirst(base, self._ca_skip) if self._ca_skip else base
 
         def _pass_rng(self) -> dict[str, Any]:
-            return {"global": capture_rng(), "generators": {k: _bytes_of(g.get_state()) for k, g in _generators(self).items()}}
+            return {
+                "global": capture_rng(),
+                "generators": {k: _bytes_of(g.get_state()) for k, g in _generators(self).items()},
+            }
 
         def resume_at(self, saved: dict[str, Any], *, rng: dict | None = None, replay: bool = True) -> None:
             """Make the next pass continue a saved position (``DataPosition.to_json()``).
@@ -207,7 +210,13 @@ def _resumable_class(base: type) -> type:
             """
             epoch, batches = int(saved["epoch"]), int(saved["batches"])
             pass_rng = saved["pass_rng"] if replay else None
-            self.position.pending = {"epoch": epoch, "batches": batches, "passes": int(saved["passes"]), "pass_rng": pass_rng, "rng": rng}
+            self.position.pending = {
+                "epoch": epoch,
+                "batches": batches,
+                "passes": int(saved["passes"]),
+                "pass_rng": pass_rng,
+                "rng": rng,
+            }
             sampler = _epoch_sampler(self)
             if sampler is not None:
                 sampler.set_epoch(int(epoch))
@@ -271,7 +280,9 @@ def resumable(loader: DataLoader) -> DataLoader:
     if is_resumable(loader):
         return loader
     if not can_resume(loader):
-        kind = type(getattr(loader, "dataset", None)).__name__ if isinstance(loader, DataLoader) else type(loader).__name__
+        kind = (
+            type(getattr(loader, "dataset", None)).__name__ if isinstance(loader, DataLoader) else type(loader).__name__
+        )
         raise ConfigError(
             "loader",
             kind,

@@ -65,7 +65,9 @@ def check_jsonable(value: Any, where: str) -> Any:
     try:
         json.dumps(value)
     except (TypeError, ValueError) as exc:
-        raise ConfigError(where, type(value).__name__, f"JSON values (dicts with string keys, lists, numbers, strings): {exc}") from None
+        raise ConfigError(
+            where, type(value).__name__, f"JSON values (dicts with string keys, lists, numbers, strings): {exc}"
+        ) from None
     return value
 
 

@@ -44,7 +44,11 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
     for them this is ``model`` itself.
     """
     seen = 0
-    while getattr(model, NAME_PREFIX_ATTR, "") and isinstance(getattr(model, "module", None), torch.nn.Module) and seen < 8:
+    while (
+        getattr(model, NAME_PREFIX_ATTR, "")
+        and isinstance(getattr(model, "module", None), torch.nn.Module)
+        and seen < 8
+    ):
         model, seen = model.module, seen + 1
     return model
 
@@ -96,7 +100,9 @@ def save_pretrained(model: torch.nn.Module, directory: str | os.PathLike) -> Pat
             try:
                 from safetensors.torch import save_file
             except ImportError:
-                raise RequirementError("save_pretrained", "the safetensors package", 'pip install "composable_atorch[hf]"') from None
+                raise RequirementError(
+                    "save_pretrained", "the safetensors package", 'pip install "composable_atorch[hf]"'
+                ) from None
             save_file(_dedupe(state), str(out / "model.safetensors"), metadata={"format": "pt"})
     if dist.is_available() and dist.is_initialized():
         dist.barrier()

@@ -229,7 +229,13 @@ def save_state(
     position = None if loader is None else loader.position.to_json()
     write_json(
         partial / f"rank-{rank}.json",
-        {"rank": rank, "rng": _resumable.capture_rng(), "loader": position, "micro_step": micro_step, "hooks": hook_states},
+        {
+            "rank": rank,
+            "rng": _resumable.capture_rng(),
+            "loader": position,
+            "micro_step": micro_step,
+            "hooks": hook_states,
+        },
     )
     with _single_process_is_intended():
         dcp.save(state, storage_writer=dcp.FileSystemWriter(partial, sync_files=True), no_dist=not _distributed())
@@ -283,7 +289,9 @@ def _check_optimizer(inner, hooks: list, saved: dict | None, hook_states: list, 
     if inner is None:
         return
     if saved is None:
-        raise ConfigError(f"checkpoint {path}", "no optimizer state", "load_state(..., optim=None) for a checkpoint saved without one")
+        raise ConfigError(
+            f"checkpoint {path}", "no optimizer state", "load_state(..., optim=None) for a checkpoint saved without one"
+        )
     mine = _optimizer_shape(inner, hooks)
     for key in ("class", "group_sizes"):
         if mine[key] != saved[key]:
@@ -311,7 +319,13 @@ def _match_hooks(hooks: list, saved_names: list[str], saved_states: list) -> tup
 
 
 def load_state(
-    directory: str | os.PathLike, model: torch.nn.Module, optim=None, loader=None, *, scheduler=None, verbose: bool = True
+    directory: str | os.PathLike,
+    model: torch.nn.Module,
+    optim=None,
+    loader=None,
+    *,
+    scheduler=None,
+    verbose: bool = True,
 ) -> Resumed:
     """Load what save_state wrote into ``model``, ``optim`` and ``loader``, in place.
 
@@ -332,7 +346,9 @@ def load_state(
         )
     meta = read_json(path / META, "checkpoint metadata")
     if meta.get("format") != FORMAT or meta.get("version") != VERSION:
-        raise ConfigError(f"checkpoint {path} format", (meta.get("format"), meta.get("version")), f"({FORMAT!r}, {VERSION})")
+        raise ConfigError(
+            f"checkpoint {path} format", (meta.get("format"), meta.get("version")), f"({FORMAT!r}, {VERSION})"
+        )
     inner, hooks, _ = _split_optimizer(optim)
     rank, world = _rank_world()
     same_world = meta["world_size"] == world
@@ -352,9 +368,17 @@ def load_state(
     if scheduler is not None:
         _scheduler_state(scheduler)  # the type check
         if meta.get("scheduler") is None:
-            raise ConfigError(f"checkpoint {path}", "no LR scheduler state", "load_state(..., scheduler=None) for a checkpoint saved without one")
+            raise ConfigError(
+                f"checkpoint {path}",
+                "no LR scheduler state",
+                "load_state(..., scheduler=None) for a checkpoint saved without one",
+            )
     if loader is not None and not meta["loader"]:
-        raise ConfigError(f"checkpoint {path}", "no data position", "load_state(..., loader=None) for a checkpoint saved without a loader")
+        raise ConfigError(
+            f"checkpoint {path}",
+            "no data position",
+            "load_state(..., loader=None) for a checkpoint saved without a loader",
+        )
 
     # -- checked: from here on, state is modified ------------------------------------------------
     saved_optim = inner is not None and meta["optimizer"]["has_state"]
@@ -367,7 +391,8 @@ def load_state(
     if meta["micro_step"]:
         params = dict(model.named_parameters())
         state["grads"] = {
-            f"rank{rank}.{name}": torch.zeros_like(p.to_local() if hasattr(p, "to_local") else p) for name, p in params.items()
+            f"rank{rank}.{name}": torch.zeros_like(p.to_local() if hasattr(p, "to_local") else p)
+            for name, p in params.items()
         }
         saved_keys = reader.read_metadata().state_dict_metadata
         state["grads"] = {k: v for k, v in state["grads"].items() if f"grads.{k}" in saved_keys}
@@ -376,7 +401,9 @@ def load_state(
         dcp.load(loading, storage_reader=reader, no_dist=not _distributed())
     finish_layout()
     if saved_optim:
-        sd.set_state_dict(model, [local], model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
+        sd.set_state_dict(
+            model, [local], model_state_dict=state["model"], optim_state_dict=state["optim"], options=options
+        )
         _sync_hyperparameters(inner, local)
     else:
         sd.set_model_state_dict(model, state["model"], options=options)
@@ -384,7 +411,9 @@ def load_state(
             local.state.clear()
     if meta["micro_step"]:
         _restore_grads(model, state["grads"], rank)
-    for hook, hook_state in _match_hooks(hooks, meta["optimizer"]["hooks"] if meta["optimizer"] else [], rank_state["hooks"])[0]:
+    for hook, hook_state in _match_hooks(
+        hooks, meta["optimizer"]["hooks"] if meta["optimizer"] else [], rank_state["hooks"]
+    )[0]:
         hook.load_state_dict(hook_state)
     if isinstance(optim, PlanOptimizer):
         optim.micro_step = rank_state["micro_step"]
@@ -417,7 +446,9 @@ def _scheduler_state(scheduler) -> dict[str, Any] | None:
     """An LR scheduler's state dict, checked JSON-able (lambdas are not saved by torch either)."""
     if scheduler is None:
         return None
-    if not (hasattr(scheduler, "state_dict") and hasattr(scheduler, "load_state_dict") and hasattr(scheduler, "optimizer")):
+    if not (
+        hasattr(scheduler, "state_dict") and hasattr(scheduler, "load_state_dict") and hasattr(scheduler, "optimizer")
+    ):
         raise ConfigError("scheduler", type(scheduler).__name__, "a torch.optim.lr_scheduler scheduler, or None")
     return check_jsonable(scheduler.state_dict(), f"{type(scheduler).__name__}.state_dict()")
 

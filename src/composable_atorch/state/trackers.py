@@ -265,7 +265,11 @@ def init_trackers(
         raise ConfigError("init_kwargs", bad[0], f"a tracker named in log_with {names}")
     for n in names:
         if not _importable(TRACKERS[n].module):
-            raise RequirementError(f"log_with={n!r}", f"the {TRACKERS[n].module} package", f'pip install "composable_atorch[track]" (or pip install {TRACKERS[n].module})')
+            raise RequirementError(
+                f"log_with={n!r}",
+                f"the {TRACKERS[n].module} package",
+                f'pip install "composable_atorch[track]" (or pip install {TRACKERS[n].module})',
+            )
     if config is not None and not isinstance(config, dict):
         raise ConfigError("config", type(config).__name__, "a dict of hyper-parameters, or None")
     plan_json = plan if isinstance(plan, str) or plan is None else plan.to_json()

@@ -61,7 +61,11 @@ class Compile(Transform):
     def __post_init__(self):
         backends = torch.compiler.list_backends(exclude_tags=())
         if not isinstance(self.backend, str) or self.backend not in backends:
-            raise ConfigError("compile.backend", self.backend, f"a registered torch.compile backend name, e.g. 'inductor' or 'aot_eager' (one of {', '.join(backends)})")
+            raise ConfigError(
+                "compile.backend",
+                self.backend,
+                f"a registered torch.compile backend name, e.g. 'inductor' or 'aot_eager' (one of {', '.join(backends)})",
+            )
         if self.mode not in MODES:
             raise ConfigError("compile.mode", self.mode, ", ".join(repr(m) for m in MODES))
         if self.mode is not None and self.backend != "inductor":
@@ -72,9 +76,13 @@ class Compile(Transform):
             try:
                 per_block = tuple(per_block)
             except TypeError:
-                raise ConfigError("compile.per_block", self.per_block, "True, False, or block classes / class names / module names") from None
+                raise ConfigError(
+                    "compile.per_block", self.per_block, "True, False, or block classes / class names / module names"
+                ) from None
             if not per_block or not all(isinstance(t, type | str) for t in per_block):
-                raise ConfigError("compile.per_block", self.per_block, "True, False, or block classes / class names / module names")
+                raise ConfigError(
+                    "compile.per_block", self.per_block, "True, False, or block classes / class names / module names"
+                )
             object.__setattr__(self, "per_block", per_block)
         if not isinstance(self.fullgraph, bool):
             raise ConfigError("compile.fullgraph", self.fullgraph, "True or False")
@@ -93,7 +101,11 @@ class Compile(Transform):
 
     def sort_key(self):
         blocks = self.per_block if isinstance(self.per_block, bool) else tuple(_target_name(t) for t in self.per_block)
-        return (int(self.contract.stage), self.name, repr((self.backend, self.mode, blocks, self.fullgraph, self.dynamic)))
+        return (
+            int(self.contract.stage),
+            self.name,
+            repr((self.backend, self.mode, blocks, self.fullgraph, self.dynamic)),
+        )
 
     def describe(self):
         if self.per_block is True:
@@ -117,18 +129,33 @@ class Compile(Transform):
             found = outermost_matches(model, targets)
             if not found:
                 raise ConfigError(
-                    "compile.per_block", tuple(_target_name(t) for t in targets), f"classes or names of modules in {type(model).__name__} (none matched)"
+                    "compile.per_block",
+                    tuple(_target_name(t) for t in targets),
+                    f"classes or names of modules in {type(model).__name__} (none matched)",
                 )
             for _, module in found:
                 module.compile(**kwargs)
             kinds = sorted({type(m).__name__ for _, m in found})
-            state.note(self.name, f"{len(found)} block(s) compiled in place ({', '.join(kinds)}; backend {self.backend}); parameter names unchanged")
+            state.note(
+                self.name,
+                f"{len(found)} block(s) compiled in place ({', '.join(kinds)}; backend {self.backend}); parameter names unchanged",
+            )
         else:
             model.compile(**kwargs)
-            state.note(self.name, f"{type(model).__name__} compiled in place (backend {self.backend}); parameter names unchanged")
+            state.note(
+                self.name,
+                f"{type(model).__name__} compiled in place (backend {self.backend}); parameter names unchanged",
+            )
         return state
 
 
-def compile_(backend: str = "inductor", *, mode: str | None = None, per_block=True, fullgraph: bool = False, dynamic: bool | None = None) -> Compile:
+def compile_(
+    backend: str = "inductor",
+    *,
+    mode: str | None = None,
+    per_block=True,
+    fullgraph: bool = False,
+    dynamic: bool | None = None,
+) -> Compile:
     """``torch.compile`` in place: ``compile(per_block=(Block,))``, ``compile(backend="aot_eager", per_block=False)``."""
     return Compile(backend=backend, mode=mode, per_block=per_block, fullgraph=fullgraph, dynamic=dynamic)

@@ -47,7 +47,14 @@ BACKENDS = ("auto", "transformer_engine", "torchao")
 FORMATS = ("HYBRID", "E4M3")
 AMAX_ALGOS = ("max", "most_recent")
 #: The seed's recipe.DelayedScaling fields and their defaults.
-RECIPE_DEFAULTS = {"margin": 0, "interval": 1, "fp8_format": "HYBRID", "amax_history_len": 1024, "amax_compute_algo": "max", "reduce_amax": True}
+RECIPE_DEFAULTS = {
+    "margin": 0,
+    "interval": 1,
+    "fp8_format": "HYBRID",
+    "amax_history_len": 1024,
+    "amax_compute_algo": "max",
+    "reduce_amax": True,
+}
 _SHOWN = 40  # explain() lists at most this many modules per line
 
 
@@ -58,7 +65,9 @@ def _names(value, field: str) -> tuple[str, ...] | None:
     try:
         items = tuple(items)
     except TypeError:
-        raise ConfigError(field, value, "None, a string or a list of non-empty strings (module-name substrings)") from None
+        raise ConfigError(
+            field, value, "None, a string or a list of non-empty strings (module-name substrings)"
+        ) from None
     if not items or not all(isinstance(s, str) and s for s in items):
         raise ConfigError(field, value, "None, a string or a list of non-empty strings (module-name substrings)")
     return items
@@ -71,7 +80,9 @@ def _int(value, field: str, minimum: int) -> int:
 
 
 #: Hardware with fp8 tensor cores (torchao runs emulated anywhere else).
-FP8_HARDWARE = AllOf(name="fp8 tensor cores", parts=(MinComputeCapability(major=8, minor=9), DeviceKind(kinds=("cuda",))))
+FP8_HARDWARE = AllOf(
+    name="fp8 tensor cores", parts=(MinComputeCapability(major=8, minor=9), DeviceKind(kinds=("cuda",)))
+)
 #: What the transformer_engine backend needs, declared once: cuda + sm89 + the package importing.
 TRANSFORMER_ENGINE = AllOf(
     name="transformer-engine",
@@ -132,7 +143,12 @@ class Fp8(Transform):
     name = "fp8"
     contract = Contract(
         stage=Stage.MODULE_REWRITE,
-        orders=(Order("module_replace", "module_replace may rebuild modules (and their Linear layers); fp8 swaps the final ones"),),
+        orders=(
+            Order(
+                "module_replace",
+                "module_replace may rebuild modules (and their Linear layers); fp8 swaps the final ones",
+            ),
+        ),
         roles=("fp8",),
         requires=(
             When(predicate=_uses_te, inner=TRANSFORMER_ENGINE, on_unmet="skip"),
@@ -194,9 +210,16 @@ class Fp8(Transform):
         if self.backend == "transformer_engine":
             return None, f"the transformer_engine backend needs {te_missing}"
         if TORCHAO.unmet(env, self) is not None:
-            why = "the torchao package" + ("" if self.backend == "torchao" else f", or for transformer_engine {te_missing}")
-            return None, f"no fp8 backend can run: needs {why} (pip install 'composable_atorch[fp8]' -c constraints.txt)"
-        note = "backend torchao" + ("" if FP8_HARDWARE.unmet(env, self) is None else " (emulated on this device: fp8 numerics, no speed-up)")
+            why = "the torchao package" + (
+                "" if self.backend == "torchao" else f", or for transformer_engine {te_missing}"
+            )
+            return (
+                None,
+                f"no fp8 backend can run: needs {why} (pip install 'composable_atorch[fp8]' -c constraints.txt)",
+            )
+        note = "backend torchao" + (
+            "" if FP8_HARDWARE.unmet(env, self) is None else " (emulated on this device: fp8 numerics, no speed-up)"
+        )
         if self.backend == "auto":
             note += f"; transformer_engine not used: needs {te_missing}"
         return dataclasses.replace(self, backend="torchao"), note
@@ -215,7 +238,11 @@ class Fp8(Transform):
         elif self.backend == "torchao":
             kind = self._apply_torchao(state, chosen, ctx.env)
         else:  # "auto" left unresolved: only when applied outside compose()
-            raise ConfigError("fp8.backend", self.backend, "a backend resolved by compose() (apply the plan, not the transform's apply())")
+            raise ConfigError(
+                "fp8.backend",
+                self.backend,
+                "a backend resolved by compose() (apply the plan, not the transform's apply())",
+            )
         state.note(self.name, f"{len(chosen)} Linear -> {kind}: {_listing(chosen) or 'none'}")
         if kept:
             state.note(self.name, "not swapped: " + _listing([f"{n} ({why})" for n, why in kept]))
@@ -231,9 +258,16 @@ class Fp8(Transform):
         wanted = set(chosen)
         if wanted:
             config = Float8LinearConfig(**kwargs)
-            state.model = convert_to_float8_training(state.model, module_filter_fn=lambda m, fqn: fqn in wanted, config=config)
-        unused = [f"{k}={getattr(self, k)!r}" for k in ("margin", "interval", "amax_history_len", "amax_compute_algo", "reduce_amax")]
-        state.note(self.name, f"torchao scales each tensor dynamically; DelayedScaling fields not used: {', '.join(unused)}")
+            state.model = convert_to_float8_training(
+                state.model, module_filter_fn=lambda m, fqn: fqn in wanted, config=config
+            )
+        unused = [
+            f"{k}={getattr(self, k)!r}"
+            for k in ("margin", "interval", "amax_history_len", "amax_compute_algo", "reduce_amax")
+        ]
+        state.note(
+            self.name, f"torchao scales each tensor dynamically; DelayedScaling fields not used: {', '.join(unused)}"
+        )
         return "torchao Float8Linear (same parameters)"
 
     def recipe_kwargs(self, accepted: set[str], formats) -> dict:
@@ -254,7 +288,11 @@ class Fp8(Transform):
         for name in chosen:
             old = model.get_submodule(name)
             new = te.Linear(
-                old.in_features, old.out_features, bias=old.bias is not None, params_dtype=old.weight.dtype, device=old.weight.device
+                old.in_features,
+                old.out_features,
+                bias=old.bias is not None,
+                params_dtype=old.weight.dtype,
+                device=old.weight.device,
             )
             with torch.no_grad():
                 new.weight.copy_(old.weight)
@@ -289,5 +327,7 @@ def fp8(include=None, exclude=None, backend: str = "auto", **recipe) -> Fp8:
     """Float8 Linear training: ``fp8(exclude=("lm_head",))``; recipe fields as in the seed (margin...)."""
     unknown = sorted(set(recipe) - set(RECIPE_DEFAULTS))
     if unknown:
-        raise ConfigError(f"fp8 recipe field {unknown[0]!r}", recipe[unknown[0]], f"one of {', '.join(RECIPE_DEFAULTS)}")
+        raise ConfigError(
+            f"fp8 recipe field {unknown[0]!r}", recipe[unknown[0]], f"one of {', '.join(RECIPE_DEFAULTS)}"
+        )
     return Fp8(include=include, exclude=exclude, backend=backend, **recipe)

@@ -109,11 +109,15 @@ class ClipGrad(Transform):
         object.__setattr__(self, "norm_type", float(self.norm_type))
 
     def describe(self):
-        return f"clip_grad(max_norm={self.max_norm:g}" + (")" if self.norm_type == 2.0 else f", norm_type={self.norm_type:g})")
+        return f"clip_grad(max_norm={self.max_norm:g}" + (
+            ")" if self.norm_type == 2.0 else f", norm_type={self.norm_type:g})"
+        )
 
     def apply(self, state: TrainState, ctx: ApplyContext) -> TrainState:
         if any(h.clips_gradients for h in state.hooks):
-            state.note(self.name, "an engine earlier in the plan clips with this max_norm itself; no second clipping hook")
+            state.note(
+                self.name, "an engine earlier in the plan clips with this max_norm itself; no second clipping hook"
+            )
             return state
         state.hooks.append(ClipHook(self.max_norm, self.norm_type))
         return state

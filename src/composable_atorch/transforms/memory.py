@@ -132,8 +132,14 @@ class Checkpoint(Transform):
             raise ConfigError("checkpoint target", bad[0], "a module class, a class name or a module's qualified name")
         object.__setattr__(self, "targets", targets)
         object.__setattr__(self, "reentrant", bool(self.reentrant))
-        if self.max_modules is not None and (isinstance(self.max_modules, bool) or not isinstance(self.max_modules, int) or self.max_modules < 0):
-            raise ConfigError("checkpoint.max_modules (max_checkpoint_module_num)", self.max_modules, "None (every matching module) or an integer >= 0")
+        if self.max_modules is not None and (
+            isinstance(self.max_modules, bool) or not isinstance(self.max_modules, int) or self.max_modules < 0
+        ):
+            raise ConfigError(
+                "checkpoint.max_modules (max_checkpoint_module_num)",
+                self.max_modules,
+                "None (every matching module) or an integer >= 0",
+            )
         inert = tuple(sorted(set(self.inert)))
         bad = [k for k in inert if k not in INERT_KEYS]
         if bad:
@@ -181,16 +187,25 @@ class Checkpoint(Transform):
             else:
                 composable_checkpoint(module)
         if self.max_modules is not None:
-            state.note(self.name, f"max_checkpoint_module_num={self.max_modules}: {len(found)} of {matched} matching modules checkpointed")
+            state.note(
+                self.name,
+                f"max_checkpoint_module_num={self.max_modules}: {len(found)} of {matched} matching modules checkpointed",
+            )
         for key in self.inert:
             state.note(self.name, f"{key}: {INERT_KEYS[key]}")
         if not found:
             return state
         if uncached:
-            state.note(self.name, f"{uncached} checkpointed block(s) take a key/value cache: dropped in training, as Hugging Face's "
-                       "own gradient checkpointing does (the recompute would append every block's keys and values again)")
+            state.note(
+                self.name,
+                f"{uncached} checkpointed block(s) take a key/value cache: dropped in training, as Hugging Face's "
+                "own gradient checkpointing does (the recompute would append every block's keys and values again)",
+            )
         names = sorted({type(m).__name__ for _, m in found})
-        state.note(self.name, f"{len(found)} module(s) checkpointed ({', '.join(names)}): {', '.join(q or '<root>' for q, _ in found[:6])}{' ...' if len(found) > 6 else ''}")
+        state.note(
+            self.name,
+            f"{len(found)} module(s) checkpointed ({', '.join(names)}): {', '.join(q or '<root>' for q, _ in found[:6])}{' ...' if len(found) > 6 else ''}",
+        )
         return state
 
 
@@ -206,18 +221,34 @@ def _from_seed_dict(cfg: dict) -> Checkpoint:
     """ATorch's dict config, each key with ATorch's meaning (checkpoint_optimization.py)."""
     unknown = sorted(set(cfg) - set(SEED_KEYS))
     if unknown:
-        raise ConfigError(f"checkpoint config key {unknown[0]!r}", cfg[unknown[0]], ", ".join(repr(k) for k in SEED_KEYS))
+        raise ConfigError(
+            f"checkpoint config key {unknown[0]!r}", cfg[unknown[0]], ", ".join(repr(k) for k in SEED_KEYS)
+        )
     if "wrap_class" not in cfg:
-        raise ConfigError("checkpoint config key 'wrap_class'", None, "the block classes or names to checkpoint, e.g. {'wrap_class': (Block,)}")
+        raise ConfigError(
+            "checkpoint config key 'wrap_class'",
+            None,
+            "the block classes or names to checkpoint, e.g. {'wrap_class': (Block,)}",
+        )
     wrap = cfg["wrap_class"]
     inert = []
     offload = cfg.get("selective_offload")
     no_reentrant = cfg.get("no_reentrant")
     if offload is not None:
-        if no_reentrant is not None and not no_reentrant:  # ATorch raises too: selective offloading needs the non-reentrant checkpoint
-            raise ConfigError("checkpoint config 'no_reentrant'", False, "True (or absent) with 'selective_offload': it needs the non-reentrant checkpoint")
+        if (
+            no_reentrant is not None and not no_reentrant
+        ):  # ATorch raises too: selective offloading needs the non-reentrant checkpoint
+            raise ConfigError(
+                "checkpoint config 'no_reentrant'",
+                False,
+                "True (or absent) with 'selective_offload': it needs the non-reentrant checkpoint",
+            )
         if not isinstance(offload, dict) or "offload_args" not in offload or "num_layers" not in offload:
-            raise ConfigError("checkpoint config 'selective_offload'", offload, "a dict with 'offload_args' and 'num_layers' (as ATorch)")
+            raise ConfigError(
+                "checkpoint config 'selective_offload'",
+                offload,
+                "a dict with 'offload_args' and 'num_layers' (as ATorch)",
+            )
         inert.append("selective_offload")
     if cfg.get("use_te_impl"):
         inert.append("use_te_impl")

@@ -69,7 +69,9 @@ def _fused_rmsnorm_class(source: type) -> type:
         def forward(self, hidden_states):
             return F.rms_norm(hidden_states, (hidden_states.size(-1),), self.weight, self.variance_epsilon)
 
-        _FUSED_RMSNORM[source] = type(f"Fused{source.__name__}", (source,), {"forward": forward, "__module__": __name__})
+        _FUSED_RMSNORM[source] = type(
+            f"Fused{source.__name__}", (source,), {"forward": forward, "__module__": __name__}
+        )
     return _FUSED_RMSNORM[source]
 
 
@@ -84,7 +86,9 @@ FLASH_ATTN = AllOf(
     parts=(Package(name="flash_attn"), MinComputeCapability(major=8, minor=0), DeviceKind(kinds=("cuda",))),
 )
 #: torch's rms_norm is one fused kernel on CUDA; on the CPU it measured no faster than the module's arithmetic.
-FUSED_RMS_NORM = AllOf(name="torch's fused rms_norm kernel (on the CPU it measured no faster)", parts=(DeviceKind(kinds=("cuda",)),))
+FUSED_RMS_NORM = AllOf(
+    name="torch's fused rms_norm kernel (on the CPU it measured no faster)", parts=(DeviceKind(kinds=("cuda",)),)
+)
 
 
 @dataclass(frozen=True)
@@ -135,7 +139,11 @@ def _add(pair: ReplacePair) -> None:
 
 
 # Order matters: for one source, the first usable pair wins (flash before sdpa).
-_add(ReplacePair("hf_flash_attention_2", supported_dtypes=HALF_DTYPES, requires=(FLASH_ATTN,), switch="flash_attention_2"))
+_add(
+    ReplacePair(
+        "hf_flash_attention_2", supported_dtypes=HALF_DTYPES, requires=(FLASH_ATTN,), switch="flash_attention_2"
+    )
+)
 _add(ReplacePair("hf_sdpa", switch="sdpa"))
 _add(ReplacePair("llama_rmsnorm_fused", _llama_rmsnorm, _fused_rmsnorm_class, requires=(FUSED_RMS_NORM,)))
 
@@ -158,7 +166,11 @@ def register_replace_pair(
     """
     if pair_cls is not None:
         if source_cls is not None or target_cls is not None:
-            raise ConfigError("register_replace_pair", name, "either source_cls and target_cls, or pair_cls=(source, target), not both")
+            raise ConfigError(
+                "register_replace_pair",
+                name,
+                "either source_cls and target_cls, or pair_cls=(source, target), not both",
+            )
         if not isinstance(pair_cls, tuple | list) or len(pair_cls) != 2:
             raise ConfigError("register_replace_pair pair_cls", pair_cls, "a (source_class, target_class) pair")
         source_cls, target_cls = pair_cls
@@ -169,13 +181,19 @@ def register_replace_pair(
             raise ConfigError(f"register_replace_pair {field}", cls, "an nn.Module subclass")
     dtypes = frozenset(supported_dtypes) if isinstance(supported_dtypes, set | frozenset | list | tuple) else None
     if not dtypes or not dtypes <= ALL_DTYPES:
-        raise ConfigError("register_replace_pair supported_dtypes", supported_dtypes, "a non-empty set of torch.float32, torch.float16, torch.bfloat16")
+        raise ConfigError(
+            "register_replace_pair supported_dtypes",
+            supported_dtypes,
+            "a non-empty set of torch.float32, torch.float16, torch.bfloat16",
+        )
     requires = tuple(requires)
     if not all(isinstance(r, Requirement) for r in requires):
         raise ConfigError("register_replace_pair requires", requires, "Requirement values, e.g. (FLASH_ATTN,)")
     pair = ReplacePair(name, source_cls, target_cls, dtypes, requires=requires)
     if name in _PAIRS and _PAIRS[name] != pair:
-        raise ConfigError("register_replace_pair name", name, f"a name not already registered (taken: {', '.join(_PAIRS)})")
+        raise ConfigError(
+            "register_replace_pair name", name, f"a name not already registered (taken: {', '.join(_PAIRS)})"
+        )
     _add(pair)
     return pair
 
@@ -185,8 +203,14 @@ ATORCH_PAIRS: dict[str, tuple[tuple[str, ...] | None, str]] = {
     "HF_BertAttention_FA": (("hf_flash_attention_2",), "transformers' own flash-attention 2"),
     "HF_CLIPAttention_FA": (("hf_flash_attention_2",), "transformers' own flash-attention 2"),
     "HF_GPT2Attention_FA": (("hf_flash_attention_2",), "transformers' own flash-attention 2"),
-    "MultiheadAttention_FA": (None, "torch's nn.MultiheadAttention already calls scaled_dot_product_attention (fused flash kernel)"),
-    "LayerNorm_Apex": (None, "torch's nn.LayerNorm is already one fused kernel (aten native_layer_norm); apex is not used"),
+    "MultiheadAttention_FA": (
+        None,
+        "torch's nn.MultiheadAttention already calls scaled_dot_product_attention (fused flash kernel)",
+    ),
+    "LayerNorm_Apex": (
+        None,
+        "torch's nn.LayerNorm is already one fused kernel (aten native_layer_norm); apex is not used",
+    ),
 }
 
 
@@ -247,7 +271,11 @@ class ModuleReplace(Transform):
         pairs = (self.pairs,) if isinstance(self.pairs, str) else tuple(self.pairs)
         unknown = [p for p in pairs if p not in _PAIRS]
         if unknown or not pairs:
-            raise ConfigError("module_replace.pairs", unknown[0] if unknown else pairs, f"names of registered pairs: {', '.join(_PAIRS)}")
+            raise ConfigError(
+                "module_replace.pairs",
+                unknown[0] if unknown else pairs,
+                f"names of registered pairs: {', '.join(_PAIRS)}",
+            )
         object.__setattr__(self, "pairs", pairs)
 
     @classmethod
@@ -263,7 +291,11 @@ class ModuleReplace(Transform):
             names: list[str] = []
             for key, value in config.items():
                 if value not in (None, {}, {"need_src_module": True}, {"init_from_attr": True}):
-                    raise ConfigError(f"module_replace config[{key!r}]", value, "None or ATorch's default (pairs here are built from the source module)")
+                    raise ConfigError(
+                        f"module_replace config[{key!r}]",
+                        value,
+                        "None or ATorch's default (pairs here are built from the source module)",
+                    )
                 if key in ATORCH_PAIRS:
                     mapped, why = ATORCH_PAIRS[key]
                     if mapped is None:
@@ -290,12 +322,19 @@ class ModuleReplace(Transform):
             elif pair.needs is not None and (missing := pair.needs(env)):
                 state.note(self.name, f"{pair.name}: not used, needs {missing}")
             elif dtype not in pair.supported_dtypes:
-                state.note(self.name, f"{pair.name}: not used, it supports {_dtype_label(pair.supported_dtypes)} and this plan trains in {_dtype_label({dtype})}")
+                state.note(
+                    self.name,
+                    f"{pair.name}: not used, it supports {_dtype_label(pair.supported_dtypes)} and this plan trains in {_dtype_label({dtype})}",
+                )
             else:
                 usable.append(pair)
         claimed: set[int] = set()
         for pair in usable:
-            done = self._switch_attention(model, pair, claimed, state) if pair.switch else self._replace(model, pair, claimed, state)
+            done = (
+                self._switch_attention(model, pair, claimed, state)
+                if pair.switch
+                else self._replace(model, pair, claimed, state)
+            )
             if not done:
                 unmatched.append(pair.name)
         if unmatched:
@@ -314,7 +353,11 @@ class ModuleReplace(Transform):
         if not found:
             return False
         if any(q == "" for q, _ in found):
-            raise ConfigError(f"replace pair {pair.name!r}", source.__name__, "a pair for a submodule of the model, not the model's own class")
+            raise ConfigError(
+                f"replace pair {pair.name!r}",
+                source.__name__,
+                "a pair for a submodule of the model, not the model's own class",
+            )
         in_place = issubclass(target, source) and "__init__" not in target.__dict__
         new_modules = []
         for qualname, module in found:  # build all first: a bad target fails before the model changes
@@ -336,7 +379,10 @@ class ModuleReplace(Transform):
                 claimed.update(id(m) for m in module.modules())  # its children now belong to the new module
         how = "class swapped in place" if in_place else f"built as {target.__name__}(module)"
         names = ", ".join(q for q, _, _ in new_modules[:6]) + (" ..." if len(new_modules) > 6 else "")
-        state.note(self.name, f"{pair.name}: {len(new_modules)} x {source.__name__} -> {target.__name__} ({how}; parameter names unchanged): {names}")
+        state.note(
+            self.name,
+            f"{pair.name}: {len(new_modules)} x {source.__name__} -> {target.__name__} ({how}; parameter names unchanged): {names}",
+        )
         return True
 
     def _switch_attention(self, model: nn.Module, pair: ReplacePair, claimed: set[int], state: TrainState) -> bool:
@@ -357,15 +403,23 @@ class ModuleReplace(Transform):
             flag = ("_supports_sdpa",) if pair.switch == "sdpa" else ("_supports_flash_attn", "_supports_flash_attn_2")
             supported = any(getattr(module, f, False) for f in flag)
             if not supported:
-                state.note(self.name, f"{pair.name}: {label} left alone, transformers does not support {pair.switch} for it")
+                state.note(
+                    self.name, f"{pair.name}: {label} left alone, transformers does not support {pair.switch} for it"
+                )
                 continue
             claimed.add(id(module))
             done = True
             if before == pair.switch:
-                state.note(self.name, f"{pair.name}: {label} already uses {pair.switch} attention (transformers' default), left alone")
+                state.note(
+                    self.name,
+                    f"{pair.name}: {label} already uses {pair.switch} attention (transformers' default), left alone",
+                )
                 continue
             module.set_attn_implementation(pair.switch)
-            state.note(self.name, f"{pair.name}: {label} attention {before} -> {module.config._attn_implementation} via set_attn_implementation")
+            state.note(
+                self.name,
+                f"{pair.name}: {label} attention {before} -> {module.config._attn_implementation} via set_attn_implementation",
+            )
         return done
 
 

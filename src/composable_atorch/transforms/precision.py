@@ -168,7 +168,9 @@ class Amp(Transform):
     def describe(self):
         if not self.enabled:
             return f"amp({self.dtype}, enabled=False: no autocast, no scaler)"
-        extra = ", grad scaler" if self.dtype == "fp16" else (", skip non-finite steps" if self.skip_if_nonfinite else "")
+        extra = (
+            ", grad scaler" if self.dtype == "fp16" else (", skip non-finite steps" if self.skip_if_nonfinite else "")
+        )
         return f"amp({self.dtype}{extra})"
 
     def apply(self, state: TrainState, ctx: ApplyContext) -> TrainState:
@@ -188,11 +190,17 @@ class Amp(Transform):
 
         forward._composable_atorch_autocast = dtype
         model.forward = forward
-        state.note(self.name, f"autocast({device}, {self.dtype}) around {type(model).__name__}.forward; float outputs cast to float32")
+        state.note(
+            self.name,
+            f"autocast({device}, {self.dtype}) around {type(model).__name__}.forward; float outputs cast to float32",
+        )
         if self.dtype == "fp16":
             state.hooks.append(GradScalerHook(device, getattr(state.parallel, "grad_shard_group", None)))
-            state.note(self.name, "grad scaler: loss scaled in optim.backward() (or a loss wrapped by optim.wrap_loss / "
-                       "optim.loss_wrapper), inf/nan steps skipped; a step after an unwrapped loss.backward() raises")
+            state.note(
+                self.name,
+                "grad scaler: loss scaled in optim.backward() (or a loss wrapped by optim.wrap_loss / "
+                "optim.loss_wrapper), inf/nan steps skipped; a step after an unwrapped loss.backward() raises",
+            )
         elif self.skip_if_nonfinite:
             state.hooks.append(NonfiniteSkipHook(getattr(state.parallel, "grad_shard_group", None)))
             state.note(self.name, "steps with inf/nan gradients skipped")
@@ -248,8 +256,10 @@ class MasterWeightsHook(OptimizerHook):
                 st = optimizer.state.pop(p, None)
                 if st is not None:
                     # state loaded by Optimizer.load_state_dict was cast to the half dtype: back to fp32
-                    optimizer.state[m] = {k: v.float() if k != "step" and torch.is_tensor(v) and v.is_floating_point() else v
-                                          for k, v in st.items()}
+                    optimizer.state[m] = {
+                        k: v.float() if k != "step" and torch.is_tensor(v) and v.is_floating_point() else v
+                        for k, v in st.items()
+                    }
                 masters.append(m)
             group["params"] = masters
             self._swapped.append((group, params))
@@ -319,13 +329,20 @@ class Half(Transform):
     def apply(self, state: TrainState, ctx: ApplyContext) -> TrainState:
         dtype = dtype_of(self.dtype)
         model = state.model.to(dtype)
-        model.register_forward_pre_hook(lambda m, args, kwargs: (cast_floats(args, dtype), cast_floats(kwargs, dtype)), with_kwargs=True)
+        model.register_forward_pre_hook(
+            lambda m, args, kwargs: (cast_floats(args, dtype), cast_floats(kwargs, dtype)), with_kwargs=True
+        )
         model.register_forward_hook(lambda m, args, out: cast_floats(out, torch.float32))
         state.model = model
-        state.note(self.name, f"parameters and buffers cast to {self.dtype}; float inputs cast to {self.dtype}, float outputs to float32")
+        state.note(
+            self.name,
+            f"parameters and buffers cast to {self.dtype}; float inputs cast to {self.dtype}, float outputs to float32",
+        )
         if self.master_weights:
             state.hooks.append(MasterWeightsHook())
-            state.note(self.name, "fp32 master weights: the optimizer steps on float32 copies, copied back after each step")
+            state.note(
+                self.name, "fp32 master weights: the optimizer steps on float32 copies, copied back after each step"
+            )
         return state
 
 

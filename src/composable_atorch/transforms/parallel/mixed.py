@@ -32,14 +32,22 @@ MIXED_APPLIES = "mixed_parallel applies it itself over parallel_mode's dimension
 
 def factorizations(world: int) -> list[tuple[int, int, int]]:
     """Every ``(tensor, pipeline, data)`` with ``tensor * pipeline * data == world``."""
-    return [(t, p, world // (t * p)) for t in range(1, world + 1) if world % t == 0 for p in range(1, world // t + 1) if (world // t) % p == 0]
+    return [
+        (t, p, world // (t * p))
+        for t in range(1, world + 1)
+        if world % t == 0
+        for p in range(1, world // t + 1)
+        if (world // t) % p == 0
+    ]
 
 
 def _degrees_differ(mine, pm) -> bool:
     if mine.tensor is None and mine.pipeline is None:
         return False
     groups = dict(pm.groups)
-    return any(d is not None and groups.get(n, 1) != d for n, d in (("tensor", mine.tensor), ("pipeline", mine.pipeline)))
+    return any(
+        d is not None and groups.get(n, 1) != d for n, d in (("tensor", mine.tensor), ("pipeline", mine.pipeline))
+    )
 
 
 def _split_loader(loader, pc: ParallelContext):
@@ -48,8 +56,16 @@ def _split_loader(loader, pc: ParallelContext):
 
     batch, parts = loader_batch_size(loader), pc.data_size
     if batch % parts:
-        raise ConfigError("loader batch_size", batch, f"a multiple of the data size {parts} (the loader's batch is the global batch)")
-    sampler = DistributedSampler(loader.dataset, num_replicas=parts, rank=pc.data_rank, shuffle=is_shuffled(loader), drop_last=bool(loader.drop_last))
+        raise ConfigError(
+            "loader batch_size", batch, f"a multiple of the data size {parts} (the loader's batch is the global batch)"
+        )
+    sampler = DistributedSampler(
+        loader.dataset,
+        num_replicas=parts,
+        rank=pc.data_rank,
+        shuffle=is_shuffled(loader),
+        drop_last=bool(loader.drop_last),
+    )
     return rebuild_loader(loader, batch_size=batch // parts, sampler=sampler)
 
 
@@ -75,9 +91,19 @@ class MixedParallel(Transform):
                 "give the degrees once: in parallel_mode's groups, or as mixed_parallel(tensor=..., pipeline=...)",
                 when=_degrees_differ,
             ),
-            Conflict("tensor_parallel", MIXED_APPLIES, "drop tensor_parallel (or drop mixed_parallel and compose the engines yourself)"),
-            Conflict("pipeline_parallel", MIXED_APPLIES, "drop pipeline_parallel (or drop mixed_parallel and compose the engines yourself)"),
-            next(c for c in PipelineParallel.contract.conflicts if c.other == "compile"),  # zero-bubble schedules vs compile
+            Conflict(
+                "tensor_parallel",
+                MIXED_APPLIES,
+                "drop tensor_parallel (or drop mixed_parallel and compose the engines yourself)",
+            ),
+            Conflict(
+                "pipeline_parallel",
+                MIXED_APPLIES,
+                "drop pipeline_parallel (or drop mixed_parallel and compose the engines yourself)",
+            ),
+            next(
+                c for c in PipelineParallel.contract.conflicts if c.other == "compile"
+            ),  # zero-bubble schedules vs compile
             replace(ACCUMULATE_CONFLICT, when=_has_pipeline),
         ),
     )
@@ -93,12 +119,16 @@ class MixedParallel(Transform):
 
     def __post_init__(self):
         object.__setattr__(self, "tp_plan", normalize_plan(self.tp_plan))
-        pp = PipelineParallel(microbatches=self.microbatches, schedule=self.schedule, stages_per_rank=self.stages_per_rank)  # validates them
+        pp = PipelineParallel(
+            microbatches=self.microbatches, schedule=self.schedule, stages_per_rank=self.stages_per_rank
+        )  # validates them
         object.__setattr__(self, "stages_per_rank", pp.stages_per_rank)
         for field in ("tensor", "pipeline"):
             v = getattr(self, field)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                raise ConfigError(f"mixed_parallel.{field}", v, "an integer >= 1, or None to read it from parallel_mode")
+                raise ConfigError(
+                    f"mixed_parallel.{field}", v, "an integer >= 1, or None to read it from parallel_mode"
+                )
 
     @classmethod
     def candidates(cls, search):
@@ -126,7 +156,11 @@ class MixedParallel(Transform):
         if self.tensor is not None or self.pipeline is not None:
             fixed = (self.tensor or 1) * (self.pipeline or 1)
             if env.world_size % fixed:
-                raise ConfigError("mixed_parallel degrees", f"tensor {self.tensor} x pipeline {self.pipeline}", f"a product dividing the world size {env.world_size}")
+                raise ConfigError(
+                    "mixed_parallel degrees",
+                    f"tensor {self.tensor} x pipeline {self.pipeline}",
+                    f"a product dividing the world size {env.world_size}",
+                )
         return self, None
 
     def describe(self):
@@ -140,20 +174,29 @@ class MixedParallel(Transform):
         if isinstance(state.parallel, ParallelContext):
             return parallel_context(state, self.name)
         if self.tensor is None and self.pipeline is None:
-            raise RequirementError(self.name, "parallel degrees", "compose it with parallel_mode([('tensor', t), ('pipeline', p), ('data', d)]) or give mixed_parallel(tensor=t, pipeline=p)")
+            raise RequirementError(
+                self.name,
+                "parallel degrees",
+                "compose it with parallel_mode([('tensor', t), ('pipeline', p), ('data', d)]) or give mixed_parallel(tensor=t, pipeline=p)",
+            )
         groups = [("tensor", self.tensor or 1), ("pipeline", self.pipeline or 1), ("data", 1)]
         pc = make_context(plan_layout(groups, ctx.env.world_size), ctx.env.device)
         state.parallel = pc
         if state.loader is not None and pc.data_size > 1:
             state.loader = _split_loader(state.loader, pc)
-        state.note(self.name, f"layout {pc.layout.describe()}; device mesh {pc.layout.mesh_dim_names}; loader split over the data dim of {pc.data_size}")
+        state.note(
+            self.name,
+            f"layout {pc.layout.describe()}; device mesh {pc.layout.mesh_dim_names}; loader split over the data dim of {pc.data_size}",
+        )
         return pc
 
     def apply(self, state: TrainState, ctx: ApplyContext) -> TrainState:
         pc = self._context(state, ctx)
         sizes = {n: pc.layout.size(n) for n in ("tensor", "pipeline", "data")}
         tp = TensorParallel(plan=self.tp_plan)
-        pp = PipelineParallel(microbatches=self.microbatches, schedule=self.schedule, stages_per_rank=self.stages_per_rank)
+        pp = PipelineParallel(
+            microbatches=self.microbatches, schedule=self.schedule, stages_per_rank=self.stages_per_rank
+        )
         # every check before any change
         if sizes["tensor"] > 1:
             tp.placements(state.model, sizes["tensor"])
@@ -176,7 +219,20 @@ class MixedParallel(Transform):
 
 
 def mixed_parallel(
-    tp_plan: Any = "auto", *, microbatches: int = 2, schedule: str = "1F1B", stages_per_rank: int | None = None, tensor: int | None = None, pipeline: int | None = None
+    tp_plan: Any = "auto",
+    *,
+    microbatches: int = 2,
+    schedule: str = "1F1B",
+    stages_per_rank: int | None = None,
+    tensor: int | None = None,
+    pipeline: int | None = None,
 ) -> MixedParallel:
     """``mixed_parallel()`` with ``parallel_mode([("tensor", 2), ("pipeline", 2), ("data", 2)])``, or ``mixed_parallel(tensor=2, pipeline=2)``."""
-    return MixedParallel(tp_plan=tp_plan, microbatches=microbatches, schedule=schedule, stages_per_rank=stages_per_rank, tensor=tensor, pipeline=pipeline)
+    return MixedParallel(
+        tp_plan=tp_plan,
+        microbatches=microbatches,
+        schedule=schedule,
+        stages_per_rank=stages_per_rank,
+        tensor=tensor,
+        pipeline=pipeline,
+    )

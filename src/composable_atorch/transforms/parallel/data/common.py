@@ -38,7 +38,9 @@ DDP_VS_FSDP = "fsdp reduce-scatters gradients itself; DDP would all-reduce them 
 DDP_VS_ZERO2 = "zero2 reduce-scatters gradients itself; DDP would all-reduce them a second time"
 FSDP_VS_ZERO2 = "zero2 is sharding with reshard_after_forward=False; both would wrap and shard the same parameters"
 SHARDED_STATE = "already shards the optimizer state"
-ZERO_DIM_UNUSED = "the 'zero' dimension (ZeRO sharding subgroups) is laid out but not used by data-parallel transforms yet"
+ZERO_DIM_UNUSED = (
+    "the 'zero' dimension (ZeRO sharding subgroups) is laid out but not used by data-parallel transforms yet"
+)
 
 
 def _has_zero_dim(_mine, pm) -> bool:
@@ -49,16 +51,20 @@ ZERO_DIM_CONFLICT = Conflict(
     "parallel_mode", ZERO_DIM_UNUSED, "use ('data', n) in parallel_mode for plain data parallelism", when=_has_zero_dim
 )
 IMPLIES_PARALLEL_MODE = Implication(
-    "parallel_mode", "data parallelism needs the data-parallel process group and the distributed sampler parallel_mode makes"
+    "parallel_mode",
+    "data parallelism needs the data-parallel process group and the distributed sampler parallel_mode makes",
 )
 
 
 def parallel_context(state: TrainState, who: str) -> ParallelContext:
     """The context parallel_mode left in the state; RequirementError if the plan had none."""
     if not isinstance(state.parallel, ParallelContext):
-        raise RequirementError(who, "parallel_mode earlier in the plan", f"compose {who} with parallel_mode(...) (compose() adds it unless strict)")
+        raise RequirementError(
+            who,
+            "parallel_mode earlier in the plan",
+            f"compose {who} with parallel_mode(...) (compose() adds it unless strict)",
+        )
     return state.parallel
-
 
 
 class GradSyncHook(OptimizerHook):
@@ -117,7 +123,6 @@ class KeepGradBuffersHook(OptimizerHook):
         return True
 
 
-
 def _is_fairscale(t) -> bool:
     """backend='fairscale'"""
     return getattr(t, "backend", None) == "fairscale"
@@ -126,7 +131,9 @@ def _is_fairscale(t) -> bool:
 def sharded_optimizer(optim: torch.optim.Optimizer, backend: str, group):
     """torch's ZeroRedundancyOptimizer or fairscale's OSS over the same param groups and hyperparameters."""
     if any(len(s) for s in optim.state.values()):
-        raise ConfigError("optimizer state", "already stepped", "an optimizer that has not stepped yet (apply the plan first)")
+        raise ConfigError(
+            "optimizer state", "already stepped", "an optimizer that has not stepped yet (apply the plan first)"
+        )
     groups = [dict(g) for g in optim.param_groups]
     # only the defaults the constructor takes (AdamW's hold 'decoupled_weight_decay'); each group
     # carries all of its hyperparameters anyway
@@ -170,7 +177,11 @@ class HasBackends:
         if backend is not None:
             key = (cls.name, backend)
             if key in _VARIANTS and _VARIANTS[key].__qualname__ != cls.__qualname__:
-                raise ConfigError(f"{cls.name} backend variant", backend, f"one class per backend (taken by {_VARIANTS[key].__qualname__})")
+                raise ConfigError(
+                    f"{cls.name} backend variant",
+                    backend,
+                    f"one class per backend (taken by {_VARIANTS[key].__qualname__})",
+                )
             _VARIANTS[key] = cls
             cls.variant_backend = backend
 
@@ -229,10 +240,16 @@ def zero_options(options, who: str, backend: str) -> tuple:
     items = dict(options or ())
     unknown = sorted(set(items) - set(ZERO_OPTION_DEFAULTS))
     if unknown:
-        raise ConfigError(f"{who} config key {unknown[0]!r}", items[unknown[0]], f"one of {', '.join(ZERO_OPTION_DEFAULTS)}")
+        raise ConfigError(
+            f"{who} config key {unknown[0]!r}", items[unknown[0]], f"one of {', '.join(ZERO_OPTION_DEFAULTS)}"
+        )
     for key, value in items.items():
         if value != ZERO_OPTION_DEFAULTS[key] and backend not in _ZERO_OPTION_BACKENDS[key]:
-            raise ConfigError(f"{who}.{key} with backend={backend!r}", value, f"{ZERO_OPTION_DEFAULTS[key]!r}: {_ZERO_OPTION_WHY[key]}")
+            raise ConfigError(
+                f"{who}.{key} with backend={backend!r}",
+                value,
+                f"{ZERO_OPTION_DEFAULTS[key]!r}: {_ZERO_OPTION_WHY[key]}",
+            )
     return tuple(sorted((k, v) for k, v in items.items() if v != ZERO_OPTION_DEFAULTS[k]))
 
 

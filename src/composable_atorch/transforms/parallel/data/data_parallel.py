@@ -60,7 +60,9 @@ def _distributed_loader(loader, pc: ParallelContext, sampler_cls):
 
     if isinstance(loader.sampler, DistributedSampler):
         raise ConfigError(
-            "loader.sampler", type(loader.sampler).__name__, "a plain sampler: pass the loader with the global batch; the plan adds the distributed sampler"
+            "loader.sampler",
+            type(loader.sampler).__name__,
+            "a plain sampler: pass the loader with the global batch; the plan adds the distributed sampler",
         )
     batch, parts = loader_batch_size(loader), pc.data_size
     if batch % parts:
@@ -70,7 +72,11 @@ def _distributed_loader(loader, pc: ParallelContext, sampler_cls):
             f"a multiple of the data-parallel size {parts} (the loader's batch is the global batch, split into {parts} per-rank batches)",
         )
     sampler = (sampler_cls or DistributedSampler)(
-        loader.dataset, num_replicas=parts, rank=pc.data_rank, shuffle=is_shuffled(loader), drop_last=bool(loader.drop_last)
+        loader.dataset,
+        num_replicas=parts,
+        rank=pc.data_rank,
+        shuffle=is_shuffled(loader),
+        drop_last=bool(loader.drop_last),
     )
     return rebuild_loader(loader, batch_size=batch // parts, sampler=sampler), batch // parts
 
@@ -110,7 +116,9 @@ class ParallelMode(Transform):
             object.__setattr__(self, "rank_order", tuple(self.rank_order))
         cls = self.distributed_sampler_cls
         if cls is not None and not (isinstance(cls, type) and issubclass(cls, torch.utils.data.Sampler)):
-            raise ConfigError("parallel_mode.distributed_sampler_cls", cls, "a Sampler class with DistributedSampler's arguments")
+            raise ConfigError(
+                "parallel_mode.distributed_sampler_cls", cls, "a Sampler class with DistributedSampler's arguments"
+            )
 
     @classmethod
     def from_seed(cls, config=None):
@@ -119,11 +127,16 @@ class ParallelMode(Transform):
             return cls()
         if isinstance(config, dict):
             return super().from_seed(config)
-        if isinstance(config, list | tuple) and 2 <= len(config) <= 3 and isinstance(config[0], list | tuple) and (
-            not config[0] or isinstance(config[0][0], list | tuple)
+        if (
+            isinstance(config, list | tuple)
+            and 2 <= len(config) <= 3
+            and isinstance(config[0], list | tuple)
+            and (not config[0] or isinstance(config[0][0], list | tuple))
         ):
             if len(config) == 3 and config[2]:
-                raise ConfigError("parallel_mode config[2] (multiple parallel instances)", config[2], "False or absent: not supported")
+                raise ConfigError(
+                    "parallel_mode config[2] (multiple parallel instances)", config[2], "False or absent: not supported"
+                )
             return cls(groups=config[0], rank_order=config[1])
         return cls(groups=config)
 
@@ -143,11 +156,17 @@ class ParallelMode(Transform):
         pc = make_context(layout, ctx.env.device)
         state.parallel = pc
         where = f"device mesh {layout.mesh_dim_names}" if pc.distributed else "no process group (single process)"
-        state.note(self.name, f"{layout.describe()}; {where}; this rank {pc.rank} is data shard {pc.data_rank} of {pc.data_size}")
+        state.note(
+            self.name,
+            f"{layout.describe()}; {where}; this rank {pc.rank} is data shard {pc.data_rank} of {pc.data_size}",
+        )
         if state.loader is not None and pc.data_size > 1:
             state.loader, per_rank = _distributed_loader(state.loader, pc, self.distributed_sampler_cls)
             kind = (self.distributed_sampler_cls or torch.utils.data.distributed.DistributedSampler).__name__
-            state.note(self.name, f"loader: {kind}, per-rank batch {per_rank} = global {per_rank * pc.data_size} / {pc.data_size}")
+            state.note(
+                self.name,
+                f"loader: {kind}, per-rank batch {per_rank} = global {per_rank * pc.data_size} / {pc.data_size}",
+            )
         return state
 
 
@@ -194,7 +213,11 @@ class Ddp(Transform):
     gradient_as_bucket_view: bool = False
 
     def __post_init__(self):
-        if self.bucket_cap_mb is not None and (isinstance(self.bucket_cap_mb, bool) or not isinstance(self.bucket_cap_mb, int | float) or self.bucket_cap_mb <= 0):
+        if self.bucket_cap_mb is not None and (
+            isinstance(self.bucket_cap_mb, bool)
+            or not isinstance(self.bucket_cap_mb, int | float)
+            or self.bucket_cap_mb <= 0
+        ):
             raise ConfigError("ddp.bucket_cap_mb", self.bucket_cap_mb, "a positive number of MiB, or None for DDP's 25")
 
     @classmethod
@@ -210,17 +233,25 @@ class Ddp(Transform):
 
         pc = parallel_context(state, self.name)
         if not pc.distributed:
-            state.note(self.name, "no process group: a single process has no gradients to synchronize, model left as it is")
+            state.note(
+                self.name, "no process group: a single process has no gradients to synchronize, model left as it is"
+            )
             return state
         # -- model parallelism (issue 10): a data dimension of 1 has nothing to synchronize --
         if pc.data_size == 1:
-            state.note(self.name, f"data dimension of 1 ({pc.layout.describe()}): no gradients to synchronize, model left as it is")
+            state.note(
+                self.name,
+                f"data dimension of 1 ({pc.layout.describe()}): no gradients to synchronize, model left as it is",
+            )
             return state
         if any(hasattr(p, "placements") for p in state.model.parameters()):
             # replicate/DDP does not take tensor-parallel DTensor parameters (mixed Tensor/DTensor at forward)
             broadcast_local(state.model, pc.data_group())
             state.hooks.append(DataGradSync(state.model, pc.data_group(), pc.data_size))
-            state.note(self.name, f"tensor-parallel (DTensor) parameters: gradients all-reduced over the data group of {pc.data_size} before each step (DDP's replicate does not take DTensors)")
+            state.note(
+                self.name,
+                f"tensor-parallel (DTensor) parameters: gradients all-reduced over the data group of {pc.data_size} before each step (DDP's replicate does not take DTensors)",
+            )
             return state
         # -- end model parallelism --
         kwargs = {
@@ -236,11 +267,16 @@ class Ddp(Transform):
             kwargs["device_id"] = torch.cuda.current_device()
         replicate(state.model, **kwargs)
         state.hooks.append(GradSyncHook(state.model))
-        state.note(self.name, f"replicate (DDP) over the data group of {pc.data_size}; parameter names kept; sync skipped inside accumulation windows")
+        state.note(
+            self.name,
+            f"replicate (DDP) over the data group of {pc.data_size}; parameter names kept; sync skipped inside accumulation windows",
+        )
         return state
 
 
-def ddp(find_unused_parameters: bool = False, *, bucket_cap_mb=None, broadcast_buffers=True, gradient_as_bucket_view=False) -> Ddp:
+def ddp(
+    find_unused_parameters: bool = False, *, bucket_cap_mb=None, broadcast_buffers=True, gradient_as_bucket_view=False
+) -> Ddp:
     return Ddp(find_unused_parameters, bucket_cap_mb, broadcast_buffers, gradient_as_bucket_view)
 
 
@@ -305,11 +341,16 @@ class Zero1(HasBackends, Transform):
     def apply(self, state: TrainState, ctx: ApplyContext) -> TrainState:
         pc = parallel_context(state, self.name)
         if state.optim is None or not pc.distributed:
-            state.note(self.name, "nothing to shard: " + ("no optimizer" if state.optim is None else "no process group"))
+            state.note(
+                self.name, "nothing to shard: " + ("no optimizer" if state.optim is None else "no process group")
+            )
             return state
         state.optim = sharded_optimizer(state.optim, self.backend, pc.data_group())
         inner = type(state.optim.optim).__name__
-        state.note(self.name, f"{type(state.optim).__name__}({inner}): each of {pc.data_size} ranks keeps 1/{pc.data_size} of the optimizer state")
+        state.note(
+            self.name,
+            f"{type(state.optim).__name__}({inner}): each of {pc.data_size} ranks keeps 1/{pc.data_size} of the optimizer state",
+        )
         return state
 
 

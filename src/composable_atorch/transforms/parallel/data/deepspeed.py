@@ -52,8 +52,17 @@ def deepspeed_contract() -> Contract:
         implies=(IMPLIES_PARALLEL_MODE,),
         conflicts=(
             Conflict("ddp", f"{_ENGINE}; DDP would all-reduce a second time", "drop ddp"),
-            Conflict("accumulate", f"{_ENGINE}, accumulating with its own gradient_accumulation_steps, not wired to accumulate here", "drop accumulate, or use a torch backend (zero2(backend='fsdp'))"),
-            Conflict("amp", "fp16 loss scaling must happen inside the engine, which partitions the gradients", "use amp('bf16'), or a torch backend for fp16", when=_fp16),
+            Conflict(
+                "accumulate",
+                f"{_ENGINE}, accumulating with its own gradient_accumulation_steps, not wired to accumulate here",
+                "drop accumulate, or use a torch backend (zero2(backend='fsdp'))",
+            ),
+            Conflict(
+                "amp",
+                "fp16 loss scaling must happen inside the engine, which partitions the gradients",
+                "use amp('bf16'), or a torch backend for fp16",
+                when=_fp16,
+            ),
         ),
     )
 
@@ -90,8 +99,11 @@ def check_half_supported(half: str, who: str) -> None:
     accel = get_accelerator()
     if dtype not in accel.supported_dtypes():
         other = "bf16" if half == "fp16" else "fp32"
-        raise RequirementError(who, f"a device on which DeepSpeed supports {half} (DeepSpeed's {accel.device_name()} accelerator here does not)",
-                               f"use half('{other}') or a torch backend ({who}(backend='torch')), or run on a device with {half} kernels")
+        raise RequirementError(
+            who,
+            f"a device on which DeepSpeed supports {half} (DeepSpeed's {accel.device_name()} accelerator here does not)",
+            f"use half('{other}') or a torch backend ({who}(backend='torch')), or run on a device with {half} kernels",
+        )
 
 
 def engine_config(stage: int, per_rank_batch: int, data_size: int, clip: float | None, half: str | None = None) -> dict:
@@ -134,7 +146,11 @@ def apply_options(config: dict, options: dict, clip_transform: float | None, who
             notes.append(f"{key}={int(options[key])}")
     if "clip_grad" in options:
         if clip_transform is not None and float(options["clip_grad"]) != float(clip_transform):
-            raise ConfigError(f"{who}.clip_grad", options["clip_grad"], f"the same max_norm as clip_grad({clip_transform:g}) in the plan, or leave one out")
+            raise ConfigError(
+                f"{who}.clip_grad",
+                options["clip_grad"],
+                f"the same max_norm as clip_grad({clip_transform:g}) in the plan, or leave one out",
+            )
         config["gradient_clipping"] = float(options["clip_grad"])
         notes.append(f"clip_grad={float(options['clip_grad']):g} (gradient_clipping)")
     if "static_loss_scale" in options:
@@ -142,7 +158,9 @@ def apply_options(config: dict, options: dict, clip_transform: float | None, who
             config["fp16"]["loss_scale"] = float(options["static_loss_scale"])
             notes.append(f"static loss scale {float(options['static_loss_scale']):g} (fp16)")
         else:
-            notes.append(f"static_loss_scale={options['static_loss_scale']!r} read; DeepSpeed scales the loss only in fp16, so it has no effect here")
+            notes.append(
+                f"static_loss_scale={options['static_loss_scale']!r} read; DeepSpeed scales the loss only in fp16, so it has no effect here"
+            )
     return notes
 
 
@@ -152,9 +170,17 @@ def apply_engine(stage: int, who: str, state: TrainState, ctx: ApplyContext, opt
 
     pc = parallel_context(state, who)
     if not pc.distributed:
-        raise RequirementError(who, "a process group (DeepSpeed runs in a launched job)", "launch with `python -m composable_atorch launch --nproc N train.py`")
+        raise RequirementError(
+            who,
+            "a process group (DeepSpeed runs in a launched job)",
+            "launch with `python -m composable_atorch launch --nproc N train.py`",
+        )
     if pc.data_size != dist.get_world_size():
-        raise ConfigError("parallel_mode.groups", pc.layout.dims, f"data parallelism over the whole world ({dist.get_world_size()}) for DeepSpeed ZeRO")
+        raise ConfigError(
+            "parallel_mode.groups",
+            pc.layout.dims,
+            f"data parallelism over the whole world ({dist.get_world_size()}) for DeepSpeed ZeRO",
+        )
     if state.optim is None:
         raise ConfigError("optim", None, "a torch optimizer: the DeepSpeed engine steps it")
     per_rank = state.loader.batch_size if state.loader is not None and state.loader.batch_size else 1
@@ -165,13 +191,21 @@ def apply_engine(stage: int, who: str, state: TrainState, ctx: ApplyContext, opt
         check_half_supported(half, who)
     config = engine_config(stage, per_rank, pc.data_size, clip.max_norm if clip is not None else None, half)
     option_notes = apply_options(config, dict(options or {}), clip.max_norm if clip is not None else None, who)
-    engine, ds_optim, _, _ = deepspeed.initialize(model=state.model, optimizer=state.optim, config=config, dist_init_required=False)
+    engine, ds_optim, _, _ = deepspeed.initialize(
+        model=state.model, optimizer=state.optim, config=config, dist_init_required=False
+    )
     setattr(engine, NAME_PREFIX_ATTR, "module.")
     state.model, state.optim = engine, ds_optim
     state.hooks.append(DeepSpeedHook(engine, clips_gradients=bool(config["gradient_clipping"])))
-    state.note(who, f"DeepSpeed ZeRO-{stage} engine over {pc.data_size} ranks, micro-batch {per_rank}, {type(ds_optim).__name__} around the user's optimizer")
+    state.note(
+        who,
+        f"DeepSpeed ZeRO-{stage} engine over {pc.data_size} ranks, micro-batch {per_rank}, {type(ds_optim).__name__} around the user's optimizer",
+    )
     if half is not None:
-        state.note(who, f"half({half}) mapped onto DeepSpeed's {half} mode: the engine trains in {half} with fp32 master weights in its optimizer")
+        state.note(
+            who,
+            f"half({half}) mapped onto DeepSpeed's {half} mode: the engine trains in {half} with fp32 master weights in its optimizer",
+        )
     for line in option_notes:
         state.note(who, line)
     if clip is not None:

@@ -98,8 +98,15 @@ def _from_sharding_strategy(value) -> bool:
         return True
     if name == "SHARD_GRAD_OP":
         return False
-    why = {"NO_SHARD": "use ddp() for unsharded data parallelism", "HYBRID_SHARD": "hybrid sharding needs a 2-D mesh, not supported yet"}
-    raise ConfigError("fsdp sharding_strategy", value, f"FULL_SHARD or SHARD_GRAD_OP ({why.get(name, 'FSDP1 strategies map onto reshard_after_forward')})")
+    why = {
+        "NO_SHARD": "use ddp() for unsharded data parallelism",
+        "HYBRID_SHARD": "hybrid sharding needs a 2-D mesh, not supported yet",
+    }
+    raise ConfigError(
+        "fsdp sharding_strategy",
+        value,
+        f"FULL_SHARD or SHARD_GRAD_OP ({why.get(name, 'FSDP1 strategies map onto reshard_after_forward')})",
+    )
 
 
 def _targets(value, field: str) -> tuple:
@@ -116,7 +123,9 @@ def _tname(t) -> str:
     return t.__name__ if isinstance(t, type) else t
 
 
-def wrap_targets(model: nn.Module, wrap: tuple, min_params: int, ignored: set, trainable_outmost: bool) -> list[nn.Module]:
+def wrap_targets(
+    model: nn.Module, wrap: tuple, min_params: int, ignored: set, trainable_outmost: bool
+) -> list[nn.Module]:
     """Modules to shard as their own group, children before parents (FSDP2 needs that order)."""
     ignored_ids = {id(m) for m in ignored}
     inside_ignored: set[int] = set()
@@ -187,7 +196,9 @@ def shard(spec: ShardSpec, who: str, state: TrainState, ctx: ApplyContext, *, sy
         state.note(who, "no process group: a single process has nothing to shard, model left as it is")
         return state
     model, mesh, group = state.model, pc.data_mesh(), pc.data_group()
-    ignored_modules = {m for q, m in model.named_modules() if spec.ignored and m is not model and matches(m, q, spec.ignored)}
+    ignored_modules = {
+        m for q, m in model.named_modules() if spec.ignored and m is not model and matches(m, q, spec.ignored)
+    }
     ignored_params = {p for m in ignored_modules for p in m.parameters()}
     kwargs = dict(spec.fsdp_kwargs)
     kwargs["reshard_after_forward"] = spec.reshard_after_forward
@@ -195,12 +206,19 @@ def shard(spec: ShardSpec, who: str, state: TrainState, ctx: ApplyContext, *, sy
     policy = PrecisionPolicy.of(ctx)
     if policy.autocast:  # amp without half: parameters stay float32 and are all-gathered in amp's dtype
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=policy.compute_dtype, reduce_dtype=torch.float32)
-        state.note(who, f"mixed precision from amp: parameters all-gathered in {policy.name}, gradients reduced in float32")
-    kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if spec.cpu_offload else OffloadPolicy()
+        state.note(
+            who, f"mixed precision from amp: parameters all-gathered in {policy.name}, gradients reduced in float32"
+        )
+    kwargs["offload_policy"] = (
+        CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if spec.cpu_offload else OffloadPolicy()
+    )
     if sync_at_start:
         broadcast_module_states(model, group)
     else:
-        state.note(who, "sync_models_at_startup=False: rank 0's weights are not broadcast (every rank must start from the same weights)")
+        state.note(
+            who,
+            "sync_models_at_startup=False: rank 0's weights are not broadcast (every rank must start from the same weights)",
+        )
     targets = wrap_targets(model, spec.wrap, spec.min_params, ignored_modules, spec.wrap_trainable_outmost)
     for module in targets:
         fully_shard(module, mesh=mesh, **kwargs)
@@ -216,7 +234,10 @@ def shard(spec: ShardSpec, who: str, state: TrainState, ctx: ApplyContext, *, sy
         trainable = [p for p in ignored_params if p.requires_grad]
         if trainable:
             state.hooks.append(IgnoredGradSyncHook(trainable, group, pc.data_size))
-        state.note(who, f"{len(ignored_params)} parameter(s) of ignored modules kept whole; their gradients averaged before the step")
+        state.note(
+            who,
+            f"{len(ignored_params)} parameter(s) of ignored modules kept whole; their gradients averaged before the step",
+        )
     return state
 
 
@@ -227,7 +248,11 @@ def _fsdp_kwargs(kwargs) -> tuple:
     allowed = set(inspect.signature(fully_shard).parameters) - _OWN_KWARGS
     bad = sorted(set(items) - allowed)
     if bad:
-        raise ConfigError(f"fsdp keyword {bad[0]!r}", items[bad[0]], f"fully_shard keywords {sorted(allowed)} (the others are fsdp's own fields)")
+        raise ConfigError(
+            f"fsdp keyword {bad[0]!r}",
+            items[bad[0]],
+            f"fully_shard keywords {sorted(allowed)} (the others are fsdp's own fields)",
+        )
     return tuple(sorted(items.items()))
 
 
@@ -279,14 +304,24 @@ class Fsdp(HasBackends, Transform):
         if isinstance(self.min_params, bool) or not isinstance(self.min_params, int) or self.min_params < 0:
             raise ConfigError("fsdp.min_params", self.min_params, "an integer >= 0 (0: no size-based wrapping)")
         if self.wrap and self.min_params:
-            raise ConfigError("fsdp.min_params", self.min_params, "0 when wrap is given (choose blocks by class or by size, not both)")
+            raise ConfigError(
+                "fsdp.min_params", self.min_params, "0 when wrap is given (choose blocks by class or by size, not both)"
+            )
         if self.backend not in FSDP_BACKENDS:
             raise ConfigError("fsdp.backend", self.backend, ", ".join(map(repr, FSDP_BACKENDS)))
         object.__setattr__(self, "fsdp_kwargs", _fsdp_kwargs(self.fsdp_kwargs))
         object.__setattr__(self, "fsdp1_options", tuple(sorted(tuple(kv) for kv in self.fsdp1_options)))
 
     def spec(self) -> ShardSpec:
-        return ShardSpec(self.wrap, self.min_params, self.ignored, self.reshard_after_forward, self.cpu_offload, self.wrap_trainable_outmost, self.fsdp_kwargs)
+        return ShardSpec(
+            self.wrap,
+            self.min_params,
+            self.ignored,
+            self.reshard_after_forward,
+            self.cpu_offload,
+            self.wrap_trainable_outmost,
+            self.fsdp_kwargs,
+        )
 
     @classmethod
     def from_seed(cls, config=None):
@@ -298,18 +333,30 @@ class Fsdp(HasBackends, Transform):
         cfg = dict(config)
         for key, why in FSDP1_REFUSED.items():
             if key in cfg and not (key == "device_id" and cfg[key] in (None, "cpu")):
-                raise ConfigError(f"fsdp config key {key!r}", cfg[key], f"not given: it has no FSDP2 meaning here ({why})")
+                raise ConfigError(
+                    f"fsdp config key {key!r}", cfg[key], f"not given: it has no FSDP2 meaning here ({why})"
+                )
             cfg.pop(key, None)
         if "auto_wrap_policy" in cfg:
             if "atorch_wrap_cls" in cfg or "atorch_size_based_min_num_params" in cfg:
-                raise ConfigError("fsdp auto_wrap_policy", cfg["auto_wrap_policy"], "absent when atorch_wrap_cls or atorch_size_based_min_num_params is given")
+                raise ConfigError(
+                    "fsdp auto_wrap_policy",
+                    cfg["auto_wrap_policy"],
+                    "absent when atorch_wrap_cls or atorch_size_based_min_num_params is given",
+                )
             mapped = _from_auto_wrap_policy(cfg.pop("auto_wrap_policy"))
-            cfg["atorch_wrap_cls" if "wrap" in mapped else "atorch_size_based_min_num_params"] = next(iter(mapped.values()))
+            cfg["atorch_wrap_cls" if "wrap" in mapped else "atorch_size_based_min_num_params"] = next(
+                iter(mapped.values())
+            )
         if "sharding_strategy" in cfg:
             cfg["reshard_after_forward"] = _from_sharding_strategy(cfg.pop("sharding_strategy"))
         if isinstance(cfg.get("wrap_trainable_outmost"), str):
             if cfg["wrap_trainable_outmost"] == "NO_SHARD":
-                raise ConfigError("fsdp wrap_trainable_outmost", "NO_SHARD", "True: FSDP2 shards the root group (NO_SHARD is deprecated)")
+                raise ConfigError(
+                    "fsdp wrap_trainable_outmost",
+                    "NO_SHARD",
+                    "True: FSDP2 shards the root group (NO_SHARD is deprecated)",
+                )
             cfg["wrap_trainable_outmost"] = True
         renames = {
             "atorch_wrap_cls": "wrap",
@@ -323,9 +370,21 @@ class Fsdp(HasBackends, Transform):
         if cfg.get("use_ds_zero"):
             fields.pop("use_ds_zero")
             fields["backend"] = "deepspeed"
-        known = {"wrap", "min_params", "ignored", "reshard_after_forward", "cpu_offload", "wrap_trainable_outmost", "backend"}
+        known = {
+            "wrap",
+            "min_params",
+            "ignored",
+            "reshard_after_forward",
+            "cpu_offload",
+            "wrap_trainable_outmost",
+            "backend",
+        }
         extra = {k: fields.pop(k) for k in list(fields) if k not in known}
-        return cls(**fields, fsdp_kwargs=tuple(extra.items()), fsdp1_options=tuple((k, cfg[k]) for k in FSDP1_OPTIONS if k in cfg))
+        return cls(
+            **fields,
+            fsdp_kwargs=tuple(extra.items()),
+            fsdp1_options=tuple((k, cfg[k]) for k in FSDP1_OPTIONS if k in cfg),
+        )
 
     @classmethod
     def candidates(cls, search):
@@ -334,7 +393,11 @@ class Fsdp(HasBackends, Transform):
         return tuple(cls(wrap=(b,)) for b in search.block_classes)
 
     def describe(self):
-        how = f"wrap {', '.join(map(_tname, self.wrap))}" if self.wrap else (f"wrap blocks of >= {self.min_params} params" if self.min_params else "root only")
+        how = (
+            f"wrap {', '.join(map(_tname, self.wrap))}"
+            if self.wrap
+            else (f"wrap blocks of >= {self.min_params} params" if self.min_params else "root only")
+        )
         parts = [how]
         if self.ignored:
             parts.append(f"ignore {', '.join(map(_tname, self.ignored))}")
@@ -352,9 +415,28 @@ class Fsdp(HasBackends, Transform):
         return shard(self.spec(), self.name, state, ctx)
 
 
-def fsdp(wrap=(), *, min_params=0, ignored=(), reshard_after_forward=True, cpu_offload=False, wrap_trainable_outmost=False, backend="torch", **fsdp_kwargs) -> Fsdp:
+def fsdp(
+    wrap=(),
+    *,
+    min_params=0,
+    ignored=(),
+    reshard_after_forward=True,
+    cpu_offload=False,
+    wrap_trainable_outmost=False,
+    backend="torch",
+    **fsdp_kwargs,
+) -> Fsdp:
     """``fsdp(wrap=(Block,))``; extra keywords go to torch's ``fully_shard``."""
-    return Fsdp(wrap, min_params, ignored, reshard_after_forward, cpu_offload, wrap_trainable_outmost, backend, tuple(fsdp_kwargs.items()))
+    return Fsdp(
+        wrap,
+        min_params,
+        ignored,
+        reshard_after_forward,
+        cpu_offload,
+        wrap_trainable_outmost,
+        backend,
+        tuple(fsdp_kwargs.items()),
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -410,13 +492,19 @@ class Zero2(HasBackends, Transform):
         if not isinstance(config, dict):
             return cls(backend=config)
         cfg = dict(config)
-        backend = "deepspeed" if cfg.pop("use_ds_zero", False) else ("fairscale" if cfg.pop("not_use_fsdp", False) else cfg.pop("backend", "fsdp"))
+        backend = (
+            "deepspeed"
+            if cfg.pop("use_ds_zero", False)
+            else ("fairscale" if cfg.pop("not_use_fsdp", False) else cfg.pop("backend", "fsdp"))
+        )
         wrap = cfg.pop("atorch_wrap_cls", cfg.pop("wrap", ()))
         options = tuple((k, cfg.pop(k)) for k in list(cfg) if k in ZERO_OPTION_DEFAULTS)
         unknown = sorted(set(cfg) - set(FSDP1_OPTIONS))
         if unknown:
             raise ConfigError(
-                f"zero2 config key {unknown[0]!r}", cfg[unknown[0]], f"use_ds_zero, not_use_fsdp, atorch_wrap_cls, {', '.join(ZERO_OPTION_DEFAULTS)}, or FSDP1 options"
+                f"zero2 config key {unknown[0]!r}",
+                cfg[unknown[0]],
+                f"use_ds_zero, not_use_fsdp, atorch_wrap_cls, {', '.join(ZERO_OPTION_DEFAULTS)}, or FSDP1 options",
             )
         return cls(backend=backend, wrap=wrap, options=options)
 
@@ -433,7 +521,9 @@ class Zero2(HasBackends, Transform):
     def apply(self, state: TrainState, ctx: ApplyContext) -> TrainState:
         opts = dict(self.options)
         if self.backend == "fsdp":
-            spec = ShardSpec(wrap=self.wrap, reshard_after_forward=False, cpu_offload=bool(opts.get("cpu_offload", False)))
+            spec = ShardSpec(
+                wrap=self.wrap, reshard_after_forward=False, cpu_offload=bool(opts.get("cpu_offload", False))
+            )
             return shard(spec, self.name, state, ctx, sync_at_start=opts.get("sync_models_at_startup", True))
         return self._fairscale(state)
 
@@ -442,7 +532,9 @@ class Zero2(HasBackends, Transform):
 
         pc = parallel_context(state, self.name)
         if state.optim is None or not pc.distributed:
-            state.note(self.name, "nothing to shard: " + ("no optimizer" if state.optim is None else "no process group"))
+            state.note(
+                self.name, "nothing to shard: " + ("no optimizer" if state.optim is None else "no process group")
+            )
             return state
         group = pc.data_group()
         state.optim = sharded_optimizer(state.optim, "fairscale", group)
@@ -453,7 +545,10 @@ class Zero2(HasBackends, Transform):
         pc.grad_shard_group = group  # amp's scaler and clip_grad reduce their checks over it
         state.hooks.append(GradSyncHook(wrapped, no_sync=wrapped.no_sync))
         state.hooks.append(KeepGradBuffersHook())
-        state.note(self.name, f"fairscale OSS + ShardedDataParallel over {pc.data_size} ranks; names prefixed 'module.' by the wrapper, mapped back for the optimizer")
+        state.note(
+            self.name,
+            f"fairscale OSS + ShardedDataParallel over {pc.data_size} ranks; names prefixed 'module.' by the wrapper, mapped back for the optimizer",
+        )
         return state
 
 

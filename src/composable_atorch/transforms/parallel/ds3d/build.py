@@ -90,8 +90,11 @@ def default_patcher(forward, module):
         kinds = [p.kind for p in inspect.signature(forward).parameters.values()]
     except (TypeError, ValueError):
         kinds = [inspect.Parameter.POSITIONAL_ONLY]
-    takes = None if inspect.Parameter.VAR_POSITIONAL in kinds else sum(
-        k in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD) for k in kinds)
+    takes = (
+        None
+        if inspect.Parameter.VAR_POSITIONAL in kinds
+        else sum(k in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD) for k in kinds)
+    )
 
     @functools.wraps(forward)
     def pipe_forward(inputs):
@@ -99,7 +102,7 @@ def default_patcher(forward, module):
             return forward(inputs)
         out = forward(*(inputs if takes is None else inputs[:takes]))
         out = out if isinstance(out, tuple) else (out,)
-        rest = tuple(inputs[len(out):])
+        rest = tuple(inputs[len(out) :])
         whole = (*out, *rest)
         return whole[0] if len(whole) == 1 else whole
 
@@ -111,7 +114,11 @@ def _first(lm_output):
         return lm_output
     if isinstance(lm_output, tuple) and lm_output:
         return lm_output[0]
-    raise ConfigError("pipeline output before the logits", type(lm_output).__name__, "a tensor or a tuple whose first element is the hidden states")
+    raise ConfigError(
+        "pipeline output before the logits",
+        type(lm_output).__name__,
+        "a tensor or a tuple whose first element is the hidden states",
+    )
 
 
 def default_logit_helper(embed: nn.Module, lm_output):
@@ -215,7 +222,11 @@ def llama_patcher(config, *, prefix: str = "model.", rotary_cls=None) -> dict:
     def passthrough(forward, module):
         return lambda inputs: inputs
 
-    patchers = {f"{prefix}embed_tokens": embed_patcher, f"{prefix}norm": norm_patcher, f"{prefix}rotary_emb": passthrough}
+    patchers = {
+        f"{prefix}embed_tokens": embed_patcher,
+        f"{prefix}norm": norm_patcher,
+        f"{prefix}rotary_emb": passthrough,
+    }
     patchers.update({f"{prefix}layers.{i}": layer_patcher for i in range(n_layers)})
     return patchers
 
@@ -226,8 +237,14 @@ def builtin_patcher(model: nn.Module) -> tuple[dict, str | None]:
     if all(k in names for k in ("tok", "pos", "blocks", "ln_f", "head")):
         return gpt_patcher(), "composable_atorch GPT"
     for prefix, base in (("model.", names.get("model")), ("", model)):
-        if base is not None and all(hasattr(base, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")) and hasattr(model, "config"):
-            return llama_patcher(model.config, prefix=prefix, rotary_cls=type(base.rotary_emb)), f"Hugging Face {type(model).__name__} (Llama family)"
+        if (
+            base is not None
+            and all(hasattr(base, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb"))
+            and hasattr(model, "config")
+        ):
+            return llama_patcher(
+                model.config, prefix=prefix, rotary_cls=type(base.rotary_emb)
+            ), f"Hugging Face {type(model).__name__} (Llama family)"
     return {}, None
 
 
@@ -287,7 +304,14 @@ def _spec_classes():
 
         def __init__(self, builder, name, meta, index, patch_fn, last):
             super().__init__(type(meta))
-            self.builder, self.name, self.meta, self.index, self.patch_fn, self.last = builder, name, meta, index, patch_fn, last
+            self.builder, self.name, self.meta, self.index, self.patch_fn, self.last = (
+                builder,
+                name,
+                meta,
+                index,
+                patch_fn,
+                last,
+            )
 
         def __repr__(self):
             return f"{type(self.meta).__name__}({self.name})"
@@ -360,7 +384,9 @@ def layer_specs(builder: StageBuilder, entries, patchers: dict, tie_first: bool,
     first_name, first = entries[0]
     rest = entries[1:] if tie_first else entries
     if tie_first:
-        specs.append(tied_cls(builder, tied_key(first_name), first_name, first, 0, patchers.get(first_name, default_patcher)))
+        specs.append(
+            tied_cls(builder, tied_key(first_name), first_name, first, 0, patchers.get(first_name, default_patcher))
+        )
     for i, (name, meta) in enumerate(rest, start=1 if tie_first else 0):
         last = not tie_first and i == len(entries) - 1
         specs.append(layer_cls(builder, name, meta, i, patchers.get(name, default_patcher), last))
@@ -374,21 +400,27 @@ def check_model(model: nn.Module, entries, tie_first: bool) -> tuple[list, str |
     unbuildable = [n for n, m in entries if is_meta(m) and not is_recorded(m)]
     if unbuildable:
         raise ConfigError(
-            "ds_3d_parallel model", f"meta modules without recorded init args: {unbuildable[:4]}",
+            "ds_3d_parallel model",
+            f"meta modules without recorded init args: {unbuildable[:4]}",
             "build the model inside `with composable_atorch.record_module_init():`, or pass a real model",
         )
     if not tie_first:
         return entries, None
     first_name, first = entries[0]
     if getattr(first, "weight", None) is None or first.weight.dim() != 2:
-        raise ConfigError("DeepSpeed3DParallelConfig.tie_first", True, f"False: the first module {first_name} ({type(first).__name__}) is not a vocabulary embedding")
+        raise ConfigError(
+            "DeepSpeed3DParallelConfig.tie_first",
+            True,
+            f"False: the first module {first_name} ({type(first).__name__}) is not a vocabulary embedding",
+        )
     last_name, last = entries[-1]
     w = getattr(last, "weight", None)
     if w is first.weight:
         return entries[:-1], last_name
     if isinstance(w, torch.Tensor) and w.dim() == 2 and first.weight.shape[0] in w.shape and len(entries) > 2:
         raise ConfigError(
-            "DeepSpeed3DParallelConfig.tie_first", True,
+            "DeepSpeed3DParallelConfig.tie_first",
+            True,
             f"False: the output layer {last_name} has its own weight, not tied to {first_name} "
             "(e.g. tie_word_embeddings=False); tying them would train a different model",
         )

@@ -41,7 +41,9 @@ def read_ds_config(value) -> dict:
             with open(value) as f:
                 data = json.load(f)
         except (OSError, json.JSONDecodeError) as exc:
-            raise ConfigError("DeepSpeed3DParallelConfig.ds_config", str(value), f"a readable DeepSpeed JSON file ({exc})") from None
+            raise ConfigError(
+                "DeepSpeed3DParallelConfig.ds_config", str(value), f"a readable DeepSpeed JSON file ({exc})"
+            ) from None
         if not isinstance(data, dict):
             raise ConfigError("DeepSpeed3DParallelConfig.ds_config", str(value), "a JSON object")
         return data
@@ -57,7 +59,9 @@ def _contradiction(key: str, value, plan_value, why: str):
     return ConfigError(f"ds_config[{key!r}]", value, f"{plan_value!r} ({why}), or leave it out")
 
 
-def engine_config(user: dict, *, data_size: int, stages: int, per_rank_batch: int | None, clip: float | None, half: str | None) -> dict:
+def engine_config(
+    user: dict, *, data_size: int, stages: int, per_rank_batch: int | None, clip: float | None, half: str | None
+) -> dict:
     """The engine's config: the plan's facts, then the user's keys; ConfigError naming a key that contradicts the plan."""
     config = dict(user)
     m, g = user.get("train_micro_batch_size_per_gpu"), user.get("gradient_accumulation_steps")
@@ -66,21 +70,31 @@ def engine_config(user: dict, *, data_size: int, stages: int, per_rank_batch: in
             raise ConfigError(f"ds_config[{key!r}]", v, "an integer >= 1")
     if per_rank_batch:
         if m is not None and g is not None and m * g != per_rank_batch:
-            raise _contradiction("gradient_accumulation_steps", g, per_rank_batch // m if per_rank_batch % m == 0 else None,
-                                 f"micro-batch {m} x steps must be the loader's per-rank batch {per_rank_batch}")
+            raise _contradiction(
+                "gradient_accumulation_steps",
+                g,
+                per_rank_batch // m if per_rank_batch % m == 0 else None,
+                f"micro-batch {m} x steps must be the loader's per-rank batch {per_rank_batch}",
+            )
         if g is None:
             g = (per_rank_batch // m) if m else (stages if per_rank_batch % stages == 0 else 1)
         if m is None:
             m = per_rank_batch // g
         if m * g != per_rank_batch:
-            raise _contradiction("train_micro_batch_size_per_gpu", m, per_rank_batch // g if per_rank_batch % g == 0 else None,
-                                 f"micro-batch x {g} steps must be the loader's per-rank batch {per_rank_batch}")
+            raise _contradiction(
+                "train_micro_batch_size_per_gpu",
+                m,
+                per_rank_batch // g if per_rank_batch % g == 0 else None,
+                f"micro-batch x {g} steps must be the loader's per-rank batch {per_rank_batch}",
+            )
     else:
         g = g or stages
         m = m or 1
     total = m * g * data_size
     if "train_batch_size" in user and user["train_batch_size"] != total:
-        raise _contradiction("train_batch_size", user["train_batch_size"], total, f"micro-batch {m} x {g} steps x data size {data_size}")
+        raise _contradiction(
+            "train_batch_size", user["train_batch_size"], total, f"micro-batch {m} x {g} steps x data size {data_size}"
+        )
     config.update(train_micro_batch_size_per_gpu=m, gradient_accumulation_steps=g, train_batch_size=total)
     if clip is not None:
         if user.get("gradient_clipping") not in (None, clip):
@@ -96,7 +110,11 @@ def engine_config(user: dict, *, data_size: int, stages: int, per_rank_batch: in
     zero = dict(user.get("zero_optimization") or {})
     stage = zero.get("stage", 0)
     if stage not in (0, 1):
-        raise ConfigError("ds_config['zero_optimization']['stage']", stage, "0 or 1 (DeepSpeed's pipeline engine supports no higher ZeRO stage)")
+        raise ConfigError(
+            "ds_config['zero_optimization']['stage']",
+            stage,
+            "0 or 1 (DeepSpeed's pipeline engine supports no higher ZeRO stage)",
+        )
     config["zero_optimization"] = {**zero, "stage": stage}
     # activations cross stages whole: DeepSpeed would otherwise split them over the tensor ranks for the send
     config["pipeline"] = {"pipe_partitioned": False, "grad_partitioned": False, **(user.get("pipeline") or {})}
@@ -143,7 +161,11 @@ def stage_optimizer(optim, names: dict[int, str], pipe, entries, tie_first: bool
             groups[i]["params"].append(p)
     groups = [g for g in groups if g["params"]]
     if not groups:
-        raise ConfigError("optim", type(optim).__name__, "an optimizer over the model's parameters (none of this stage's parameters is in it)")
+        raise ConfigError(
+            "optim",
+            type(optim).__name__,
+            "an optimizer over the model's parameters (none of this stage's parameters is in it)",
+        )
     accepted = inspect.signature(type(optim).__init__).parameters
     new = type(optim)(groups, **{k: v for k, v in optim.defaults.items() if k in accepted})
     new.defaults = dict(optim.defaults)
@@ -167,7 +189,12 @@ def exact_clipping(engine, tp_rank: int) -> None:
 
     def clip_fp32_gradients():
         params = [p for p in engine.module.parameters() if p.grad is not None]
-        mine = [p.grad for p in params if not getattr(p, "ds_pipe_replicated", False) and (tp_rank == 0 or getattr(p, "tensor_model_parallel", False))]
+        mine = [
+            p.grad
+            for p in params
+            if not getattr(p, "ds_pipe_replicated", False)
+            and (tp_rank == 0 or getattr(p, "tensor_model_parallel", False))
+        ]
         square = torch.stack([g.detach().float().pow(2).sum() for g in mine]).sum() if mine else torch.zeros(())
         dist.all_reduce(square, group=engine.grid.get_model_parallel_group())
         coef = (engine.gradient_clipping() / (square.sqrt() + 1e-6)).clamp(max=1.0)
@@ -186,7 +213,9 @@ class Ds3dRunner:
     def step(self, inputs, targets, loss_fn) -> float:
         rows = inputs.size(0)
         if rows != self.micro * self.steps:
-            raise ConfigError("ds_3d_parallel batch", rows, f"micro-batch {self.micro} x {self.steps} micro-batches per train_batch")
+            raise ConfigError(
+                "ds_3d_parallel batch", rows, f"micro-batch {self.micro} x {self.steps} micro-batches per train_batch"
+            )
         if loss_fn is not None:
             self.engine.module.loss_fn = loss_fn
         pieces = zip(inputs.split(self.micro), targets.split(self.micro), strict=True)
@@ -200,7 +229,11 @@ class Ds3dHook(OptimizerHook):
         self.clips_gradients = clips
 
     def backward(self, loss, **kwargs):
-        raise ConfigError("optim.backward(loss)", "a DeepSpeed pipeline", "engine.train_batch(data_iter) or composable_atorch.train_step(...)")
+        raise ConfigError(
+            "optim.backward(loss)",
+            "a DeepSpeed pipeline",
+            "engine.train_batch(data_iter) or composable_atorch.train_step(...)",
+        )
 
     def run_step(self, optimizer, closure=None):
         return True

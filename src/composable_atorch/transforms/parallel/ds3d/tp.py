@@ -123,7 +123,11 @@ class ColumnParallelLinear(nn.Module):
             w, b = w[perm], None if b is None else b[perm]
         self.group, self.degree = group, degree
         self.weight = _mark(nn.Parameter(w.chunk(degree, 0)[rank].clone(memory_format=torch.contiguous_format)))
-        self.bias = None if b is None else _mark(nn.Parameter(b.chunk(degree, 0)[rank].clone(memory_format=torch.contiguous_format)))
+        self.bias = (
+            None
+            if b is None
+            else _mark(nn.Parameter(b.chunk(degree, 0)[rank].clone(memory_format=torch.contiguous_format)))
+        )
         self.in_features, self.out_features = w.shape[1], w.shape[0] // degree
 
     def forward(self, x):
@@ -138,7 +142,9 @@ class RowParallelLinear(nn.Module):
         w, b = linear_weight(whole)
         self.group, self.degree = group, degree
         self.weight = _mark(nn.Parameter(w.chunk(degree, 1)[rank].clone(memory_format=torch.contiguous_format)))
-        self.bias = None if b is None else nn.Parameter(b.clone(memory_format=torch.contiguous_format))  # replicated: added after the sum
+        self.bias = (
+            None if b is None else nn.Parameter(b.clone(memory_format=torch.contiguous_format))
+        )  # replicated: added after the sum
         self.in_features, self.out_features = w.shape[1] // degree, w.shape[0]
 
     def forward(self, x):
@@ -156,7 +162,9 @@ class VocabParallelEmbedding(nn.Module):
         self.start, self.end = rank * part, (rank + 1) * part
         self.num_embeddings, self.embedding_dim = part, whole.embedding_dim
         self.padding_idx = whole.padding_idx
-        self.weight = _mark(nn.Parameter(whole.weight.detach()[self.start:self.end].clone(memory_format=torch.contiguous_format)))
+        self.weight = _mark(
+            nn.Parameter(whole.weight.detach()[self.start : self.end].clone(memory_format=torch.contiguous_format))
+        )
 
     def forward(self, ids):
         outside = (ids < self.start) | (ids >= self.end)

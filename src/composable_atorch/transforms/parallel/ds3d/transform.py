@@ -84,13 +84,24 @@ class DeepSpeed3DParallelConfig:
     * ``ds_config``: a dict or a JSON file path; ``batch_fn``: a batch -> ``((inputs,), (labels,))``.
     """
 
-    def __init__(self, base_seed=1234, tpinfo=None, custom_patcher=None, tie_first=True, logit_helper=None, ds_config=None, batch_fn=None):
+    def __init__(
+        self,
+        base_seed=1234,
+        tpinfo=None,
+        custom_patcher=None,
+        tie_first=True,
+        logit_helper=None,
+        ds_config=None,
+        batch_fn=None,
+    ):
         self.base_seed = base_seed
         self.tpinfo = tpinfo if tpinfo is not None else TPInfo()
         self.custom_patcher = custom_patcher if custom_patcher is not None else dict()
         self.tie_first = tie_first
         vocab = isinstance(self.tpinfo, TPInfo) and self.tpinfo.is_vocab_parallelled
-        self.logit_helper = logit_helper if logit_helper is not None else (vocab_parallel_logit_helper if vocab else None)
+        self.logit_helper = (
+            logit_helper if logit_helper is not None else (vocab_parallel_logit_helper if vocab else None)
+        )
         self.ds_config = ds_config
         self.batch_fn = batch_fn
 
@@ -128,17 +139,56 @@ class DeepSpeed3DParallel(Transform):
         conflicts=(
             Conflict("ddp", f"{_ENGINE}; DDP would all-reduce a second time", "drop ddp"),
             Conflict("fsdp", f"{_ENGINE}; FSDP would shard and reduce the same parameters again", "drop fsdp"),
-            Conflict("zero1", f"{_ENGINE}; its ZeRO stage is set in ds_config (zero_optimization.stage 0 or 1)", "drop zero1; put {'zero_optimization': {'stage': 1}} in ds_config"),
-            Conflict("zero2", f"{_ENGINE}; DeepSpeed's pipeline supports ZeRO stages 0 and 1 only", "drop zero2; use zero_optimization.stage 1 in ds_config"),
-            Conflict("tensor_parallel", "ds_3d_parallel shards the stage layers itself (Megatron-style, for DeepSpeed's engine); DTensor layers would be sharded twice", "drop tensor_parallel; pass DeepSpeed3DParallelConfig(tpinfo=...)"),
-            Conflict("pipeline_parallel", "ds_3d_parallel cuts the stages itself, with DeepSpeed's pipeline engine", "drop pipeline_parallel (or drop ds_3d_parallel to use torch's pipelining)"),
-            Conflict("mixed_parallel", "both lay out tensor x pipeline x data over the same ranks with different engines", "keep one of them"),
-            Conflict("accumulate", "the pipeline accumulates over gradient_accumulation_steps micro-batches inside train_batch", "drop accumulate; set gradient_accumulation_steps in ds_config"),
-            Conflict("amp", "DeepSpeed trains in its own precision (its bf16 / fp16 modes); autocast around the engine is not applied by train_batch", "use half('bf16') in the plan, or bf16 / fp16 in ds_config"),
-            Conflict("checkpoint", f"{_BUILDS}, so wrappers put on the model's blocks are lost", "drop checkpoint; set pipeline.activation_checkpoint_interval in ds_config"),
+            Conflict(
+                "zero1",
+                f"{_ENGINE}; its ZeRO stage is set in ds_config (zero_optimization.stage 0 or 1)",
+                "drop zero1; put {'zero_optimization': {'stage': 1}} in ds_config",
+            ),
+            Conflict(
+                "zero2",
+                f"{_ENGINE}; DeepSpeed's pipeline supports ZeRO stages 0 and 1 only",
+                "drop zero2; use zero_optimization.stage 1 in ds_config",
+            ),
+            Conflict(
+                "tensor_parallel",
+                "ds_3d_parallel shards the stage layers itself (Megatron-style, for DeepSpeed's engine); DTensor layers would be sharded twice",
+                "drop tensor_parallel; pass DeepSpeed3DParallelConfig(tpinfo=...)",
+            ),
+            Conflict(
+                "pipeline_parallel",
+                "ds_3d_parallel cuts the stages itself, with DeepSpeed's pipeline engine",
+                "drop pipeline_parallel (or drop ds_3d_parallel to use torch's pipelining)",
+            ),
+            Conflict(
+                "mixed_parallel",
+                "both lay out tensor x pipeline x data over the same ranks with different engines",
+                "keep one of them",
+            ),
+            Conflict(
+                "accumulate",
+                "the pipeline accumulates over gradient_accumulation_steps micro-batches inside train_batch",
+                "drop accumulate; set gradient_accumulation_steps in ds_config",
+            ),
+            Conflict(
+                "amp",
+                "DeepSpeed trains in its own precision (its bf16 / fp16 modes); autocast around the engine is not applied by train_batch",
+                "use half('bf16') in the plan, or bf16 / fp16 in ds_config",
+            ),
+            Conflict(
+                "checkpoint",
+                f"{_BUILDS}, so wrappers put on the model's blocks are lost",
+                "drop checkpoint; set pipeline.activation_checkpoint_interval in ds_config",
+            ),
             Conflict("compile", f"{_BUILDS}; a compiled module would be dropped", "drop compile"),
-            Conflict("module_replace", f"{_BUILDS}, so modules swapped into the meta model are lost", "drop module_replace"),
-            Conflict("parallel_mode", "DeepSpeed's topology is pipe x data x model: no 'zero' dimension and no custom rank order", "use ('tensor', t), ('data', d), ('pipeline', p) without rank_order", when=_no_zero_dim),
+            Conflict(
+                "module_replace", f"{_BUILDS}, so modules swapped into the meta model are lost", "drop module_replace"
+            ),
+            Conflict(
+                "parallel_mode",
+                "DeepSpeed's topology is pipe x data x model: no 'zero' dimension and no custom rank order",
+                "use ('tensor', t), ('data', d), ('pipeline', p) without rank_order",
+                when=_no_zero_dim,
+            ),
         ),
     )
 
@@ -166,8 +216,14 @@ class DeepSpeed3DParallel(Transform):
             patchers = ()
         elif isinstance(patchers, dict):
             patchers = tuple(sorted(patchers.items()))
-        if not isinstance(patchers, tuple) or not all(isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) and callable(p[1]) for p in patchers):
-            raise ConfigError("DeepSpeed3DParallelConfig.custom_patcher", self.custom_patcher, "a dict {module name: patch_fn(forward, module) -> forward}")
+        if not isinstance(patchers, tuple) or not all(
+            isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) and callable(p[1]) for p in patchers
+        ):
+            raise ConfigError(
+                "DeepSpeed3DParallelConfig.custom_patcher",
+                self.custom_patcher,
+                "a dict {module name: patch_fn(forward, module) -> forward}",
+            )
         object.__setattr__(self, "custom_patcher", patchers)
         if not isinstance(self.tie_first, bool):
             raise ConfigError("DeepSpeed3DParallelConfig.tie_first", self.tie_first, "True or False")
@@ -183,8 +239,15 @@ class DeepSpeed3DParallel(Transform):
     def from_seed(cls, config=None):
         if isinstance(config, DeepSpeed3DParallelConfig):
             helper = config.logit_helper if config.logit_helper is not vocab_parallel_logit_helper else None
-            return cls(base_seed=config.base_seed, tpinfo=config.tpinfo, custom_patcher=config.custom_patcher, tie_first=config.tie_first,
-                       logit_helper=helper, ds_config=config.ds_config, batch_fn=config.batch_fn)
+            return cls(
+                base_seed=config.base_seed,
+                tpinfo=config.tpinfo,
+                custom_patcher=config.custom_patcher,
+                tie_first=config.tie_first,
+                logit_helper=helper,
+                ds_config=config.ds_config,
+                batch_fn=config.batch_fn,
+            )
         return super().from_seed(config)
 
     def describe(self):
@@ -193,7 +256,9 @@ class DeepSpeed3DParallel(Transform):
             parts.append(f"{len(self.custom_patcher)} custom patchers")
         parts.append("first module tied to the logits" if self.tie_first else "untied")
         if self.ds_config is not None:
-            parts.append("ds_config file" if isinstance(self.ds_config, str) else f"ds_config keys {sorted(self.ds_config)}")
+            parts.append(
+                "ds_config file" if isinstance(self.ds_config, str) else f"ds_config keys {sorted(self.ds_config)}"
+            )
         return f"ds_3d_parallel(DeepSpeed pipeline engine; {', '.join(parts)}; base_seed {self.base_seed})"
 
     # -- checks (every one before any work) --------------------------------------------------
@@ -201,7 +266,11 @@ class DeepSpeed3DParallel(Transform):
         """``(shard, shrink, drops)`` over the meta model's qualified names; TensorParallelPlanError if the TPInfo names no module."""
         if not self.tpinfo:
             if degree > 1:
-                raise ConfigError("DeepSpeed3DParallelConfig.tpinfo", "empty", f"a TPInfo saying what to shard over the tensor dimension of {degree}")
+                raise ConfigError(
+                    "DeepSpeed3DParallelConfig.tpinfo",
+                    "empty",
+                    f"a TPInfo saying what to shard over the tensor dimension of {degree}",
+                )
             return {}, {}, {}
         from composable_atorch.transforms.parallel.tensor.transform import TensorParallel
 
@@ -209,7 +278,11 @@ class DeepSpeed3DParallel(Transform):
         for attr in ("num_attention_heads", "num_key_value_heads", "n_head"):
             heads = getattr(config, attr, None)
             if isinstance(heads, int) and heads % degree:
-                raise ConfigError(f"parallel_mode tensor size (model config {attr} = {heads})", degree, "a divisor of the head count: each tensor rank keeps whole heads")
+                raise ConfigError(
+                    f"parallel_mode tensor size (model config {attr} = {heads})",
+                    degree,
+                    "a divisor of the head count: each tensor rank keeps whole heads",
+                )
         shard, shrink, _ = TensorParallel(plan=self.tpinfo).placements(model, degree)
         drops = {}
         names = [n for n, _ in model.named_modules() if n]
@@ -223,7 +296,11 @@ class DeepSpeed3DParallel(Transform):
         given = dict(self.custom_patcher)
         unknown = sorted(set(given) - names)
         if unknown:
-            raise ConfigError("DeepSpeed3DParallelConfig.custom_patcher", unknown, f"names from the model's module list: {sorted(names)[:12]}")
+            raise ConfigError(
+                "DeepSpeed3DParallelConfig.custom_patcher",
+                unknown,
+                f"names from the model's module list: {sorted(names)[:12]}",
+            )
         if given:
             return given, f"{len(given)} custom patchers"
         builtin, family = builtin_patcher(model)
@@ -240,40 +317,74 @@ class DeepSpeed3DParallel(Transform):
         shard, shrink, drops = self._tp_placements(model, sizes["tensor"])
         block, n_blocks = block_class(entries)
         if n_blocks < sizes["pipeline"]:
-            raise ConfigError("parallel_mode pipeline size", sizes["pipeline"], f"at most the {n_blocks} {block} blocks of the model")
+            raise ConfigError(
+                "parallel_mode pipeline size", sizes["pipeline"], f"at most the {n_blocks} {block} blocks of the model"
+            )
         if not pc.distributed:
-            raise RequirementError(self.name, "a process group (DeepSpeed's pipeline runs in a launched job)", "launch with `python -m composable_atorch launch --nproc N train.py`")
+            raise RequirementError(
+                self.name,
+                "a process group (DeepSpeed's pipeline runs in a launched job)",
+                "launch with `python -m composable_atorch launch --nproc N train.py`",
+            )
         per_rank = getattr(state.loader, "batch_size", None) if state.loader is not None else None
         user = read_ds_config(self.ds_config)
         clip = ctx.find("clip_grad")
         policy = PrecisionPolicy.of(ctx)
-        config = engine_config(user, data_size=sizes["data"], stages=sizes["pipeline"], per_rank_batch=per_rank,
-                               clip=clip.max_norm if clip is not None else None, half=policy.name if policy.source == "half" else None)
+        config = engine_config(
+            user,
+            data_size=sizes["data"],
+            stages=sizes["pipeline"],
+            per_rank_batch=per_rank,
+            clip=clip.max_norm if clip is not None else None,
+            half=policy.name if policy.source == "half" else None,
+        )
         if state.optim is None and "optimizer" not in user:
             raise ConfigError("optim", None, "a torch optimizer (optim_func), or an 'optimizer' section in ds_config")
         if state.optim is not None and "optimizer" in user:
-            raise ConfigError("ds_config['optimizer']", user["optimizer"], "absent: the plan passes your torch optimizer to the engine")
+            raise ConfigError(
+                "ds_config['optimizer']",
+                user["optimizer"],
+                "absent: the plan passes your torch optimizer to the engine",
+            )
 
         for name in ("bf16", "fp16"):
             if config.get(name, {}).get("enabled"):
                 check_half_supported(name, self.name)
         import deepspeed
 
-        deepspeed.init_distributed(dist_backend="gloo" if ctx.env.device == "cpu" else "nccl", auto_mpi_discovery=False, verbose=False)
+        deepspeed.init_distributed(
+            dist_backend="gloo" if ctx.env.device == "cpu" else "nccl", auto_mpi_discovery=False, verbose=False
+        )
         topo = topology(layout)
         tp_rank = layout.coordinate(pc.rank, "tensor")
         coords = (layout.coordinate(pc.rank, "pipeline"), layout.coordinate(pc.rank, "data"))
         builder = StageBuilder(
-            root=model, base_seed=self.base_seed, shard=shard, shrink=shrink, drops=drops,
-            tp_group=pc.mesh["tensor"].get_group() if sizes["tensor"] > 1 else None, tp_rank=tp_rank, tp_size=sizes["tensor"],
+            root=model,
+            base_seed=self.base_seed,
+            shard=shard,
+            shrink=shrink,
+            drops=drops,
+            tp_group=pc.mesh["tensor"].get_group() if sizes["tensor"] > 1 else None,
+            tp_rank=tp_rank,
+            tp_size=sizes["tensor"],
             replic_stream=RandomStream(_seed(self.base_seed, "replic", *coords)),
             parallel_stream=RandomStream(_seed(self.base_seed, "parallel", *coords, tp_rank)),
         )
-        helper = self.logit_helper or (vocab_parallel_logit_helper if any(k == "vocab" for k, _ in shard.values()) else default_logit_helper)
+        helper = self.logit_helper or (
+            vocab_parallel_logit_helper if any(k == "vocab" for k, _ in shard.values()) else default_logit_helper
+        )
         specs = layer_specs(builder, entries, patchers, self.tie_first, helper)
-        pipe = pipeline_module_class()(layers=specs, topology=topo, loss_fn=None, block_name=block, checkpointable_layers=[block])
-        optimizer = None if state.optim is None else stage_optimizer(state.optim, state.param_names, pipe, entries, self.tie_first)
-        engine, ds_optim, _, _ = deepspeed.initialize(model=pipe, optimizer=optimizer, config=config, dist_init_required=False)
+        pipe = pipeline_module_class()(
+            layers=specs, topology=topo, loss_fn=None, block_name=block, checkpointable_layers=[block]
+        )
+        optimizer = (
+            None
+            if state.optim is None
+            else stage_optimizer(state.optim, state.param_names, pipe, entries, self.tie_first)
+        )
+        engine, ds_optim, _, _ = deepspeed.initialize(
+            model=pipe, optimizer=optimizer, config=config, dist_init_required=False
+        )
         if self.batch_fn is not None:
             engine.set_batch_fn(self.batch_fn)
         exact_clipping(engine, tp_rank)
@@ -285,16 +396,31 @@ class DeepSpeed3DParallel(Transform):
         state.param_names = {id(p): n for n, p in named_parameters(engine).items()}
         stage = layout.coordinate(pc.rank, "pipeline")
         lo, hi = pipe.parts[stage], pipe.parts[stage + 1]
-        state.note(self.name, f"DeepSpeed pipeline {sizes['pipeline']} x tensor {sizes['tensor']} x data {sizes['data']}; this rank is stage {stage}: "
-                              f"layers {lo}..{hi - 1} of {len(specs)} ({', '.join(repr(s) for s in specs[lo:hi])})")
-        state.note(self.name, f"{patch_note}; {n_blocks} {block} blocks balanced over the stages; layers built from recorded init args, seeded base_seed + layer index")
+        state.note(
+            self.name,
+            f"DeepSpeed pipeline {sizes['pipeline']} x tensor {sizes['tensor']} x data {sizes['data']}; this rank is stage {stage}: "
+            f"layers {lo}..{hi - 1} of {len(specs)} ({', '.join(repr(s) for s in specs[lo:hi])})",
+        )
+        state.note(
+            self.name,
+            f"{patch_note}; {n_blocks} {block} blocks balanced over the stages; layers built from recorded init args, seeded base_seed + layer index",
+        )
         if dropped_head:
-            state.note(self.name, f"{dropped_head} is tied to {entries[0][0]}: computed by the tied embedding's logit helper on the last stage")
+            state.note(
+                self.name,
+                f"{dropped_head} is tied to {entries[0][0]}: computed by the tied embedding's logit helper on the last stage",
+            )
         if shard:
-            state.note(self.name, f"Megatron-style tensor sharding of {len(shard)} layers over the tensor dim of {sizes['tensor']} ({len(shrink)} shrunk, {len(drops)} dropouts in seeded streams)")
-        state.note(self.name, f"engine config: micro-batch {config['train_micro_batch_size_per_gpu']}, {config['gradient_accumulation_steps']} micro-batches per train_batch, "
-                              f"ZeRO-{config['zero_optimization']['stage']}, clipping {config.get('gradient_clipping', 0)}, "
-                              f"{'bf16' if config.get('bf16', {}).get('enabled') else 'fp16' if config.get('fp16', {}).get('enabled') else 'fp32'}")
+            state.note(
+                self.name,
+                f"Megatron-style tensor sharding of {len(shard)} layers over the tensor dim of {sizes['tensor']} ({len(shrink)} shrunk, {len(drops)} dropouts in seeded streams)",
+            )
+        state.note(
+            self.name,
+            f"engine config: micro-batch {config['train_micro_batch_size_per_gpu']}, {config['gradient_accumulation_steps']} micro-batches per train_batch, "
+            f"ZeRO-{config['zero_optimization']['stage']}, clipping {config.get('gradient_clipping', 0)}, "
+            f"{'bf16' if config.get('bf16', {}).get('enabled') else 'fp16' if config.get('fp16', {}).get('enabled') else 'fp32'}",
+        )
         return state
 
 
@@ -302,8 +428,8 @@ def ds_3d_parallel(config: DeepSpeed3DParallelConfig | None = None, **fields) ->
     """``ds_3d_parallel(DeepSpeed3DParallelConfig(...))`` or ``ds_3d_parallel(tpinfo=..., ds_config=...)``."""
     if config is not None:
         if fields:
-            raise ConfigError("ds_3d_parallel", sorted(fields), "a DeepSpeed3DParallelConfig or keyword fields, not both")
+            raise ConfigError(
+                "ds_3d_parallel", sorted(fields), "a DeepSpeed3DParallelConfig or keyword fields, not both"
+            )
         return DeepSpeed3DParallel.from_seed(config)
     return DeepSpeed3DParallel(**fields)
-
-

@@ -33,7 +33,9 @@ class PipelineLoopError(CompositionError, RuntimeError):
 
 
 def _is_builtin_gpt(model) -> bool:
-    return all(hasattr(model, a) for a in ("tok", "pos", "blocks", "ln_f", "head")) and isinstance(model.blocks, nn.ModuleList)
+    return all(hasattr(model, a) for a in ("tok", "pos", "blocks", "ln_f", "head")) and isinstance(
+        model.blocks, nn.ModuleList
+    )
 
 
 def _hf_decoder(model):
@@ -56,7 +58,9 @@ def anatomy(model: nn.Module) -> tuple[list[nn.Module], int, int]:
     base = _hf_decoder(model)
     if base is not None:
         return list(base.layers), numel(base.embed_tokens), numel(base.norm) + numel(model.lm_head)
-    raise ConfigError("pipeline_parallel model", type(model).__name__, f"a model the stage cutter knows: {KNOWN_MODELS}")
+    raise ConfigError(
+        "pipeline_parallel model", type(model).__name__, f"a model the stage cutter knows: {KNOWN_MODELS}"
+    )
 
 
 def _hf_stage(model: nn.Module, first: bool, last: bool, blocks: range) -> nn.Module:
@@ -65,7 +69,11 @@ def _hf_stage(model: nn.Module, first: bool, last: bool, blocks: range) -> nn.Mo
 
     base = _hf_decoder(model)
     if base.embed_tokens.weight is model.lm_head.weight and not (first and last):
-        raise ConfigError("pipeline_parallel model", "tied input and output embeddings", "tie_word_embeddings=False (the first and last stages would train two copies)")
+        raise ConfigError(
+            "pipeline_parallel model",
+            "tied input and output embeddings",
+            "tie_word_embeddings=False (the first and last stages would train two copies)",
+        )
     layers = base.layers
     kept = nn.ModuleList()
     for i in blocks:
@@ -82,7 +90,11 @@ def _hf_stage(model: nn.Module, first: bool, last: bool, blocks: range) -> nn.Mo
         runner = getattr(self, PIPELINE_ATTR, None)
         if runner is not None and not runner.running:
             raise PipelineLoopError()
-        out = forward_of_class(self, input_ids=x, use_cache=False) if first else forward_of_class(self, inputs_embeds=x, use_cache=False)
+        out = (
+            forward_of_class(self, input_ids=x, use_cache=False)
+            if first
+            else forward_of_class(self, inputs_embeds=x, use_cache=False)
+        )
         return out.logits
 
     model.forward = types.MethodType(forward, model)
@@ -162,7 +174,11 @@ def rank_modules(model: nn.Module, bounds: tuple[int, ...], local: list[int]) ->
         stage = make(model, s == 0, s == n - 1, ranges[s])
         return stage, [stage]
     if not _is_builtin_gpt(model):
-        raise ConfigError("pipeline_parallel.stages_per_rank", len(local), "1 for HF models: several stages per rank are cut for the built-in GPT only")
+        raise ConfigError(
+            "pipeline_parallel.stages_per_rank",
+            len(local),
+            "1 for HF models: several stages per rank are cut for the built-in GPT only",
+        )
     union = [i for s in local for i in ranges[s]]
     kept = _GPTStage(model, 0 in local, n - 1 in local, sorted(union))
     return kept, [_GPTStage(model, s == 0, s == n - 1, ranges[s]) for s in local]

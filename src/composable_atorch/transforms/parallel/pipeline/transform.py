@@ -38,7 +38,6 @@ from torch import nn
 from composable_atorch.core.contract import Conflict, Contract, Implication, MinWorldSize, Stage
 from composable_atorch.core.transform import ApplyContext, TrainState, Transform
 from composable_atorch.errors import ConfigError, ParameterMappingError
-from composable_atorch.runtime.optim import OptimizerHook
 from composable_atorch.runtime.train_step import PIPELINE_ATTR, mark_loss_group
 from composable_atorch.transforms.parallel.data.common import GRAD_SYNC, DataGradSync, broadcast_local, parallel_context
 from composable_atorch.transforms.parallel.pipeline.stages import (  # noqa: F401 - re-exported
@@ -75,7 +74,18 @@ def stage_ranks(schedule: str, pp: int, per_rank: int) -> dict[int, int]:
 class PipelineRunner:
     """What train_step drives: this rank's PipelineStage(s) and a schedule per loss function."""
 
-    def __init__(self, stages: list, n_stages: int, local: list[int], last_rank: int, microbatches: int, schedule: str, pp_group, data_group, data_size: int):
+    def __init__(
+        self,
+        stages: list,
+        n_stages: int,
+        local: list[int],
+        last_rank: int,
+        microbatches: int,
+        schedule: str,
+        pp_group,
+        data_group,
+        data_size: int,
+    ):
         self.stages, self.n_stages, self.local, self.last_rank = stages, n_stages, local, last_rank
         self.microbatches, self.schedule_name = microbatches, schedule
         self.pp_group, self.data_group, self.data_size = pp_group, data_group, data_size
@@ -189,16 +199,34 @@ class PipelineParallel(Transform):
         placement = SCHEDULES[self.schedule][1]
         k = self.stages_per_rank
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
-            raise ConfigError("pipeline_parallel.stages_per_rank", k, "an integer >= 1, or None for the schedule's default")
+            raise ConfigError(
+                "pipeline_parallel.stages_per_rank", k, "an integer >= 1, or None for the schedule's default"
+            )
         if placement == "single" and k not in (None, 1):
-            raise ConfigError("pipeline_parallel.stages_per_rank", k, f"1 for {self.schedule} (one stage per rank); use schedule='Interleaved1F1B' for virtual stages")
+            raise ConfigError(
+                "pipeline_parallel.stages_per_rank",
+                k,
+                f"1 for {self.schedule} (one stage per rank); use schedule='Interleaved1F1B' for virtual stages",
+            )
         if placement == "v" and k not in (None, 2):
-            raise ConfigError("pipeline_parallel.stages_per_rank", k, f"2 for {self.schedule}: torch's V schedules place exactly two stages per rank")
+            raise ConfigError(
+                "pipeline_parallel.stages_per_rank",
+                k,
+                f"2 for {self.schedule}: torch's V schedules place exactly two stages per rank",
+            )
         if k is None:
             object.__setattr__(self, "stages_per_rank", 1 if placement == "single" else 2)
         if self.split != "auto":
-            if isinstance(self.split, str) or not isinstance(self.split, list | tuple) or not all(isinstance(i, int) and not isinstance(i, bool) and i > 0 for i in self.split):
-                raise ConfigError("pipeline_parallel.split", self.split, "'auto' or increasing block indices > 0 where stages 1.. begin")
+            if (
+                isinstance(self.split, str)
+                or not isinstance(self.split, list | tuple)
+                or not all(isinstance(i, int) and not isinstance(i, bool) and i > 0 for i in self.split)
+            ):
+                raise ConfigError(
+                    "pipeline_parallel.split",
+                    self.split,
+                    "'auto' or increasing block indices > 0 where stages 1.. begin",
+                )
             if list(self.split) != sorted(set(self.split)):
                 raise ConfigError("pipeline_parallel.split", self.split, "strictly increasing block indices")
             object.__setattr__(self, "split", tuple(self.split))
@@ -214,18 +242,36 @@ class PipelineParallel(Transform):
         blocks, head, tail = anatomy(model)
         n = len(blocks)
         if n < stages:
-            raise ConfigError("pipeline_parallel", f"{n} blocks", f"at least as many blocks as pipeline stages ({pp} ranks x {self.stages_per_rank} per rank = {stages})")
+            raise ConfigError(
+                "pipeline_parallel",
+                f"{n} blocks",
+                f"at least as many blocks as pipeline stages ({pp} ranks x {self.stages_per_rank} per rank = {stages})",
+            )
         if self.schedule == "1F1B" and self.microbatches < pp:
-            raise ConfigError("pipeline_parallel.microbatches", self.microbatches, f"at least the pipeline size {pp} for 1F1B (torch's Schedule1F1B)")
+            raise ConfigError(
+                "pipeline_parallel.microbatches",
+                self.microbatches,
+                f"at least the pipeline size {pp} for 1F1B (torch's Schedule1F1B)",
+            )
         if self.schedule == "DualPipeV" and self.microbatches < stages:
-            raise ConfigError("pipeline_parallel.microbatches", self.microbatches, f"at least the number of stages {stages} for DualPipeV")
+            raise ConfigError(
+                "pipeline_parallel.microbatches",
+                self.microbatches,
+                f"at least the number of stages {stages} for DualPipeV",
+            )
         rounds = max(1, self.microbatches // pp)
         if SCHEDULES[self.schedule][1] == "loop" and self.schedule != "LoopedBFS" and self.microbatches % rounds:
-            raise ConfigError("pipeline_parallel.microbatches", self.microbatches, f"a multiple of max(1, microbatches // pipeline size) = {rounds} for {self.schedule}")
+            raise ConfigError(
+                "pipeline_parallel.microbatches",
+                self.microbatches,
+                f"a multiple of max(1, microbatches // pipeline size) = {rounds} for {self.schedule}",
+            )
         if self.split == "auto":
             return balanced_cuts([numel(b) for b in blocks], stages, head, tail)
         if len(self.split) != stages - 1 or self.split[-1] >= n:
-            raise ConfigError("pipeline_parallel.split", list(self.split), f"{stages - 1} increasing block indices below {n}")
+            raise ConfigError(
+                "pipeline_parallel.split", list(self.split), f"{stages - 1} increasing block indices below {n}"
+            )
         return self.split
 
     def apply(self, state: TrainState, ctx: ApplyContext) -> TrainState:
@@ -235,8 +281,16 @@ class PipelineParallel(Transform):
         pp = pc.layout.size("pipeline")
         model = state.model
         cuts = self.cuts(model, pp)  # checks before any change
-        if state.loader is not None and getattr(state.loader, "batch_size", None) and state.loader.batch_size % self.microbatches:
-            raise ConfigError("loader per-rank batch", state.loader.batch_size, f"a multiple of pipeline_parallel.microbatches={self.microbatches}")
+        if (
+            state.loader is not None
+            and getattr(state.loader, "batch_size", None)
+            and state.loader.batch_size % self.microbatches
+        ):
+            raise ConfigError(
+                "loader per-rank batch",
+                state.loader.batch_size,
+                f"a multiple of pipeline_parallel.microbatches={self.microbatches}",
+            )
         if not pc.distributed or pp == 1:
             state.note(self.name, "pipeline size 1: model left whole")
             return state
@@ -254,8 +308,20 @@ class PipelineParallel(Transform):
             broadcast_local(kept, data_group)
             state.hooks.append(DataGradSync(kept, data_group, pc.data_size))
         device = torch.device(ctx.env.device)
-        pstages = [PipelineStage(m, s, n_stages, device, group=pp_group) for s, m in zip(local, stage_mods, strict=True)]
-        runner = PipelineRunner(pstages, n_stages, local, placement[n_stages - 1], self.microbatches, self.schedule, pp_group, data_group, pc.data_size)
+        pstages = [
+            PipelineStage(m, s, n_stages, device, group=pp_group) for s, m in zip(local, stage_mods, strict=True)
+        ]
+        runner = PipelineRunner(
+            pstages,
+            n_stages,
+            local,
+            placement[n_stages - 1],
+            self.microbatches,
+            self.schedule,
+            pp_group,
+            data_group,
+            pc.data_size,
+        )
         object.__setattr__(kept, PIPELINE_ATTR, runner)  # a plain attribute, not a submodule
         mark_loss_group(kept, data_group, pc.data_size)
         if state.optim is not None:
@@ -279,7 +345,10 @@ def _stage_optimizer(optim: torch.optim.Optimizer, names: dict[int, str], stage:
     missing = [n for n, p in stage.named_parameters() if id(p) not in held]
     if missing:
         raise ParameterMappingError("lose parameters of this pipeline stage the optimizer does not hold", missing)
-    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [p for p in g["params"] if id(p) in own]} for g in optim.param_groups]
+    groups = [
+        {**{k: v for k, v in g.items() if k != "params"}, "params": [p for p in g["params"] if id(p) in own]}
+        for g in optim.param_groups
+    ]
     groups = [g for g in groups if g["params"]]
     accepted = inspect.signature(type(optim).__init__).parameters
     new = type(optim)(groups, **{k: v for k, v in optim.defaults.items() if k in accepted})
@@ -287,7 +356,8 @@ def _stage_optimizer(optim: torch.optim.Optimizer, names: dict[int, str], stage:
     return new
 
 
-def pipeline_parallel(*, microbatches: int = 2, schedule: str = "1F1B", split: Any = "auto", stages_per_rank: int | None = None) -> PipelineParallel:
+def pipeline_parallel(
+    *, microbatches: int = 2, schedule: str = "1F1B", split: Any = "auto", stages_per_rank: int | None = None
+) -> PipelineParallel:
     """``pipeline_parallel(microbatches=4, schedule="Interleaved1F1B", stages_per_rank=2)``; train with :func:`composable_atorch.train_step`."""
     return PipelineParallel(microbatches=microbatches, schedule=schedule, split=split, stages_per_rank=stages_per_rank)
-

@@ -97,7 +97,12 @@ def load_layout(model: nn.Module, state: dict) -> tuple[dict, Callable[[], None]
     for section, key, dim, perm in _targets(state, strided):
         value = state[section][key]
         template = DTensor.from_local(
-            torch.empty_like(value.to_local()), value.device_mesh, value.placements, shape=value.shape, stride=value.stride(), run_check=False
+            torch.empty_like(value.to_local()),
+            value.device_mesh,
+            value.placements,
+            shape=value.shape,
+            stride=value.stride(),
+            run_check=False,
         )
         out[section][key] = template
         pending.append((value, template, dim, perm))

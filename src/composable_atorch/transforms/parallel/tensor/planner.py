@@ -14,7 +14,14 @@ from torch import nn
 from composable_atorch.errors import ConfigError
 
 KINDS = ("col", "row", "vocab", "replic_drop", "parallel_drop", "shrink")
-_HF_KINDS = {"colwise": "col", "rowwise": "row", "colwise_rep": "col", "rowwise_rep": "row", "vocab": "vocab", "embedding": "vocab"}
+_HF_KINDS = {
+    "colwise": "col",
+    "rowwise": "row",
+    "colwise_rep": "col",
+    "rowwise_rep": "row",
+    "vocab": "vocab",
+    "embedding": "vocab",
+}
 
 
 class TensorParallelPlanError(ConfigError):
@@ -54,7 +61,9 @@ class TPInfo:
                     value = tuple(sorted(kw))
                 else:
                     if not isinstance(kw, dict):
-                        raise ConfigError(f"TPInfo.{kind}[{suffix!r}]", kw, "a dict of init kwargs such as {'stride': 3}")
+                        raise ConfigError(
+                            f"TPInfo.{kind}[{suffix!r}]", kw, "a dict of init kwargs such as {'stride': 3}"
+                        )
                     value = tuple(sorted(kw.items()))
                 self.entries.append((kind, suffix, value))
         return self
@@ -103,7 +112,9 @@ def normalize_plan(plan: Any):
                 raise ConfigError("tensor_parallel.plan entry", e, f"(kind, suffix, args) with kind in {KINDS}")
             entries.append((e[0], e[1], tuple(tuple(x) if isinstance(x, list) else x for x in e[2])))
     else:
-        raise ConfigError("tensor_parallel.plan", plan, "'auto', a TPInfo, or a mapping {'blocks.*.attn.q': 'colwise', ...}")
+        raise ConfigError(
+            "tensor_parallel.plan", plan, "'auto', a TPInfo, or a mapping {'blocks.*.attn.q': 'colwise', ...}"
+        )
     if not entries:
         raise ConfigError("tensor_parallel.plan", plan, "at least one layer to shard")
     return tuple(sorted(entries))
@@ -136,7 +147,12 @@ def is_linear(m) -> bool:
 
 
 def is_conv1d(m) -> bool:
-    return type(m).__name__ == "Conv1D" and hasattr(m, "nf") and getattr(m, "weight", None) is not None and m.weight.dim() == 2
+    return (
+        type(m).__name__ == "Conv1D"
+        and hasattr(m, "nf")
+        and getattr(m, "weight", None) is not None
+        and m.weight.dim() == 2
+    )
 
 
 #: transformers' model-level styles (``model.tp_plan``) as this planner's entries. Its
@@ -182,7 +198,11 @@ def auto_plan(model: nn.Module) -> tuple:
     for name, m in model.named_modules():
         children = dict(m.named_children())
         for cols, row in _GROUPS:
-            if row in children and all(c in children for c in cols) and all(isinstance(children[c], nn.Linear) for c in (*cols, row)):
+            if (
+                row in children
+                and all(c in children for c in cols)
+                and all(isinstance(children[c], nn.Linear) for c in (*cols, row))
+            ):
                 for c in cols:
                     entries.append(("col", f"{name}.{c}" if name else c, ()))
                 entries.append(("row", f"{name}.{row}" if name else row, ()))

@@ -68,7 +68,7 @@ def _blocks_of(model: nn.Module, targets: list[str]) -> list[str]:
     for t in targets:
         parts = t.split(".")
         for i in range(len(parts) - 1, 0, -1):
-            if ".".join(parts[:i - 1]) in lists and i >= 2 and parts[i - 1].isdigit():
+            if ".".join(parts[: i - 1]) in lists and i >= 2 and parts[i - 1].isdigit():
                 found.add(".".join(parts[:i]))
                 break
     return [n for n, _ in model.named_modules() if n in found]
@@ -88,7 +88,9 @@ def _sequence_entry_exit(first: nn.Module, last: nn.Module, mesh, degree: int, s
             key = next(iter(kwargs))
             x = kwargs[key]
         if x.size(1) % degree:
-            raise ConfigError("sequence length (sequence_parallel)", x.size(1), f"a multiple of the tensor degree {degree}")
+            raise ConfigError(
+                "sequence length (sequence_parallel)", x.size(1), f"a multiple of the tensor degree {degree}"
+            )
         sequence["length"] = x.size(1)
         local = DTensor.from_local(x, mesh, [Replicate()], run_check=False).redistribute(mesh, [Shard(1)]).to_local()
         if args:
@@ -210,7 +212,9 @@ class TensorParallel(Transform):
         return f"tensor_parallel({how}{', sequence parallel' if self.sequence_parallel else ''})"
 
     # -- planning (pure: no sharding happens until everything checked) ---------------------
-    def placements(self, model: nn.Module, degree: int) -> tuple[dict[str, tuple[str, dict]], dict[str, tuple], dict[str, str]]:
+    def placements(
+        self, model: nn.Module, degree: int
+    ) -> tuple[dict[str, tuple[str, dict]], dict[str, tuple], dict[str, str]]:
         """``({module: (kind, kwargs)}, {module: shrink attrs}, {dropout module: kind})``; typed errors on bad input."""
         entries = auto_plan(model) if self.plan == "auto" else self.plan
         modules = dict(model.named_modules())
@@ -250,7 +254,9 @@ class TensorParallel(Transform):
             size = out_f if kind == "col" else in_f
             stride = int(kw.get("stride", 1))
             if size % (degree * stride):
-                bad.append(f"{n}: {'output' if kind == 'col' else 'input'} features {size} not divisible by degree {degree} x stride {stride}")
+                bad.append(
+                    f"{n}: {'output' if kind == 'col' else 'input'} features {size} not divisible by degree {degree} x stride {stride}"
+                )
         for n, attrs in shrink.items():
             for a in attrs:
                 v = getattr(modules[n], a, None)
@@ -260,7 +266,9 @@ class TensorParallel(Transform):
                     bad.append(f"{n}.{a} = {v}: heads not divisible by tensor degree {degree}")
         for n, kind in drops.items():
             if kind == "replic_drop" and self.sequence_parallel and not isinstance(modules[n], nn.Dropout):
-                bad.append(f"{n}: replic_drop under sequence_parallel needs an nn.Dropout (it draws the full mask and keeps its sequence slice)")
+                bad.append(
+                    f"{n}: replic_drop under sequence_parallel needs an nn.Dropout (it draws the full mask and keeps its sequence slice)"
+                )
         if bad:
             raise TensorParallelPlanError("cannot split these layers evenly", bad)
         return shard, shrink, drops
@@ -271,7 +279,10 @@ class TensorParallel(Transform):
         model = state.model
         shard, shrink, drops = self.placements(model, degree)  # every check before any change
         if not pc.distributed or degree == 1:
-            state.note(self.name, f"tensor degree {degree}{'' if pc.distributed else ', no process group'}: model left whole ({len(shard)} layers would shard)")
+            state.note(
+                self.name,
+                f"tensor degree {degree}{'' if pc.distributed else ', no process group'}: model left whole ({len(shard)} layers would shard)",
+            )
             return state
         from torch.distributed.tensor import Replicate, Shard
         from torch.distributed.tensor.parallel import (
@@ -314,7 +325,9 @@ class TensorParallel(Transform):
         blocks = _blocks_of(model, list(shard)) if sp else []
         if sp:
             if not blocks:
-                raise TensorParallelPlanError("sequence parallelism needs the sharded layers inside a list of blocks (nn.ModuleList)", list(shard))
+                raise TensorParallelPlanError(
+                    "sequence parallelism needs the sharded layers inside a list of blocks (nn.ModuleList)", list(shard)
+                )
             for n, m in modules.items():
                 inside = any(n.startswith(b + ".") for b in blocks)
                 if inside and (isinstance(m, nn.LayerNorm | nn.RMSNorm) or type(m).__name__.endswith("RMSNorm")):
@@ -332,11 +345,15 @@ class TensorParallel(Transform):
         state.note(
             self.name,
             f"DTensor parallelize_module over the tensor dim of {degree}: {cols} colwise, {rows} rowwise, {vocab} vocab-parallel layer(s); "
-            f"{len(shrink)} attention module(s) shrunk to heads/{degree}" + (", LayerNorms sequence-parallel" if sp else ""),
+            f"{len(shrink)} attention module(s) shrunk to heads/{degree}"
+            + (", LayerNorms sequence-parallel" if sp else ""),
         )
         _dropout_streams(model, drops, mesh, degree, sp, sequence)
         mark_loss_group(model, pc.data_group() if pc.data_size > 1 else None, pc.data_size)
-        state.note(self.name, f"CPU RNG state synchronized over the tensor dim (replicated dropouts draw one process's masks){_drop_note(drops)}")
+        state.note(
+            self.name,
+            f"CPU RNG state synchronized over the tensor dim (replicated dropouts draw one process's masks){_drop_note(drops)}",
+        )
         return state
 
 
@@ -356,7 +373,11 @@ def _drop_note(drops: dict[str, str]) -> str:
     if not drops:
         return ""
     kinds = {k: sorted(n for n, v in drops.items() if v == k) for k in ("replic_drop", "parallel_drop")}
-    return "; " + "; ".join(f"{k}: {len(v)} module(s)" for k, v in kinds.items() if v) + " (parallel_drop on a per-rank stream)"
+    return (
+        "; "
+        + "; ".join(f"{k}: {len(v)} module(s)" for k, v in kinds.items() if v)
+        + " (parallel_drop on a per-rank stream)"
+    )
 
 
 def _tied_params(model: nn.Module) -> list[list[tuple[str, str]]]:
@@ -387,7 +408,10 @@ def _retie(model, tied, mesh, state) -> None:
             if isinstance(mod, nn.Linear) and pn == "weight" and src.placements[0].is_shard(0):
                 parallelize_module(mod, mesh, ColwiseParallel(output_layouts=Replicate()))
                 mod.weight = src
-                state.note("tensor_parallel", f"{mn}.weight stays tied to the vocab-parallel embedding: sharded colwise, logits gathered")
+                state.note(
+                    "tensor_parallel",
+                    f"{mn}.weight stays tied to the vocab-parallel embedding: sharded colwise, logits gathered",
+                )
             else:
                 raise TensorParallelPlanError("tied parameters would be split apart by this plan", [f"{mn}.{pn}"])
 
@@ -424,7 +448,11 @@ class SequenceParallel(TensorParallel):
         TensorParallel.contract,
         conflicts=(
             *TensorParallel.contract.conflicts,
-            Conflict("tensor_parallel", "sequence_parallel is tensor_parallel(sequence_parallel=True): both would shard the same layers", "keep one of them"),
+            Conflict(
+                "tensor_parallel",
+                "sequence_parallel is tensor_parallel(sequence_parallel=True): both would shard the same layers",
+                "keep one of them",
+            ),
         ),
     )
 
@@ -433,7 +461,11 @@ class SequenceParallel(TensorParallel):
     def __post_init__(self):
         super().__post_init__()
         if self.sequence_parallel is not True:
-            raise ConfigError("sequence_parallel.sequence_parallel", self.sequence_parallel, "True (for no sequence parallelism use tensor_parallel)")
+            raise ConfigError(
+                "sequence_parallel.sequence_parallel",
+                self.sequence_parallel,
+                "True (for no sequence parallelism use tensor_parallel)",
+            )
 
     @classmethod
     def from_seed(cls, config=None):
