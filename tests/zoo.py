@@ -25,12 +25,10 @@ _DECODER = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hid
 def _cfg(cls_name: str, **fields):
     import transformers
 
-    cfg = getattr(transformers, cls_name)(**fields)
+    # the families' default special tokens lie outside the tiny vocabulary
+    cfg = getattr(transformers, cls_name)(**{"bos_token_id": 1, "eos_token_id": 2, **fields})
     if hasattr(cfg, "use_cache"):
         cfg.use_cache = False
-    for field, token in (("bos_token_id", 1), ("eos_token_id", 2)):  # family defaults lie outside VOCAB
-        if getattr(cfg, field, None) is not None:
-            setattr(cfg, field, token)
     return cfg
 
 
