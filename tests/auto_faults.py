@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import time
 
 import torch
@@ -62,3 +63,41 @@ def alive(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return state != "Z"
+
+
+class HangingGPT(GPT):
+    """A model whose forward never returns (the search's time budget must still hold)."""
+
+    def __init__(self):
+        super().__init__(GPTConfig(seq_len=16, d_model=32, n_layer=2, n_head=2))
+
+    def forward(self, tokens):
+        while True:
+            time.sleep(0.5)
+
+
+class EscapingStep:
+    """A loss that starts a process leaving the trial's session (``os.setsid()``) and sleeping; its
+    command line carries ``token`` so a test can look for it in /proc."""
+
+    def __init__(self, token: str):
+        self.token = token
+
+    def __call__(self, model, batch):
+        code = f"import os, time; os.setsid(); time.sleep(600)  # {self.token}"
+        subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return lm_step(model, batch)
+
+
+def processes_with(token: str) -> list[int]:
+    """Live pids whose command line holds ``token``."""
+    found = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                with open(f"/proc/{entry.name}/cmdline", "rb") as f:
+                    if token.encode() in f.read() and alive(int(entry.name)):
+                        found.append(int(entry.name))
+            except OSError:
+                continue
+    return found

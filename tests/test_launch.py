@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from composable_atorch.cli import launch
 
@@ -122,3 +123,52 @@ def test_a_failing_rank_fails_the_launch_with_its_exit_code(tmp_path):
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
     assert result.returncode == 3, result.stderr[-2000:]
     assert "report_ranks.py FAILED" in result.stderr
+
+
+# -- lost and hung ranks -------------------------------------------------------------------------
+RESTART = Path(__file__).parent / "scripts" / "train_restart.py"
+
+
+def test_every_rank_gets_a_store_per_round_and_the_timeout(monkeypatch):
+    monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
+    monkeypatch.delenv("COMPOSABLE_ATORCH_TIMEOUT", raising=False)
+    ns = launch.parser().parse_args(["--nproc", "2", "--timeout", "12.5", "t.py"])
+    env = launch.rank_environment(ns)
+    assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1" and env["COMPOSABLE_ATORCH_TIMEOUT"] == "12.5"
+    assert (
+        launch.rank_environment(launch.parser().parse_args(["--nproc", "2", "t.py"]))["COMPOSABLE_ATORCH_TIMEOUT"]
+        == "300.0"
+    )
+    assert launch.main(["--nproc", "1", "--timeout", "0", str(SCRIPT)]) == 2
+
+
+def launch_restart(tmp: Path, *args: str, launch_args=("--max-restarts", "1")) -> subprocess.CompletedProcess:
+    (tmp / "out").mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "composable_atorch", "launch", "--nproc", "2", *launch_args, str(RESTART)]
+    cmd += ["--ckpt", str(tmp / "ckpt"), "--out", str(tmp / "out"), "--steps", "10", "--save-every", "4", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.dist
+def test_a_killed_rank_restarts_from_the_checkpoint_and_ends_bitwise_equal(tmp_path):
+    from safetensors.torch import load_file
+
+    reference = launch_restart(tmp_path / "reference")
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    killed = launch_restart(tmp_path / "killed", "--kill", "1:6")  # checkpoint at 4, killed after step 6
+    assert killed.returncode == 0, killed.stderr[-3000:]
+    assert "SIGKILL" in killed.stderr and "resumed from step-00000004" in killed.stderr
+    rounds = [json.loads(line)["round"] for line in (tmp_path / "killed" / "out" / "losses-rank0.jsonl").open()]
+    assert rounds == ["0"] * 6 + ["1"] * 6  # steps 5 and 6 ran again in the restarted round
+    want, got = (load_file(tmp_path / d / "out" / "final.safetensors") for d in ("reference", "killed"))
+    assert want.keys() == got.keys() and len(want) > 20  # weights and AdamW state
+    for key in want:
+        assert torch.equal(want[key], got[key]), key
+
+
+@pytest.mark.dist
+def test_a_stopped_rank_ends_the_job_naming_the_rank(tmp_path):
+    # rank 1 SIGSTOPs itself after step 3; without a timeout gloo would wait 30 minutes
+    result = launch_restart(tmp_path, "--stop", "1:3", launch_args=("--timeout", "6"))
+    assert result.returncode not in (0, None), result.stderr[-3000:]
+    assert "rank 1 stopped responding" in result.stderr, result.stderr[-3000:]

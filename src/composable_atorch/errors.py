@@ -79,3 +79,31 @@ class WorkloadError(CompositionError):
         self.part, self.hint = part, hint
         self.error = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
         super().__init__(f"{part} fails with no plan applied ({self.error}); no plan can fix that. Fix: {hint}.")
+
+
+class NonFiniteError(CompositionError, FloatingPointError):
+    """A training step met inf/nan (``amp`` / ``half`` with ``nonfinite="raise"``): raised before the
+    weights or the optimizer state change, so the run can stop or go back to a checkpoint."""
+
+    def __init__(self, step: int, where: str):
+        self.step, self.where = step, where
+        super().__init__(
+            f"step {step}: the {where} hold inf/nan; the step was not taken (weights and optimizer state unchanged). "
+            "Fix: lower the learning rate, clip gradients (clip_grad), check the data and loss, or pass "
+            "nonfinite='skip' to skip such steps."
+        )
+
+
+class DatasetSizeError(CompositionError, ValueError):
+    """The dataset holds no sample, or fewer than one global batch: training would run 0 steps
+    (``drop_last``) or one short batch of padded repeats, silently. Names the sizes."""
+
+    def __init__(self, samples: int, global_batch: int):
+        self.samples, self.global_batch = samples, global_batch
+        what = (
+            "is empty" if samples == 0 else f"holds {samples} sample(s), fewer than one global batch of {global_batch}"
+        )
+        super().__init__(
+            f"the loader's dataset {what}. Fix: pass a dataset with at least {global_batch} samples, "
+            f"or a loader whose batch_size (the global batch) is at most the dataset's size."
+        )

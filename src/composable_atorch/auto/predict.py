@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -141,6 +142,9 @@ class Predictor:
     #: a prediction runs the user's forward (on fake tensors) in this process: one that takes longer
     #: than this is abandoned (no prediction; the plan is measured in its own processes instead)
     timeout_s: float = 60.0
+    #: ``time.monotonic()`` when the search's time budget is spent (the search sets it): a prediction
+    #: is cut there, and none starts after it, so predictions never overrun the budget
+    deadline: float | None = None
 
     def __init__(self, estimator: Estimator, workload: Workload, env: Environment, cache: dict | None = None):
         self.estimator, self.workload, self.env = estimator, workload, env
@@ -165,9 +169,16 @@ class Predictor:
 
     def __call__(self, plan: Plan) -> Prediction:
         key = plan_key(plan)
+        if key in self.cache:
+            return self.cache[key]
+        limit = self.timeout_s
+        if self.deadline is not None:
+            limit = min(limit, self.deadline - time.monotonic())
+            if limit <= 0:  # not cached: a later search with more time predicts it
+                return Prediction(reason="the search's time budget is spent")
         if key not in self.cache:
             try:
-                with time_limit(self.timeout_s):
+                with time_limit(limit):
                     self.cache[key] = predict_plan(
                         self.estimator,
                         plan,

@@ -6,12 +6,21 @@ budget finding that out. :func:`preflight` runs one optimizer step of the worklo
 1, no transform) and raises :class:`~composable_atorch.errors.WorkloadError` naming the part that
 failed and what to set. Running out of memory is not such an error (a plan may fix it: sharding,
 checkpointing), so it is reported back, not raised.
+
+The search runs it in a child process under the trial's time limit (:func:`preflight_in_child`):
+a forward that hangs, or a step slower than a trial may take, is a WorkloadError after that
+limit, not a search that never returns; the child, and whatever it started, is killed as a
+trial's processes are.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from composable_atorch.auto.worker import Workload, make_optimizer
 from composable_atorch.errors import WorkloadError
@@ -133,3 +142,59 @@ def preflight(workload: Workload) -> PreflightResult:
             "check the loss depends on the model's parameters and the optimizer holds them",
         ) from exc
     return PreflightResult(True, time.monotonic() - start)
+
+
+def _child(workload: Workload, out_path: str) -> None:
+    """The preflight child: the result or the WorkloadError's parts as JSON (nothing pickled back)."""
+    os.setsid()  # its own group, killed with what it starts
+    try:
+        result = {"result": asdict(preflight(workload))}
+    except WorkloadError as exc:
+        result = {"error": {"part": exc.part, "error": exc.error, "hint": exc.hint}}
+    with open(out_path, "w") as f:
+        json.dump(result, f)
+
+
+def preflight_in_child(workload: Workload, timeout: float) -> PreflightResult:
+    """:func:`preflight` in a spawned process, killed (with everything it started) after ``timeout`` s."""
+    import multiprocessing as mp
+
+    from composable_atorch.auto.trial import kill_group, marked, new_marker, reap
+
+    ctx = mp.get_context("spawn")
+    start, marker = time.monotonic(), new_marker()
+    with tempfile.TemporaryDirectory(prefix="composable-atorch-preflight-") as tmp:
+        out = os.path.join(tmp, "preflight.json")
+        proc = ctx.Process(target=_child, args=(workload, out), name="preflight")
+        try:
+            with marked(marker):
+                proc.start()
+            proc.join(timeout)
+        finally:
+            if proc.exitcode is None:
+                kill_group(proc)
+            reap(marker)
+        data = None
+        if os.path.exists(out):
+            with open(out) as f, contextlib.suppress(ValueError):
+                data = json.load(f)
+    seconds = time.monotonic() - start
+    if data is None:
+        if proc.exitcode == -9 and seconds < timeout:  # the kernel's out-of-memory killer: a plan may fix it
+            return PreflightResult(False, seconds, "out of memory (the step was killed by SIGKILL)")
+        if proc.exitcode in (0, None) or seconds >= timeout:
+            raise WorkloadError(
+                "one training step of the workload with no plan",
+                f"it did not finish within {timeout:g} s (the trial timeout); killed",
+                "make the model's forward, the loss and the backward finish (a hang?), or give the trials "
+                "more time (TrialSettings(timeout=...))",
+            )
+        raise WorkloadError(
+            "one training step of the workload with no plan",
+            f"the process died (exit code {proc.exitcode})",
+            "run one step of the workload in a single process to see why (a crash in native code?)",
+        )
+    if "error" in data:
+        err = data["error"]
+        raise WorkloadError(err["part"], err["error"], err["hint"])
+    return PreflightResult(**data["result"])

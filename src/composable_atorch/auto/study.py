@@ -208,12 +208,16 @@ def search(
         )
     trial, budget = trial or TrialSettings(), budget or Budget()
     space, study = space or SpaceOptions(), study or StudyOptions()
+    # the budget's clock starts now: the preflight and every prediction count against it
+    started = time.monotonic()
+    deadline = None if budget.time_limit is None else started + budget.time_limit
     checked = None
     if runner is None:
         check_picklable(workload)
         runner = ProcessRunner(workload, trial)
     if study.preflight:
-        checked = preflight(workload)  # raises WorkloadError: no plan can fix the workload itself
+        # raises WorkloadError: no plan can fix the workload itself
+        checked = _preflight(workload, trial.timeout)
     env = (env or Environment.detect()).with_(world_size=trial.world_size)
     predictor = None
     if study.predict:
@@ -221,10 +225,25 @@ def search(
         predictor = (
             estimator if isinstance(estimator, Predictor) or estimator is None else Predictor(estimator, workload, env)
         )
-    loop = _Loop(workload, trial, budget, space, study, env, runner, progress, predictor)
+        if predictor is not None:
+            predictor.deadline = deadline
+    loop = _Loop(workload, trial, budget, space, study, env, runner, progress, predictor, started=started)
     result = loop.run()
     result.preflight = checked
     return result
+
+
+def _preflight(workload, timeout: float):
+    """The preflight in a child under the trial's time limit; in this process only for a workload
+    that cannot reach a child (a custom runner replaying measurements takes unpicklable ones)."""
+    from composable_atorch.auto.preflight import preflight_in_child
+    from composable_atorch.errors import ConfigError
+
+    try:
+        check_picklable(workload)
+    except ConfigError:
+        return preflight(workload)
+    return preflight_in_child(workload, timeout)
 
 
 class _Loop:
@@ -241,8 +260,11 @@ class _Loop:
         runner,
         progress: bool,
         predictor: Predictor | None = None,
+        started: float | None = None,
     ):
         import optuna
+
+        self.started = time.monotonic() if started is None else started
 
         from composable_atorch.core.transform import SearchContext
 
@@ -308,6 +330,8 @@ class _Loop:
         import optuna
 
         start = time.monotonic()
+        if self.budget.time_limit is not None:  # predictions spend the search's time budget too
+            seconds = min(seconds, self.started + self.budget.time_limit - start)
         keys = [k for k in self.enumeration.valid if k not in self.seen]
         self.rng.shuffle(keys)
         for key in keys:
@@ -431,7 +455,7 @@ class _Loop:
             TextColumn("{task.fields[best]}"),
             TimeElapsedColumn(),
         )
-        start, stopped_by = time.monotonic(), ""
+        start, stopped_by = self.started, ""
         with Progress(*columns, console=console, disable=not self.progress, transient=False) as bar:
             self.bar, self.task = bar, bar.add_task("search", total=self.target, best="")
             while True:
@@ -483,6 +507,10 @@ class _Loop:
             return self._tell_duplicate(trial, point)
         if self.predictor is not None and self._prediction(point.key).over(self.limit, self.margin):
             return self._tell_skipped(trial, point)
+        if remaining is not None:  # the prediction spent some of it
+            remaining = self.started + self.budget.time_limit - time.monotonic()
+            if remaining <= 0:
+                return self._tell_unrun(trial)
         self.repeats = 0
         # an independent check on compose(): the plan must be one the enumeration found valid
         self.counts["dry_invalid"] += point.key not in self.enumeration.valid
@@ -499,6 +527,15 @@ class _Loop:
             cut = remaining is not None and timeout < full and (result.reason or "").startswith("timeout")
             return self._tell_failed(trial, point, result, label, cut)
         return self._tell_measured(trial, point, result, label)
+
+    def _tell_unrun(self, trial) -> None:
+        """The time budget ran out between the proposal and its run: not run, proposed again on resume."""
+        import optuna
+
+        trial.set_user_attr("status", "failed")
+        trial.set_user_attr("reason", "stopped by the study's time limit before it ran")
+        trial.set_user_attr("retryable", True)
+        self.study.tell(trial, state=optuna.trial.TrialState.FAIL)
 
     def _tell_invalid(self, trial, point: Point) -> None:
         import optuna

@@ -6,7 +6,9 @@ measures the peak memory of one more step on every rank (see :mod:`.worker` for 
 is the distinct samples of a step over the step's time (samples/s; tokens/s where the batch
 holds token ids), where a sample counts once however many ranks trained on it
 (:func:`samples_per_step`). A crash, an out-of-memory error or a hang is a failed trial with its reason;
-the parent kills every rank's process group on failure or timeout, so nothing is left behind.
+the parent kills every rank's process group on failure or timeout, and then every process that
+inherited the trial's marker (:func:`marked`, :func:`reap`): a child that left the group with its
+own ``os.setsid()`` still carries the marker in its environment, so nothing is left behind.
 """
 
 from __future__ import annotations
@@ -103,6 +105,73 @@ def kill_group(proc) -> None:
     proc.join(10)
 
 
+#: the environment variable every process of one trial (or preflight) inherits, with its own value
+MARKER_ENV = "COMPOSABLE_ATORCH_TRIAL"
+
+
+def new_marker() -> str:
+    import uuid
+
+    return f"{os.getpid()}-{uuid.uuid4().hex}"
+
+
+@contextlib.contextmanager
+def marked(marker: str):
+    """Processes started inside inherit ``marker`` in their environment (keep the block to the starts).
+
+    A process group or session is not enough to find what a trial left: a child can leave both
+    with ``os.setsid()``. The environment is inherited through fork, exec and setsid alike, and
+    ``/proc/<pid>/environ`` shows it (a cgroup would need privileges this library cannot assume).
+    """
+    from multiprocessing import resource_tracker
+
+    # multiprocessing's shared helper starts with the first spawn: it must not carry a trial's marker
+    resource_tracker.ensure_running()
+    previous = os.environ.get(MARKER_ENV)
+    os.environ[MARKER_ENV] = marker
+    try:
+        yield marker
+    finally:
+        if previous is None:
+            os.environ.pop(MARKER_ENV, None)
+        else:
+            os.environ[MARKER_ENV] = previous
+
+
+def _marked_pids(marker: str) -> list[int]:
+    needle = f"{MARKER_ENV}={marker}".encode()
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/environ", "rb") as f:
+                if needle in f.read().split(b"\0"):
+                    found.append(int(entry.name))
+        except OSError:  # gone meanwhile, or another user's
+            continue
+    return found
+
+
+def reap(marker: str, rounds: int = 20) -> int:
+    """SIGKILL every process carrying ``marker`` until none is left (a dying parent may have forked
+    once more); returns how many were killed. Without ``/proc`` (not Linux), nothing is found:
+    the process groups :func:`kill_group` kills are then all there is."""
+    if not os.path.isdir("/proc"):
+        return 0
+    killed = 0
+    for _ in range(rounds):
+        pids = _marked_pids(marker)
+        if not pids:
+            break
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+                killed += 1
+        time.sleep(0.05)
+    return killed
+
+
 def _signal_reason(code: int) -> str:
     name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else str(-code)
     if name == "SIGKILL":
@@ -134,14 +203,16 @@ def _spawn(spec_for: Callable[[str], RankSpec], world: int, timeout: float, on_p
     """
     ctx = mp.get_context("spawn")
     start = time.monotonic()
+    marker = new_marker()
     with tempfile.TemporaryDirectory(prefix="composable-atorch-trial-") as tmp:
         spec = spec_for(tmp)
         progress = ctx.Queue() if on_progress is not None else None
         procs = [ctx.Process(target=rank_main, args=(r, spec, progress), name=f"trial-rank{r}") for r in range(world)]
         failure = None
         try:
-            for p in procs:
-                p.start()
+            with marked(marker):
+                for p in procs:
+                    p.start()
             deadline = start + timeout
             while True:
                 if progress is not None:
@@ -173,6 +244,7 @@ def _spawn(spec_for: Callable[[str], RankSpec], world: int, timeout: float, on_p
                     kill_group(p)
                 else:
                     p.join(10)
+            reap(marker)  # what left the ranks' groups (its own setsid()) and still runs
             if progress is not None:
                 with contextlib.suppress(queue.Empty, OSError, ValueError, EOFError):
                     while True:

@@ -25,6 +25,14 @@ rendezvous store there (pick a port free on node 0)::
 Global ranks are assigned by the rendezvous (node by node). ``--max-restarts K`` restarts the
 whole group after a failure, up to K times: a script that resumes with
 ``composable_atorch.load_state`` from its last checkpoint then continues where it stopped.
+Every round gets a fresh rendezvous store (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``): with
+torchrun's default, one store shared across rounds, a restart after a killed rank failed about
+half the time here (gloo "connectFullMesh ... Connection refused", or a hang before the first
+resumed step); with a store per round it passed every time (see benchmarks/restarts.py).
+
+``--timeout SECONDS`` (default 300) bounds how long a rank waits for a peer that stopped: the
+script's ``init_distributed()`` or ``parallel_mode`` reads it (``COMPOSABLE_ATORCH_TIMEOUT``), and
+the job ends with a message naming the stopped rank instead of hanging for gloo's 30 minutes.
 """
 
 from __future__ import annotations
@@ -32,6 +40,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+
+from composable_atorch.runtime.liveness import DEFAULT_TIMEOUT_S, TIMEOUT_ENV
 
 PROG = "python -m composable_atorch launch"
 
@@ -73,6 +83,30 @@ def _endpoint(text: str) -> str:
     return text
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{value:g} must be > 0")
+    return value
+
+
+def rank_environment(ns: argparse.Namespace) -> dict[str, str]:
+    """What every rank (and torchrun itself) gets in its environment; the user's own settings win."""
+    # two ranks with several threads each on a small machine ran 5-10x slower (CPU_FACTS); torchrun
+    # itself only sets this with more than one process per node
+    env = {"OMP_NUM_THREADS": "1"}
+    # a store per restart round: the shared one broke about half the restarts (module docstring)
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    if ns.timeout is not None:
+        env[TIMEOUT_ENV] = repr(ns.timeout)
+    else:
+        env[TIMEOUT_ENV] = os.environ.get(TIMEOUT_ENV) or repr(DEFAULT_TIMEOUT_S)
+    return {k: v for k, v in env.items() if k == TIMEOUT_ENV or k not in os.environ}
+
+
 def parser() -> argparse.ArgumentParser:
     p = _Parser(prog=PROG, description="Run a training script on N processes (a thin layer over torchrun).")
     p.add_argument("--nproc", type=_positive, required=True, help="processes on this node (e.g. one per GPU)")
@@ -89,6 +123,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--rdzv-id", default="composable_atorch", help="job id shared by all nodes of one run")
     p.add_argument(
         "--max-restarts", type=_non_negative, default=0, help="restart the group after a failure up to this many times"
+    )
+    p.add_argument(
+        "--timeout",
+        type=_seconds,
+        default=None,
+        help="seconds a rank may wait for a stopped peer before the job ends naming it (default 300)",
     )
     p.add_argument("script", help="the training script (a .py file)")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
@@ -133,9 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except SystemExit as exc:  # --help
         return int(exc.code or 0)
-    # two ranks with several threads each on a small machine ran 5-10x slower (CPU_FACTS); torchrun
-    # itself only sets this with more than one process per node
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.update(rank_environment(ns))
 
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError

@@ -16,6 +16,7 @@ from composable_atorch.core import codec
 from composable_atorch.core.transform import ApplyContext, TrainState, Transform, build, composer
 from composable_atorch.environment import Environment
 from composable_atorch.errors import ConfigError, ParameterMappingError, RequirementError
+from composable_atorch.runtime.loader import check_dataset_size
 from composable_atorch.runtime.optim import PlanOptimizer, named_parameters, parameter_names, rebuild_optimizer
 from composable_atorch.runtime.resumable import can_resume, resumable
 
@@ -182,6 +183,8 @@ class Plan:
                 "optim", "a PlanOptimizer", "the user's own optimizer (a plan is applied once, to the original triple)"
             )
         self.check_runtime(runtime)
+        # an empty or too-small dataset would train 0 steps or one padded batch, silently
+        check_dataset_size(loader)
         state = TrainState(model=model, optim=optim, loader=loader, param_names=parameter_names(model, optim))
         ctx = ApplyContext(plan=self, env=self.env, strict=self.strict)
         names = sorted(named_parameters(model))

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch.utils.data import BatchSampler, DataLoader, RandomSampler, SequentialSampler
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
 
-from composable_atorch.errors import ConfigError
+from composable_atorch.errors import ConfigError, DatasetSizeError
 
 _KEEP = (
     "num_workers",
@@ -32,6 +32,44 @@ def loader_batch_size(loader: DataLoader) -> int:
             "loader.batch_size", None, "a DataLoader built with batch_size= (a custom batch_sampler cannot be split)"
         )
     return loader.batch_size
+
+
+def dataset_size(loader: Any) -> int | None:
+    """The number of samples of a map-style loader's dataset; None when it has no length (iterable)."""
+    dataset = getattr(loader, "dataset", None)
+    if dataset is None or isinstance(dataset, IterableDataset):
+        return None
+    try:
+        return len(dataset)
+    except TypeError:  # a map-style dataset without __len__: nothing to check
+        return None
+
+
+def check_dataset_size(loader: Any) -> None:
+    """DatasetSizeError for an empty dataset or one smaller than the global batch, before any work.
+
+    Such a loader trains 0 steps with ``drop_last`` and one short batch (padded with repeats
+    across ranks) without it, and says nothing either way.
+    """
+    if not isinstance(loader, DataLoader) or loader.batch_size is None:
+        return
+    samples = dataset_size(loader)
+    batch = getattr(loader, "global_batch_size", loader.batch_size)
+    if samples is not None and (samples == 0 or samples < batch):
+        raise DatasetSizeError(samples, batch)
+
+
+def padding_note(samples: int | None, ranks: int, drop_last: bool) -> str | None:
+    """What DistributedSampler does to a dataset that does not divide over the ranks, for explain()."""
+    if samples is None or samples % ranks == 0:
+        return None
+    if drop_last:
+        return f"drops the last {samples % ranks} of {samples} samples each epoch so they divide over {ranks} ranks"
+    pad = -samples % ranks
+    return (
+        f"pads {samples} samples with {pad} repeat(s) of the first so they divide over {ranks} ranks: "
+        f"{pad} sample(s) count twice each epoch"
+    )
 
 
 def is_shuffled(loader: DataLoader) -> bool:

@@ -22,21 +22,27 @@ BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl")
 def init_distributed(backend: str = "gloo", *, timeout_s: float | None = None) -> bool:
     """Initialize the default process group from torchrun's environment; True if it exists now.
 
-    Already initialized: nothing happens. No ``WORLD_SIZE`` in the environment (not launched):
-    a single process, returns False.
+    Already initialized: nothing happens but the timeout (below). No ``WORLD_SIZE`` in the
+    environment (not launched): a single process, returns False.
+
+    ``timeout_s`` bounds every collective (default ``launch --timeout`` or 300 s, not gloo's 30
+    minutes), and a heartbeat names a rank that stopped responding and ends this one
+    (:mod:`composable_atorch.runtime.liveness`).
     """
     import datetime
 
     import torch.distributed as dist
 
+    from composable_atorch.runtime.liveness import collective_timeout, watch
+
     if backend not in BACKENDS:
         raise ConfigError("init_distributed backend", backend, ", ".join(BACKENDS))
-    if dist.is_initialized():
-        return True
-    if "WORLD_SIZE" not in os.environ:
-        return False
-    kwargs = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
-    dist.init_process_group(backend, **kwargs)
+    timeout = collective_timeout(timeout_s)
+    if not dist.is_initialized():
+        if "WORLD_SIZE" not in os.environ:
+            return False
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+    watch(timeout_s)
     return True
 
 

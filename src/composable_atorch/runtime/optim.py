@@ -125,6 +125,9 @@ class OptimizerHook:
     needs_loss_hook: bool = False
     #: Set by a hook that skipped the last real optimizer step (inf/nan gradients).
     last_step_skipped: bool = False
+    #: An error a hook found during the step; raised after every hook's ``after_step`` ran, so a
+    #: hook that swapped something in for the step (master weights) has put it back first.
+    pending_error: BaseException | None = None
     #: True for a hook whose engine clips gradients itself (DeepSpeed's ``gradient_clipping``):
     #: clip_grad then adds no hook of its own, which would clip the engine's partitions locally.
     clips_gradients: bool = False
@@ -401,6 +404,10 @@ class PlanOptimizer(torch.optim.Optimizer):
         for h in self.hooks:
             h.after_step()
         self._step_was_skipped = any(h.last_step_skipped for h in self.hooks)
+        for h in self.hooks:
+            error, h.pending_error = h.pending_error, None
+            if error is not None:
+                raise error
         return None
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -14,7 +14,7 @@ import torch
 
 from composable_atorch.core.contract import Conflict, Contract, Stage
 from composable_atorch.core.transform import ApplyContext, TrainState, Transform
-from composable_atorch.errors import ConfigError
+from composable_atorch.errors import ConfigError, NonFiniteError
 from composable_atorch.runtime.optim import OptimizerHook
 from composable_atorch.transforms._util import cast_floats, dtype_name, dtype_of
 
@@ -96,25 +96,68 @@ def _all_finite(grads, shard_group=None) -> bool:
 
 
 class NonfiniteSkipHook(OptimizerHook):
-    """bf16 with ``skip_if_nonfinite``: no scaling (bf16 has fp32's range), but skip inf/nan steps."""
+    """No scaling (bf16 has fp32's range), but a step whose gradients hold inf/nan never reaches the
+    weights: skipped (``optim.step_was_skipped``) or, with ``policy="raise"``, a
+    :class:`~composable_atorch.errors.NonFiniteError` before anything changes."""
 
-    def __init__(self, shard_group=None):
+    def __init__(self, shard_group=None, policy: str = "skip"):
         self.skipped_steps = 0
         self.shard_group = shard_group
+        self.policy = policy
+        self.steps = 0
 
     def run_step(self, optimizer, closure=None):
+        self.steps += 1
         grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         if not _all_finite(grads, self.shard_group):
+            if self.policy == "raise":  # raised by the optimizer once every hook has cleaned up
+                self.pending_error = NonFiniteError(self.steps, "gradients")
             self.skipped_steps += 1
             self.last_step_skipped = True
             return True  # handled: by not stepping
         return False
 
     def state_dict(self):
-        return {"skipped_steps": self.skipped_steps}
+        return {"skipped_steps": self.skipped_steps, "steps": self.steps}
 
     def load_state_dict(self, state):
         self.skipped_steps = state.get("skipped_steps", 0)
+        self.steps = state.get("steps", 0)
+
+
+#: what a step with inf/nan gradients does: "skip" it (default), "raise", or "allow" it (opt-out)
+NONFINITE = ("skip", "raise", "allow")
+
+
+def _nonfinite_policy(owner: str, nonfinite, skip_if_nonfinite) -> str:
+    """One policy from ``nonfinite=`` and ATorch's ``skip_if_nonfinite`` (explicit False: "allow")."""
+    if nonfinite is None:
+        return "allow" if skip_if_nonfinite is False else "skip"
+    if nonfinite not in NONFINITE:
+        raise ConfigError(f"{owner}.nonfinite", nonfinite, "'skip' (default), 'raise' or 'allow' (the opt-out)")
+    if skip_if_nonfinite is not None and bool(skip_if_nonfinite) != (nonfinite == "skip"):
+        raise ConfigError(
+            f"{owner}.skip_if_nonfinite",
+            skip_if_nonfinite,
+            f"left out, or {nonfinite == 'skip'} with nonfinite={nonfinite!r}",
+        )
+    return nonfinite
+
+
+def _add_nonfinite_hook(state: TrainState, owner: str, policy: str) -> None:
+    """One check per plan (amp and half both ask for it); the note says what happens and how to opt out."""
+    if policy == "allow":
+        state.note(owner, "nonfinite='allow': a step with inf/nan gradients updates the weights (opted out)")
+        return
+    if any(isinstance(h, NonfiniteSkipHook) for h in state.hooks):
+        return
+    state.hooks.append(NonfiniteSkipHook(getattr(state.parallel, "grad_shard_group", None), policy))
+    what = (
+        "skipped (optim.step_was_skipped is True; the weights and optimizer state stay as they were)"
+        if policy == "skip"
+        else "a NonFiniteError before the weights change"
+    )
+    state.note(owner, f"a step with inf/nan gradients is {what}; nonfinite='allow' opts out")
 
 
 @dataclass(frozen=True)
@@ -122,7 +165,10 @@ class Amp(Transform):
     """Automatic mixed precision: autocast around the outermost forward.
 
     fp16 always uses a grad scaler that skips a step whose gradients hold inf/nan and recovers on
-    the next; bf16 skips such steps only with ``skip_if_nonfinite=True``.
+    the next. bf16 checks the gradients at each step: ``nonfinite="skip"`` (default) skips a step
+    holding inf/nan, ``"raise"`` raises :class:`~composable_atorch.errors.NonFiniteError`, ``"allow"``
+    lets it through (the explicit opt-out; ATorch's ``skip_if_nonfinite=False`` means the same). A
+    NaN loss would otherwise turn every weight into NaN without a word.
     """
 
     name = "amp"
@@ -141,13 +187,25 @@ class Amp(Transform):
     )
 
     dtype: str = "bf16"
-    skip_if_nonfinite: bool = False
+    #: ATorch's spelling: None follows ``nonfinite``; explicit False is ``nonfinite="allow"``
+    skip_if_nonfinite: bool | None = None
     #: ATorch's ``amp_native`` ``enabled`` key (in its default config): False makes the step a no-op.
     enabled: bool = True
+    nonfinite: str | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", dtype_name(self.dtype, "amp.dtype"))
-        object.__setattr__(self, "skip_if_nonfinite", bool(self.skip_if_nonfinite) or self.dtype == "fp16")
+        if self.dtype == "fp16":
+            # the scaler finds its scale by skipping overflowing steps: raising or allowing would be wrong
+            if self.nonfinite not in (None, "skip"):
+                raise ConfigError(
+                    "amp.nonfinite", self.nonfinite, "'skip' with fp16 (its grad scaler skips inf/nan steps)"
+                )
+            policy = "skip"
+        else:
+            policy = _nonfinite_policy("amp", self.nonfinite, self.skip_if_nonfinite)
+        object.__setattr__(self, "nonfinite", policy)
+        object.__setattr__(self, "skip_if_nonfinite", policy == "skip")
         if not isinstance(self.enabled, bool):
             raise ConfigError("amp.enabled", self.enabled, "True or False")
 
@@ -168,9 +226,7 @@ class Amp(Transform):
     def describe(self):
         if not self.enabled:
             return f"amp({self.dtype}, enabled=False: no autocast, no scaler)"
-        extra = (
-            ", grad scaler" if self.dtype == "fp16" else (", skip non-finite steps" if self.skip_if_nonfinite else "")
-        )
+        extra = ", grad scaler" if self.dtype == "fp16" else _POLICY_LABEL[self.nonfinite]
         return f"amp({self.dtype}{extra})"
 
     def apply(self, state: TrainState, ctx: ApplyContext) -> TrainState:
@@ -201,15 +257,21 @@ class Amp(Transform):
                 "grad scaler: loss scaled in optim.backward() (or a loss wrapped by optim.wrap_loss / "
                 "optim.loss_wrapper), inf/nan steps skipped; a step after an unwrapped loss.backward() raises",
             )
-        elif self.skip_if_nonfinite:
-            state.hooks.append(NonfiniteSkipHook(getattr(state.parallel, "grad_shard_group", None)))
-            state.note(self.name, "steps with inf/nan gradients skipped")
+        else:
+            _add_nonfinite_hook(state, self.name, self.nonfinite)
         return state
 
 
-def amp(dtype="bf16", *, skip_if_nonfinite: bool = False, enabled: bool = True) -> Amp:
-    """Mixed precision by autocast: ``amp("bf16")``, ``amp("fp16")`` or ``amp(torch.bfloat16)``."""
-    return Amp(dtype=dtype, skip_if_nonfinite=skip_if_nonfinite, enabled=enabled)
+#: describe(): the default (skip) says nothing, so plan descriptions stay as they were
+_POLICY_LABEL = {"skip": "", "raise": ", raise on non-finite steps", "allow": ", non-finite steps allowed"}
+
+
+def amp(dtype="bf16", *, skip_if_nonfinite: bool | None = None, enabled: bool = True, nonfinite=None) -> Amp:
+    """Mixed precision by autocast: ``amp("bf16")``, ``amp("fp16")`` or ``amp(torch.bfloat16)``.
+
+    ``nonfinite``: ``"skip"`` (default) / ``"raise"`` / ``"allow"`` a step whose gradients hold inf/nan.
+    """
+    return Amp(dtype=dtype, skip_if_nonfinite=skip_if_nonfinite, enabled=enabled, nonfinite=nonfinite)
 
 
 amp_native = amp
@@ -291,6 +353,9 @@ class Half(Transform):
     ``master_weights=True`` keeps an fp32 copy of every parameter the optimizer steps on
     (:class:`MasterWeightsHook`, ATorch's BF16Optimizer): the model computes in half precision,
     the updates accumulate in float32, so small updates are not rounded away.
+    ``nonfinite`` is as amp's: a step with inf/nan gradients is skipped by default (``"raise"``,
+    or ``"allow"`` to opt out); fp16 weights without a grad scaler overflow easily, so it applies
+    to fp16 too.
     """
 
     name = "half"
@@ -310,9 +375,11 @@ class Half(Transform):
 
     dtype: str = "bf16"
     master_weights: bool = False
+    nonfinite: str = "skip"
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", dtype_name(self.dtype, "half.dtype"))
+        object.__setattr__(self, "nonfinite", _nonfinite_policy("half", self.nonfinite, None))
         if not isinstance(self.master_weights, bool):
             raise ConfigError("half.master_weights", self.master_weights, "True or False")
 
@@ -324,7 +391,9 @@ class Half(Transform):
         return cls(dtype="fp16" if config is None else config)
 
     def describe(self):
-        return f"half({self.dtype}{', fp32 master weights' if self.master_weights else ''})"
+        return (
+            f"half({self.dtype}{', fp32 master weights' if self.master_weights else ''}{_POLICY_LABEL[self.nonfinite]})"
+        )
 
     def apply(self, state: TrainState, ctx: ApplyContext) -> TrainState:
         dtype = dtype_of(self.dtype)
@@ -343,9 +412,13 @@ class Half(Transform):
             state.note(
                 self.name, "fp32 master weights: the optimizer steps on float32 copies, copied back after each step"
             )
+        _add_nonfinite_hook(state, self.name, self.nonfinite)
         return state
 
 
-def half(dtype="bf16", *, master_weights: bool = False) -> Half:
-    """Half-precision training: ``half("bf16")``, ``half("fp16")``, ``half("bf16", master_weights=True)``."""
-    return Half(dtype=dtype, master_weights=master_weights)
+def half(dtype="bf16", *, master_weights: bool = False, nonfinite: str = "skip") -> Half:
+    """Half-precision training: ``half("bf16")``, ``half("fp16")``, ``half("bf16", master_weights=True)``.
+
+    ``nonfinite``: ``"skip"`` (default) / ``"raise"`` / ``"allow"`` a step whose gradients hold inf/nan.
+    """
+    return Half(dtype=dtype, master_weights=master_weights, nonfinite=nonfinite)

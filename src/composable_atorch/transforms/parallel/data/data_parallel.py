@@ -26,7 +26,8 @@ from composable_atorch.core.contract import Conflict, Contract, Cost, DefaultOwn
 from composable_atorch.core.transform import ApplyContext, TrainState, Transform
 from composable_atorch.errors import ConfigError
 from composable_atorch.runtime.layout import ParallelContext, make_context, normalize_groups, plan_layout
-from composable_atorch.runtime.loader import loader_batch_size, rebuild_loader
+from composable_atorch.runtime.liveness import collective_timeout, watch
+from composable_atorch.runtime.loader import dataset_size, loader_batch_size, padding_note, rebuild_loader
 from composable_atorch.transforms.parallel.data.common import (
     DDP_VS_FSDP,
     DDP_VS_ZERO2,
@@ -107,9 +108,13 @@ class ParallelMode(Transform):
     groups: tuple = (("data", 1),)
     rank_order: tuple | None = None
     distributed_sampler_cls: type | None = None
+    #: seconds a collective may wait (None: ``launch --timeout`` or 300 s); see runtime.liveness
+    timeout_s: float | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "groups", normalize_groups(self.groups))
+        if self.timeout_s is not None:
+            object.__setattr__(self, "timeout_s", collective_timeout(self.timeout_s))
         if self.rank_order is not None:
             if isinstance(self.rank_order, str) or not isinstance(self.rank_order, list | tuple):
                 raise ConfigError("parallel_mode.rank_order", self.rank_order, "a list of ranks, or None")
@@ -156,6 +161,8 @@ class ParallelMode(Transform):
         pc = make_context(layout, ctx.env.device)
         state.parallel = pc
         where = f"device mesh {layout.mesh_dim_names}" if pc.distributed else "no process group (single process)"
+        if pc.distributed:
+            where += f"; collective timeout {watch(self.timeout_s):g} s, heartbeat names a rank that stops"
         state.note(
             self.name,
             f"{layout.describe()}; {where}; this rank {pc.rank} is data shard {pc.data_rank} of {pc.data_size}",
@@ -167,12 +174,22 @@ class ParallelMode(Transform):
                 self.name,
                 f"loader: {kind}, per-rank batch {per_rank} = global {per_rank * pc.data_size} / {pc.data_size}",
             )
+            padding = padding_note(dataset_size(state.loader), pc.data_size, bool(state.loader.drop_last))
+            if padding is not None and self.distributed_sampler_cls is None:
+                state.note(self.name, f"loader: {kind} {padding}")
         return state
 
 
-def parallel_mode(groups=(("data", 1),), rank_order=None, *, distributed_sampler_cls=None) -> ParallelMode:
-    """``parallel_mode([("tensor", 2), ("data", 2)])``; the data size is adjusted to the world size."""
-    return ParallelMode(groups=groups, rank_order=rank_order, distributed_sampler_cls=distributed_sampler_cls)
+def parallel_mode(
+    groups=(("data", 1),), rank_order=None, *, distributed_sampler_cls=None, timeout_s=None
+) -> ParallelMode:
+    """``parallel_mode([("tensor", 2), ("data", 2)])``; the data size is adjusted to the world size.
+
+    ``timeout_s``: how long a collective may wait for a stopped rank before the job ends naming it.
+    """
+    return ParallelMode(
+        groups=groups, rank_order=rank_order, distributed_sampler_cls=distributed_sampler_cls, timeout_s=timeout_s
+    )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,184 @@
+"""A collective timeout the user sets, and a heartbeat that names the rank that stopped.
+
+gloo waits 30 minutes (torch's default process-group timeout) on a peer that stopped: a rank
+frozen by SIGSTOP, a swapped-out or lost machine keeps every other rank, and the job, alive that
+long and says nothing about who is missing. Two things shorten and explain that:
+
+* the process group's timeout (``init_distributed(timeout_s=)``, ``parallel_mode(timeout_s=)``,
+  ``launch --timeout``; default :data:`DEFAULT_TIMEOUT_S`): a collective waiting longer fails;
+* a heartbeat thread per rank bumps a counter in the rendezvous store every few seconds and
+  watches the others'. A counter that has not moved for half the timeout names its rank: the rank
+  prints which peer stopped and exits non-zero, so torchrun ends (or restarts) the job. The
+  thread runs while a collective blocks the main thread, so the rank that stopped is named
+  even when every other rank is waiting inside gloo. A rank that is alive but loops forever
+  in Python keeps beating; the collective timeout catches that one.
+
+The store client is a private one with a short timeout, so a store whose host stopped (rank 0
+hosts it when ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, which ``launch`` sets) is noticed too.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+import threading
+import time
+from datetime import timedelta
+
+from composable_atorch.errors import ConfigError
+
+#: minutes, not gloo's 30: long enough for a slow first step (compilation, a checkpoint load)
+DEFAULT_TIMEOUT_S = 300.0
+#: the environment variable ``launch --timeout`` sets for every rank
+TIMEOUT_ENV = "COMPOSABLE_ATORCH_TIMEOUT"
+#: exit status of a rank that found a stopped peer (EX_SOFTWARE is taken by tracebacks' 1)
+EXIT_PEER_STOPPED = 75
+
+#: a rank that ended on purpose (its process exits, its group is destroyed) sets its counter past this
+_DONE = 1 << 40
+
+_watchdog: _Watchdog | None = None
+_generation = 0
+
+
+def collective_timeout(timeout_s: float | None = None) -> float:
+    """The timeout to use: the argument, else ``$COMPOSABLE_ATORCH_TIMEOUT``, else the default."""
+    if timeout_s is None:
+        text = os.environ.get(TIMEOUT_ENV)
+        if not text:
+            return DEFAULT_TIMEOUT_S
+        try:
+            timeout_s = float(text)
+        except ValueError:
+            raise ConfigError(TIMEOUT_ENV, text, "a number of seconds > 0") from None
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or not timeout_s > 0:
+        raise ConfigError("timeout_s", timeout_s, "a number of seconds > 0 (a collective waiting longer fails)")
+    return float(timeout_s)
+
+
+class _Watchdog(threading.Thread):
+    def __init__(self, timeout_s: float, rank: int, world: int, host: str, port: int, prefix: str):
+        super().__init__(name="composable_atorch-heartbeat", daemon=True)
+        self.timeout_s, self.rank, self.world = timeout_s, rank, world
+        # stale after half the timeout (ten missed beats): the heartbeat names the stopped rank before
+        # the waiting collective times out with gloo's message, which names no rank
+        self.interval = min(5.0, max(0.2, timeout_s / 20))
+        self.stale_s = timeout_s / 2
+        self.where, self.prefix = (host, port), prefix
+        self.stopped = threading.Event()
+
+    def _store(self):
+        import torch.distributed as dist
+
+        host, port = self.where
+        # a private client: its short timeout bounds each call, the shared one may be blocked by the main thread
+        wait = timedelta(seconds=max(1.0, self.interval * 2))
+        return dist.TCPStore(host, port, is_master=False, timeout=wait, wait_for_workers=False)
+
+    def run(self):
+        import torch.distributed as dist
+
+        try:
+            store = self.client = self._store()
+        except Exception:  # noqa: BLE001 - no store reachable: the collective timeout remains
+            return
+        now = time.monotonic()
+        seen = {r: (-1, now) for r in range(self.world) if r != self.rank}
+        store_ok = now
+        while not self.stopped.wait(self.interval):
+            now = time.monotonic()
+            if not dist.is_initialized():  # the group was destroyed: this rank is done, not lost
+                self.done(store)
+                return
+            try:
+                store.add(f"{self.prefix}{self.rank}", 1)
+                counts = {r: store.add(f"{self.prefix}{r}", 0) for r in seen}
+            except Exception:  # noqa: BLE001 - a store that does not answer is a stopped host
+                if time.monotonic() - store_ok > self.stale_s:
+                    self._fail(f"the rendezvous store at {self.where[0]}:{self.where[1]} (hosted by rank 0)")
+                continue
+            store_ok = now
+            for r, count in counts.items():
+                if count != seen[r][0]:
+                    seen[r] = (count, now)
+            late = sorted(r for r, (c, since) in seen.items() if c < _DONE and now - since > self.stale_s)
+            if late:
+                self._fail(f"rank {', '.join(map(str, late))}" if len(late) == 1 else f"ranks {late}")
+
+    def done(self, store=None) -> None:
+        """Tell the others this rank ended on purpose, so a peer still working does not blame it."""
+        self.stopped.set()
+        try:
+            (store or getattr(self, "client", None) or self._store()).add(f"{self.prefix}{self.rank}", _DONE)
+        except Exception:  # noqa: BLE001 - nobody left to tell
+            pass
+
+    def _fail(self, who: str) -> None:
+        print(
+            f"composable_atorch: {who} stopped responding: no heartbeat for {self.stale_s:g} s, half the "
+            f"collective timeout of {self.timeout_s:g} s (stopped, frozen or lost). Rank {self.rank} exits so the job ends "
+            "instead of hanging. Set the timeout with launch --timeout, init_distributed(timeout_s=) or "
+            "parallel_mode(timeout_s=).",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(EXIT_PEER_STOPPED)
+
+
+def torch_default_timeout() -> float:
+    from torch.distributed.constants import default_pg_timeout
+
+    return default_pg_timeout.total_seconds()
+
+
+def _group_timeout(group) -> float | None:
+    """The group's current collective timeout in seconds (gloo's options), None when unknown."""
+    import torch
+
+    try:
+        return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def watch(timeout_s: float | None = None) -> float:
+    """Set the default group's timeout and start this rank's heartbeat (once per process group).
+
+    The timeout is ``timeout_s``, else ``$COMPOSABLE_ATORCH_TIMEOUT``, else :data:`DEFAULT_TIMEOUT_S` in
+    place of torch's 30-minute default (a timeout the user gave ``init_process_group`` is kept then).
+    Returns the timeout in seconds. Without an initialized process group, or without a
+    ``MASTER_ADDR`` / ``MASTER_PORT`` rendezvous to reach the store, only the timeout is set (or nothing).
+    """
+    global _watchdog, _generation
+    import torch.distributed as dist
+
+    chosen = timeout_s is not None or bool(os.environ.get(TIMEOUT_ENV))
+    timeout = collective_timeout(timeout_s)
+    if not (dist.is_available() and dist.is_initialized()):
+        return timeout
+    from torch.distributed.distributed_c10d import _get_default_group, _set_pg_timeout
+
+    group = _get_default_group()
+    current = _group_timeout(group)
+    if chosen or current is None or current >= torch_default_timeout():
+        _set_pg_timeout(timedelta(seconds=timeout), group)
+    else:  # a timeout the user gave init_process_group is kept
+        timeout = current
+    if _watchdog is not None and _watchdog.is_alive():
+        if _watchdog.group is group:
+            _watchdog.timeout_s = timeout
+            return timeout
+        _watchdog.stopped.set()
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if dist.get_world_size() < 2 or not host or not (port or "").isdigit():
+        return timeout
+    # a fresh key space per restart round and per group (every rank counts its groups alike):
+    # torchrun's store may outlive a round
+    _generation += 1
+    prefix = f"composable_atorch/heartbeat/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_generation}/"
+    _watchdog = _Watchdog(timeout, dist.get_rank(), dist.get_world_size(), host, int(port), prefix)
+    _watchdog.group = group
+    _watchdog.start()
+    atexit.register(_watchdog.done)
+    return timeout
