@@ -185,6 +185,7 @@ def test_sample_ids_tell_samples_apart_by_every_tensor_of_the_batch():
     assert sample_ids([1, 2]) is None
 
 
+@pytest.mark.dist  # the facade's search runs the preflight in a child process
 def test_auto_accelerate_stops_at_once_when_the_model_cannot_take_the_dict_batch():
     import os
     import sys

@@ -132,7 +132,7 @@ RESTART = Path(__file__).parent / "scripts" / "train_restart.py"
 def test_every_rank_gets_a_store_per_round_and_the_timeout(monkeypatch):
     monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
     monkeypatch.delenv("COMPOSABLE_ATORCH_TIMEOUT", raising=False)
-    ns = launch.parser().parse_args(["--nproc", "2", "--timeout", "12.5", "t.py"])
+    ns = launch.parser().parse_args(["--nproc", "2", "--max-restarts", "1", "--timeout", "12.5", "t.py"])
     env = launch.rank_environment(ns)
     assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1" and env["COMPOSABLE_ATORCH_TIMEOUT"] == "12.5"
     assert (
@@ -143,10 +143,18 @@ def test_every_rank_gets_a_store_per_round_and_the_timeout(monkeypatch):
 
 
 def launch_restart(tmp: Path, *args: str, launch_args=("--max-restarts", "1")) -> subprocess.CompletedProcess:
-    (tmp / "out").mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "composable_atorch", "launch", "--nproc", "2", *launch_args, str(RESTART)]
-    cmd += ["--ckpt", str(tmp / "ckpt"), "--out", str(tmp / "out"), "--steps", "10", "--save-every", "4", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    for attempt in range(2):
+        run_dir = tmp / f"attempt{attempt}"
+        (run_dir / "out").mkdir(parents=True)
+        cmd = [sys.executable, "-m", "composable_atorch", "launch", "--nproc", "2", *launch_args, str(RESTART)]
+        cmd += ["--ckpt", str(run_dir / "ckpt"), "--out", str(run_dir / "out"), "--steps", "10", "--save-every", "4"]
+        result = subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=300)
+        result.dir = run_dir
+        # torch's own race, not what is tested: with a store per round, rank 0 binds a port the agent
+        # picked and released, which another process on a busy machine may have taken meanwhile
+        if "EADDRINUSE" not in result.stderr:
+            break
+    return result
 
 
 @pytest.mark.dist
@@ -157,10 +165,11 @@ def test_a_killed_rank_restarts_from_the_checkpoint_and_ends_bitwise_equal(tmp_p
     assert reference.returncode == 0, reference.stderr[-3000:]
     killed = launch_restart(tmp_path / "killed", "--kill", "1:6")  # checkpoint at 4, killed after step 6
     assert killed.returncode == 0, killed.stderr[-3000:]
-    assert "SIGKILL" in killed.stderr and "resumed from step-00000004" in killed.stderr
-    rounds = [json.loads(line)["round"] for line in (tmp_path / "killed" / "out" / "losses-rank0.jsonl").open()]
+    log = killed.stdout + killed.stderr
+    assert "exitcode: -9" in log and "resumed from step-00000004" in log
+    rounds = [json.loads(line)["round"] for line in (killed.dir / "out" / "losses-rank0.jsonl").open()]
     assert rounds == ["0"] * 6 + ["1"] * 6  # steps 5 and 6 ran again in the restarted round
-    want, got = (load_file(tmp_path / d / "out" / "final.safetensors") for d in ("reference", "killed"))
+    want, got = (load_file(r.dir / "out" / "final.safetensors") for r in (reference, killed))
     assert want.keys() == got.keys() and len(want) > 20  # weights and AdamW state
     for key in want:
         assert torch.equal(want[key], got[key]), key

@@ -24,7 +24,7 @@ from typing import Any
 
 from composable_atorch.auto.policy import Budget, SpaceOptions, StudyOptions, parse_bytes, storage_url
 from composable_atorch.auto.predict import Estimator, Predictor, default_estimator
-from composable_atorch.auto.preflight import preflight
+from composable_atorch.auto.preflight import preflight, preflight_in_child
 from composable_atorch.auto.records import SearchResult, TrialRecord
 from composable_atorch.auto.space import ABSENT, Enumeration, Point, SearchSpace, block_classes, pipeline_degree
 from composable_atorch.auto.trial import TrialResult, TrialSettings, check_picklable, run_trial
@@ -212,12 +212,13 @@ def search(
     started = time.monotonic()
     deadline = None if budget.time_limit is None else started + budget.time_limit
     checked = None
+    in_child = runner is None  # a custom runner (a replay) runs no process: neither does the preflight
     if runner is None:
         check_picklable(workload)
         runner = ProcessRunner(workload, trial)
     if study.preflight:
         # raises WorkloadError: no plan can fix the workload itself
-        checked = _preflight(workload, trial.timeout)
+        checked = preflight_in_child(workload, trial.timeout) if in_child else preflight(workload)
     env = (env or Environment.detect()).with_(world_size=trial.world_size)
     predictor = None
     if study.predict:
@@ -231,19 +232,6 @@ def search(
     result = loop.run()
     result.preflight = checked
     return result
-
-
-def _preflight(workload, timeout: float):
-    """The preflight in a child under the trial's time limit; in this process only for a workload
-    that cannot reach a child (a custom runner replaying measurements takes unpicklable ones)."""
-    from composable_atorch.auto.preflight import preflight_in_child
-    from composable_atorch.errors import ConfigError
-
-    try:
-        check_picklable(workload)
-    except ConfigError:
-        return preflight(workload)
-    return preflight_in_child(workload, timeout)
 
 
 class _Loop:

@@ -25,7 +25,7 @@ rendezvous store there (pick a port free on node 0)::
 Global ranks are assigned by the rendezvous (node by node). ``--max-restarts K`` restarts the
 whole group after a failure, up to K times: a script that resumes with
 ``composable_atorch.load_state`` from its last checkpoint then continues where it stopped.
-Every round gets a fresh rendezvous store (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``): with
+With restarts, every round gets a fresh rendezvous store (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``): with
 torchrun's default, one store shared across rounds, a restart after a killed rank failed about
 half the time here (gloo "connectFullMesh ... Connection refused", or a hang before the first
 resumed step); with a store per round it passed every time (see benchmarks/restarts.py).
@@ -98,8 +98,11 @@ def rank_environment(ns: argparse.Namespace) -> dict[str, str]:
     # two ranks with several threads each on a small machine ran 5-10x slower (CPU_FACTS); torchrun
     # itself only sets this with more than one process per node
     env = {"OMP_NUM_THREADS": "1"}
-    # a store per restart round: the shared one broke about half the restarts (module docstring)
-    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    if ns.max_restarts > 0:
+        # a store per restart round: the shared one broke about half the restarts (module docstring).
+        # Only with restarts: rank 0 then binds a port the agent picked and closed, which another
+        # process can take meanwhile (seen once in ~30 runs on a busy machine: EADDRINUSE)
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     if ns.timeout is not None:
         env[TIMEOUT_ENV] = repr(ns.timeout)
     else:

@@ -58,23 +58,27 @@ def collective_timeout(timeout_s: float | None = None) -> float:
 
 
 class _Watchdog(threading.Thread):
-    def __init__(self, timeout_s: float, rank: int, world: int, host: str, port: int, prefix: str):
+    def __init__(self, timeout_s: float, rank: int, world: int, store, prefix: str):
         super().__init__(name="composable_atorch-heartbeat", daemon=True)
         self.timeout_s, self.rank, self.world = timeout_s, rank, world
         # stale after half the timeout (ten missed beats): the heartbeat names the stopped rank before
         # the waiting collective times out with gloo's message, which names no rank
         self.interval = min(5.0, max(0.2, timeout_s / 20))
         self.stale_s = timeout_s / 2
-        self.where, self.prefix = (host, port), prefix
+        self.shared, self.prefix = store, prefix
         self.stopped = threading.Event()
 
     def _store(self):
+        """A private client of a TCP store, with a short timeout bounding each call (a store whose host
+        stopped would block the shared client for the store's own timeout); other stores (a file
+        store) have no host that can stop and are used as they are."""
         import torch.distributed as dist
 
-        host, port = self.where
-        # a private client: its short timeout bounds each call, the shared one may be blocked by the main thread
+        store = self.shared
+        if not isinstance(store, dist.TCPStore):
+            return store
         wait = timedelta(seconds=max(1.0, self.interval * 2))
-        return dist.TCPStore(host, port, is_master=False, timeout=wait, wait_for_workers=False)
+        return dist.TCPStore(store.host, store.port, is_master=False, timeout=wait, wait_for_workers=False)
 
     def run(self):
         import torch.distributed as dist
@@ -96,7 +100,8 @@ class _Watchdog(threading.Thread):
                 counts = {r: store.add(f"{self.prefix}{r}", 0) for r in seen}
             except Exception:  # noqa: BLE001 - a store that does not answer is a stopped host
                 if time.monotonic() - store_ok > self.stale_s:
-                    self._fail(f"the rendezvous store at {self.where[0]}:{self.where[1]} (hosted by rank 0)")
+                    where = f"{self.shared.host}:{self.shared.port}" if hasattr(self.shared, "host") else ""
+                    self._fail(f"the rendezvous store {where} (rank 0 hosts it unless torchrun's agent does)")
                 continue
             store_ok = now
             for r, count in counts.items():
@@ -147,8 +152,8 @@ def watch(timeout_s: float | None = None) -> float:
 
     The timeout is ``timeout_s``, else ``$COMPOSABLE_ATORCH_TIMEOUT``, else :data:`DEFAULT_TIMEOUT_S` in
     place of torch's 30-minute default (a timeout the user gave ``init_process_group`` is kept then).
-    Returns the timeout in seconds. Without an initialized process group, or without a
-    ``MASTER_ADDR`` / ``MASTER_PORT`` rendezvous to reach the store, only the timeout is set (or nothing).
+    Returns the timeout in seconds. Without an initialized process group nothing happens; in a
+    world of one there is no peer to watch.
     """
     global _watchdog, _generation
     import torch.distributed as dist
@@ -170,14 +175,18 @@ def watch(timeout_s: float | None = None) -> float:
             _watchdog.timeout_s = timeout
             return timeout
         _watchdog.stopped.set()
-    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-    if dist.get_world_size() < 2 or not host or not (port or "").isdigit():
+    if dist.get_world_size() < 2:
         return timeout
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    store = _get_default_store()
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
     # a fresh key space per restart round and per group (every rank counts its groups alike):
     # torchrun's store may outlive a round
     _generation += 1
     prefix = f"composable_atorch/heartbeat/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_generation}/"
-    _watchdog = _Watchdog(timeout, dist.get_rank(), dist.get_world_size(), host, int(port), prefix)
+    _watchdog = _Watchdog(timeout, dist.get_rank(), dist.get_world_size(), store, prefix)
     _watchdog.group = group
     _watchdog.start()
     atexit.register(_watchdog.done)
