@@ -550,15 +550,17 @@ def identity_loss(a, _):
     return a
 
 
-@pytest.mark.parametrize("skip", [True, False])
-def test_bf16_nonfinite_loss_skips_the_step_only_when_asked(skip):
+@pytest.mark.parametrize("config", [{"skip_if_nonfinite": True}, {"skip_if_nonfinite": False}, {"nonfinite": "allow"}])
+def test_bf16_nonfinite_loss_skips_the_step_unless_allowed(config):
+    # ATorch let the inf through unless skip_if_nonfinite; here only nonfinite="allow" does
+    skip = config.get("nonfinite") != "allow"
     value = torch.tensor(torch.finfo(torch.bfloat16).max, dtype=torch.float32)
     status, result, _ = ca.auto_accelerate(
         OneVar(value),
         optim_func=adam_func,
         loss_func=identity_loss,
         optim_args={"lr": 1},
-        load_strategy=[("amp_native", {"dtype": "bf16", "skip_if_nonfinite": skip})],
+        load_strategy=[("amp_native", {"dtype": "bf16", **config})],
     )
     model, optim = result.model, result.optim
     optim.zero_grad()

@@ -89,8 +89,11 @@ def test_raise_stops_before_anything_changes(plan):
 def test_allow_is_the_explicit_opt_out():
     run = poisoned_run(ca.amp("bf16", nonfinite="allow"), steps=POISONED + 1)
     assert not all_finite(run[POISONED][0])
-    assert ca.amp("bf16", skip_if_nonfinite=False) == ca.amp("bf16", nonfinite="allow")  # ATorch's spelling
-    assert ca.amp("bf16") == ca.amp("bf16", skip_if_nonfinite=True)
+    # ATorch's skip_if_nonfinite=False was its default (every older plan file holds it): not an opt-out
+    assert ca.amp("bf16", skip_if_nonfinite=False) == ca.amp("bf16") == ca.amp("bf16", skip_if_nonfinite=True)
+    assert ca.amp("bf16").nonfinite == "skip"
+    with pytest.raises(ConfigError, match="skip_if_nonfinite"):
+        ca.amp("bf16", skip_if_nonfinite=True, nonfinite="allow")
     with pytest.raises(ConfigError, match="nonfinite"):
         ca.half("bf16", nonfinite="ignore")
     with pytest.raises(ConfigError, match="fp16"):

@@ -130,17 +130,18 @@ NONFINITE = ("skip", "raise", "allow")
 
 
 def _nonfinite_policy(owner: str, nonfinite, skip_if_nonfinite) -> str:
-    """One policy from ``nonfinite=`` and ATorch's ``skip_if_nonfinite`` (explicit False: "allow")."""
+    """One policy from ``nonfinite=`` and ATorch's ``skip_if_nonfinite``.
+
+    ``skip_if_nonfinite=False`` was ATorch's default, and every plan file written before this
+    policy holds it: it is not taken as an opt-out (that would let NaN through unasked); only
+    ``nonfinite="allow"`` opts out.
+    """
     if nonfinite is None:
-        return "allow" if skip_if_nonfinite is False else "skip"
+        return "skip"
     if nonfinite not in NONFINITE:
         raise ConfigError(f"{owner}.nonfinite", nonfinite, "'skip' (default), 'raise' or 'allow' (the opt-out)")
-    if skip_if_nonfinite is not None and bool(skip_if_nonfinite) != (nonfinite == "skip"):
-        raise ConfigError(
-            f"{owner}.skip_if_nonfinite",
-            skip_if_nonfinite,
-            f"left out, or {nonfinite == 'skip'} with nonfinite={nonfinite!r}",
-        )
+    if skip_if_nonfinite is True and nonfinite != "skip":
+        raise ConfigError(f"{owner}.skip_if_nonfinite", True, f"left out with nonfinite={nonfinite!r}")
     return nonfinite
 
 
@@ -167,8 +168,8 @@ class Amp(Transform):
     fp16 always uses a grad scaler that skips a step whose gradients hold inf/nan and recovers on
     the next. bf16 checks the gradients at each step: ``nonfinite="skip"`` (default) skips a step
     holding inf/nan, ``"raise"`` raises :class:`~composable_atorch.errors.NonFiniteError`, ``"allow"``
-    lets it through (the explicit opt-out; ATorch's ``skip_if_nonfinite=False`` means the same). A
-    NaN loss would otherwise turn every weight into NaN without a word.
+    lets it through (the explicit opt-out; ATorch's ``skip_if_nonfinite=False``, its default, is
+    not one). A NaN loss would otherwise turn every weight into NaN without a word.
     """
 
     name = "amp"
@@ -187,7 +188,7 @@ class Amp(Transform):
     )
 
     dtype: str = "bf16"
-    #: ATorch's spelling: None follows ``nonfinite``; explicit False is ``nonfinite="allow"``
+    #: ATorch's spelling, kept equal to ``nonfinite == "skip"``; False alone does not opt out
     skip_if_nonfinite: bool | None = None
     #: ATorch's ``amp_native`` ``enabled`` key (in its default config): False makes the step a no-op.
     enabled: bool = True
