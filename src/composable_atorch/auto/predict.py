@@ -133,8 +133,9 @@ class Predictor:
     The model is built fresh on the meta device for every plan (a plan may change the model it
     is given); the batch is the first global batch of the workload's dataset, as its loader yields
     it (the plan splits it over the data dimension, as in a trial); the workload's loss, criterion
-    (a pipeline plan trains on it) and optimizer go with them. An estimator that raises gives no prediction for that plan (the plan
-    then runs, as without predictions), with the reason. ``cache`` may be shared between searches
+    (a pipeline plan trains on it) and optimizer go with them. An estimator that raises gives no
+    prediction for that plan (the plan then runs, as without predictions), with the reason. ``cache``
+    may be shared between searches
     of the same workload (the benchmark replays many).
     """
 

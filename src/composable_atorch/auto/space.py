@@ -193,7 +193,8 @@ class SearchSpace:
                     raise ConfigError(
                         "included",
                         kind,
-                        f"transforms that offer search candidates here ({kind} offers none for {self.env.describe()}); pass it in load_strategy instead",
+                        f"transforms that offer search candidates here ({kind} offers none for {self.env.describe()}); "
+                        "pass it in load_strategy instead",
                     )
                 continue
             per_kind[kind] = ([] if kind in included_kinds else [None]) + list(dict.fromkeys(found))

@@ -91,7 +91,8 @@ def main(argv: list[str]) -> int:
         else:
             console.print(
                 f"[bold]searching[/bold] plans for a {TASK.n_layer}-block GPT (d={TASK.d_model}, seq {TASK.seq_len}, "
-                f"global batch {TASK.batch_size}) at world {args.world_size}, memory budget {args.memory_limit} per rank; "
+                f"global batch {TASK.batch_size}) at world {args.world_size}, memory budget {args.memory_limit} per "
+                "rank; "
                 f"left out: {', '.join(DEMO_EXCLUDED)} (emulated on a CPU)"
             )
             result = search(

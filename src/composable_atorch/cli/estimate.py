@@ -118,6 +118,7 @@ def main(argv: list[str]) -> int:
         if limit is not None:
             ok = est.fits(limit, args.margin)
             print(
-                f"{'fits' if ok else 'does NOT fit'} in {args.device_memory} per device (peak + {args.margin:.0%} margin)"
+                f"{'fits' if ok else 'does NOT fit'} in {args.device_memory} per device (peak + {args.margin:.0%} "
+                "margin)"
             )
     return 0 if limit is None or est.fits(limit, args.margin) else 1

@@ -1,4 +1,4 @@
-"""The seed's ``auto_accelerate``: a thin facade over strategies, the search and plans.
+"""ATorch's ``auto_accelerate``: a thin facade over strategies, the search and plans.
 
 ``load_strategy`` given -> semi-automatic: the strategy is loaded (any form strategy.load takes),
 checked by compose() and applied; with ``ignore_dryrun_on_load_strategy=False`` it is first run
@@ -22,7 +22,7 @@ global batch of those measurements, ``expand_sample_batch`` repeats the sample's
   entry says whether it was requested or implied;
 * a user's model / loss that fails with no plan raises WorkloadError on every rank (ATorch's
   engine returns ``status False``);
-* ``ignore_dryrun_on_load_strategy`` defaults to True, as the seed's documentation says.
+* ``ignore_dryrun_on_load_strategy`` defaults to True, as ATorch's documentation says.
 """
 
 from __future__ import annotations

@@ -226,17 +226,23 @@ _ZERO_OPTION_BACKENDS = {
 }
 _ZERO_OPTION_WHY = {
     "static_loss_scale": "only DeepSpeed's ZeRO optimizer scales the loss itself; use amp('fp16') for a loss scaler",
-    "dynamic_loss_args": "DeepSpeed's dynamic scaling keeps its defaults here; give static_loss_scale, or leave both out",
+    "dynamic_loss_args": "DeepSpeed's dynamic scaling keeps its defaults here; give static_loss_scale, or leave both "
+    "out",
     "clip_grad": "add clip_grad(max_norm) to the plan instead",
-    "cpu_offload": "this backend has no optimizer offload: use backend='deepspeed' (offload_optimizer) or zero2(backend='fsdp')",
+    "cpu_offload": "this backend has no optimizer offload: use backend='deepspeed' (offload_optimizer) or "
+    "zero2(backend='fsdp')",
     "allgather_bucket_size": "bucket sizes are DeepSpeed's; torch and fairscale pick their own",
     "reduce_bucket_size": "bucket sizes are DeepSpeed's; torch and fairscale pick their own",
-    "sync_models_at_startup": "this backend always broadcasts rank 0's weights at start (ddp / DeepSpeed do it themselves)",
+    "sync_models_at_startup": "this backend always broadcasts rank 0's weights at start (ddp / DeepSpeed do it "
+    "themselves)",
 }
 
 
 def zero_options(options, who: str, backend: str) -> tuple:
-    """ATorch's zero keys as a sorted ``((key, value), ...)``; ConfigError for unknown keys or values this backend cannot honour."""
+    """ATorch's zero keys as a sorted ``((key, value), ...)``.
+
+    ConfigError for unknown keys or values this backend cannot honour.
+    """
     items = dict(options or ())
     unknown = sorted(set(items) - set(ZERO_OPTION_DEFAULTS))
     if unknown:
