@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from composable_atorch.auto.space import plan_key
-from composable_atorch.auto.worker import Workload
+from composable_atorch.auto.workload import Workload
 from composable_atorch.core.plan import Plan
 from composable_atorch.environment import Environment
 

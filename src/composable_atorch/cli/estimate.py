@@ -72,8 +72,9 @@ def lm_criterion(output, targets):
 
 
 def main(argv: list[str]) -> int:
-    from composable_atorch.estimate import estimate, parse_bytes
+    from composable_atorch.estimate import estimate
     from composable_atorch.estimate.core import as_plan_dict
+    from composable_atorch.units import parse_bytes
 
     parser = argparse.ArgumentParser(
         prog="python -m composable_atorch estimate",

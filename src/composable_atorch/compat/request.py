@@ -300,7 +300,7 @@ class Request:
 
     def workload(self):
         """What a dry run or a trial trains: the dataset, or sample_batch's rows when there is none."""
-        from composable_atorch.auto.worker import Workload
+        from composable_atorch.auto.workload import Workload
 
         args = self.dataloader_args
         dataset, batch_size = self.dataset, args.get("batch_size", 1)
