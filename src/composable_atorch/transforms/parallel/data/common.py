@@ -56,6 +56,18 @@ IMPLIES_PARALLEL_MODE = Implication(
 )
 
 
+def implies_mesh_dim(dim: str, reason: str) -> Implication:
+    """parallel_mode with a ``(dim, 2)`` dimension, added when the plan has none.
+
+    Model-parallel families (tensor, pipeline, ds3d) all need a device mesh with their dimension in
+    it: compose adds ``parallel_mode([(dim, 2), ("data", 1)])`` (the data size then absorbs the rest
+    of the world), unless a step that lays out the mesh itself (role ``process_groups``) is present.
+    """
+    return Implication(
+        "parallel_mode", reason, config={"groups": ((dim, 2), ("data", 1))}, satisfied_by=("process_groups",)
+    )
+
+
 def parallel_context(state: TrainState, who: str) -> ParallelContext:
     """The context parallel_mode left in the state; RequirementError if the plan had none."""
     if not isinstance(state.parallel, ParallelContext):

@@ -177,21 +177,12 @@ def broadcast_module_states(model: nn.Module, group) -> None:
             dist.broadcast(local, group=group, group_src=0)
 
 
-@dataclass(frozen=True)
-class ShardSpec:
-    """How to shard: what fsdp and zero2 (fsdp backend) share."""
+def shard(spec: Fsdp, who: str, state: TrainState, ctx: ApplyContext, *, sync_at_start: bool = True) -> TrainState:
+    """Apply FSDP2 as the fsdp config ``spec`` says; the shared body of fsdp and zero2(backend="fsdp").
 
-    wrap: tuple = ()
-    min_params: int = 0
-    ignored: tuple = ()
-    reshard_after_forward: bool = True
-    cpu_offload: bool = False
-    wrap_trainable_outmost: bool = False
-    fsdp_kwargs: tuple = ()
-
-
-def shard(spec: ShardSpec, who: str, state: TrainState, ctx: ApplyContext, *, sync_at_start: bool = True) -> TrainState:
-    """Apply FSDP2 as ``spec`` says; the shared body of fsdp and zero2(backend="fsdp")."""
+    zero2 passes ``Fsdp(wrap=..., reshard_after_forward=False)``: it is this engine keeping the
+    parameters whole after forward, so the sharding fields are fsdp's own, defined once.
+    """
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     pc = parallel_context(state, who)
@@ -318,17 +309,6 @@ class Fsdp(HasBackends, Transform):
         object.__setattr__(self, "fsdp_kwargs", _fsdp_kwargs(self.fsdp_kwargs))
         object.__setattr__(self, "fsdp1_options", tuple(sorted(tuple(kv) for kv in self.fsdp1_options)))
 
-    def spec(self) -> ShardSpec:
-        return ShardSpec(
-            self.wrap,
-            self.min_params,
-            self.ignored,
-            self.reshard_after_forward,
-            self.cpu_offload,
-            self.wrap_trainable_outmost,
-            self.fsdp_kwargs,
-        )
-
     @classmethod
     def from_seed(cls, config=None):
         """ATorch's dict: atorch_wrap_cls / atorch_size_based_min_num_params / atorch_ignored_cls, FSDP options."""
@@ -418,7 +398,7 @@ class Fsdp(HasBackends, Transform):
         return f"fsdp({'; '.join(parts)})"
 
     def apply(self, state: TrainState, ctx: ApplyContext) -> TrainState:
-        return shard(self.spec(), self.name, state, ctx)
+        return shard(self, self.name, state, ctx)
 
 
 def fsdp(
@@ -527,9 +507,7 @@ class Zero2(HasBackends, Transform):
     def apply(self, state: TrainState, ctx: ApplyContext) -> TrainState:
         opts = dict(self.options)
         if self.backend == "fsdp":
-            spec = ShardSpec(
-                wrap=self.wrap, reshard_after_forward=False, cpu_offload=bool(opts.get("cpu_offload", False))
-            )
+            spec = Fsdp(wrap=self.wrap, reshard_after_forward=False, cpu_offload=bool(opts.get("cpu_offload", False)))
             return shard(spec, self.name, state, ctx, sync_at_start=opts.get("sync_models_at_startup", True))
         return self._fairscale(state)
 

@@ -37,12 +37,17 @@ import zlib
 from dataclasses import dataclass
 from typing import Any
 
-from composable_atorch.core.contract import Conflict, Contract, Implication, Package, Stage
+from composable_atorch.core.contract import Conflict, Contract, Package, Stage
 from composable_atorch.core.transform import ApplyContext, TrainState, Transform
 from composable_atorch.errors import ConfigError, RequirementError
 from composable_atorch.runtime.optim import NAME_PREFIX_ATTR, named_parameters
 from composable_atorch.runtime.train_step import PIPELINE_ATTR
-from composable_atorch.transforms.parallel.data.common import GRAD_SYNC, OPTIMIZER_STATE_SHARDING, parallel_context
+from composable_atorch.transforms.parallel.data.common import (
+    GRAD_SYNC,
+    OPTIMIZER_STATE_SHARDING,
+    implies_mesh_dim,
+    parallel_context,
+)
 from composable_atorch.transforms.parallel.data.deepspeed import check_half_supported
 from composable_atorch.transforms.parallel.ds3d.build import (
     StageBuilder,
@@ -138,14 +143,7 @@ class DeepSpeed3DParallel(Transform):
         reads=("clip_grad", *PRECISION_READS),
         renames=True,  # a stage holds its layers only, named by DeepSpeed's layer index
         requires=(Package(name="deepspeed", extra="deepspeed"),),
-        implies=(
-            Implication(
-                "parallel_mode",
-                "the pipeline, tensor and data degrees are parallel_mode's groups",
-                config={"groups": (("pipeline", 2), ("data", 1))},
-                satisfied_by=("process_groups",),
-            ),
-        ),
+        implies=(implies_mesh_dim("pipeline", "the pipeline, tensor and data degrees are parallel_mode's groups"),),
         conflicts=(
             Conflict("ddp", f"{_ENGINE}; DDP would all-reduce a second time", "drop ddp"),
             Conflict("fsdp", f"{_ENGINE}; FSDP would shard and reduce the same parameters again", "drop fsdp"),

@@ -33,11 +33,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from composable_atorch.core.contract import Conflict, Contract, Implication, MinWorldSize, Stage
+from composable_atorch.core.contract import Conflict, Contract, MinWorldSize, Stage
 from composable_atorch.core.transform import ApplyContext, TrainState, Transform
 from composable_atorch.errors import ConfigError
 from composable_atorch.runtime.train_step import mark_loss_group
-from composable_atorch.transforms.parallel.data.common import parallel_context
+from composable_atorch.transforms.parallel.data.common import implies_mesh_dim, parallel_context
 from composable_atorch.transforms.parallel.tensor.dropout import per_rank, sequence_sliced, sync_rng
 from composable_atorch.transforms.parallel.tensor.planner import (
     MANUAL_FORM,
@@ -172,11 +172,8 @@ class TensorParallel(Transform):
         # ATorch drops distributed methods in one process (remove_distributed_method): skipped, with the reason
         requires=(MinWorldSize(minimum=2, on_unmet="skip"),),
         implies=(
-            Implication(
-                "parallel_mode",
-                "tensor parallelism shards over the 'tensor' dimension of parallel_mode's device mesh",
-                config={"groups": (("tensor", 2), ("data", 1))},
-                satisfied_by=("process_groups",),
+            implies_mesh_dim(
+                "tensor", "tensor parallelism shards over the 'tensor' dimension of parallel_mode's device mesh"
             ),
         ),
         conflicts=(
