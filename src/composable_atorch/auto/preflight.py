@@ -22,7 +22,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 
-from composable_atorch.auto.worker import Workload, make_optimizer
+from composable_atorch.auto.workload import Workload, make_optimizer
 from composable_atorch.errors import WorkloadError
 
 
