@@ -122,8 +122,8 @@ class _Watchdog(threading.Thread):
     def _fail(self, who: str) -> None:
         print(
             f"composable_atorch: {who} stopped responding: no heartbeat for {self.stale_s:g} s, half the "
-            f"collective timeout of {self.timeout_s:g} s (stopped, frozen or lost). Rank {self.rank} exits so the job ends "
-            "instead of hanging. Set the timeout with launch --timeout, init_distributed(timeout_s=) or "
+            f"collective timeout of {self.timeout_s:g} s (stopped, frozen or lost). Rank {self.rank} exits so the "
+            "job ends instead of hanging. Set the timeout with launch --timeout, init_distributed(timeout_s=) or "
             "parallel_mode(timeout_s=).",
             file=sys.stderr,
             flush=True,
