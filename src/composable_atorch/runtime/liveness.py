@@ -166,7 +166,9 @@ def watch(timeout_s: float | None = None) -> float:
 
     group = _get_default_group()
     current = _group_timeout(group)
-    if chosen or current is None or current >= torch_default_timeout():
+    if current is None:  # no gloo backend to set it on (a fake or custom group): the heartbeat still runs
+        pass
+    elif chosen or current >= torch_default_timeout():
         _set_pg_timeout(timedelta(seconds=timeout), group)
     else:  # a timeout the user gave init_process_group is kept
         timeout = current
@@ -182,6 +184,10 @@ def watch(timeout_s: float | None = None) -> float:
     store = _get_default_store()
     while isinstance(store, dist.PrefixStore):
         store = store.underlying_store
+    if not isinstance(store, dist.TCPStore | dist.FileStore):
+        # the estimate's fake process group (one process plays every rank) or threads sharing a
+        # HashStore: no peer process to watch, and its silent "ranks" must not be reported as stopped
+        return timeout
     # a fresh key space per restart round and per group (every rank counts its groups alike):
     # torchrun's store may outlive a round
     _generation += 1
