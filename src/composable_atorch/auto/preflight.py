@@ -156,11 +156,16 @@ def _child(workload: Workload, out_path: str) -> None:
 
 
 def preflight_in_child(workload: Workload, timeout: float) -> PreflightResult:
-    """:func:`preflight` in a spawned process, killed (with everything it started) after ``timeout`` s."""
+    """:func:`preflight` in a spawned process, killed (with everything it started) after ``timeout`` s.
+
+    In a daemonic process (multiprocessing forbids it children) it runs here, with no limit.
+    """
     import multiprocessing as mp
 
     from composable_atorch.auto.trial import kill_group, marked, new_marker, reap
 
+    if mp.current_process().daemon:  # a daemonic process may not have children: run it here, unbounded
+        return preflight(workload)
     ctx = mp.get_context("spawn")
     start, marker = time.monotonic(), new_marker()
     with tempfile.TemporaryDirectory(prefix="composable-atorch-preflight-") as tmp:

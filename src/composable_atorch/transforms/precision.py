@@ -98,18 +98,35 @@ def _all_finite(grads, shard_group=None) -> bool:
 class NonfiniteSkipHook(OptimizerHook):
     """No scaling (bf16 has fp32's range), but a step whose gradients hold inf/nan never reaches the
     weights: skipped (``optim.step_was_skipped``) or, with ``policy="raise"``, a
-    :class:`~composable_atorch.errors.NonFiniteError` before anything changes."""
+    :class:`~composable_atorch.errors.NonFiniteError` before anything changes.
 
-    def __init__(self, shard_group=None, policy: str = "skip"):
+    ``parallel`` is the plan's ParallelContext, read at each step: a sharding transform applied
+    after this hook was added (half comes before them) sets the group the verdict is reduced over.
+    """
+
+    def __init__(self, parallel=None, policy: str = "skip"):
         self.skipped_steps = 0
-        self.shard_group = shard_group
+        self.parallel = parallel
         self.policy = policy
         self.steps = 0
+        self._owner = None
+
+    def attach(self, optimizer):
+        self._owner = optimizer
+
+    def _engine_steps(self) -> bool:
+        """An engine (DeepSpeed) runs backward and step itself, on gradients it partitions and keeps
+        off ``p.grad``, with its own overflow check for fp16: checking ``p.grad`` here would see
+        different gradients on different ranks and make them disagree."""
+        hooks = getattr(self._owner, "hooks", ())
+        return any(type(h).backward is not OptimizerHook.backward for h in hooks)
 
     def run_step(self, optimizer, closure=None):
+        if self._engine_steps():
+            return False
         self.steps += 1
         grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        if not _all_finite(grads, self.shard_group):
+        if not _all_finite(grads, getattr(self.parallel, "grad_shard_group", None)):
             if self.policy == "raise":  # raised by the optimizer once every hook has cleaned up
                 self.pending_error = NonFiniteError(self.steps, "gradients")
             self.skipped_steps += 1
@@ -152,7 +169,7 @@ def _add_nonfinite_hook(state: TrainState, owner: str, policy: str) -> None:
         return
     if any(isinstance(h, NonfiniteSkipHook) for h in state.hooks):
         return
-    state.hooks.append(NonfiniteSkipHook(getattr(state.parallel, "grad_shard_group", None), policy))
+    state.hooks.append(NonfiniteSkipHook(state.parallel, policy))
     what = (
         "skipped (optim.step_was_skipped is True; the weights and optimizer state stay as they were)"
         if policy == "skip"
