@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from composable_atorch.core import codec
+from composable_atorch.core import codec, untrusted
 from composable_atorch.core.transform import ApplyContext, TrainState, Transform, build, composer
 from composable_atorch.environment import Environment
 from composable_atorch.errors import ConfigError, ParameterMappingError, RequirementError
@@ -86,7 +86,11 @@ class Plan:
         return json.dumps(self.to_dict(), indent=indent)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], *, env: Environment | None = None, strict: bool | None = None) -> Plan:
+    def from_dict(
+        cls, data: dict[str, Any], *, env: Environment | None = None, strict: bool | None = None, allow=()
+    ) -> Plan:
+        """The plan ``data`` describes, composed for ``env``. Classes and functions it names resolve
+        only against ``allow`` and what this process has imported (see :mod:`.codec`): never imported."""
         compose = composer()
 
         if not isinstance(data, dict) or data.get("format") != FORMAT:
@@ -95,6 +99,9 @@ class Plan:
             )
         if data.get("version") != VERSION:
             raise ConfigError("plan version", data.get("version"), str(VERSION))
+        if not isinstance(data.get("strict", False), bool):
+            raise ConfigError("plan strict", data.get("strict"), "true or false")
+        untrusted.check_depth(data, "plan")
         entries = data.get("transforms")
         if not isinstance(entries, list):
             raise ConfigError("plan transforms", entries, "a list of {'name': ..., 'config': {...}}")
@@ -102,19 +109,19 @@ class Plan:
         for i, entry in enumerate(entries):
             if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
                 raise ConfigError(f"plan transforms[{i}]", entry, "{'name': str, 'config': {...}}")
-            config = codec.decode(entry.get("config", {}))
+            config = codec.decode(entry.get("config", {}), allow)
             transforms.append(build(entry["name"], config))
         return compose(*transforms, strict=data.get("strict", False) if strict is None else strict, env=env)
 
     @classmethod
-    def from_json(cls, text: str, *, env: Environment | None = None, strict: bool | None = None) -> Plan:
+    def from_json(cls, text: str, *, env: Environment | None = None, strict: bool | None = None, allow=()) -> Plan:
         try:
-            data = json.loads(text)
+            data = untrusted.loads(text, "plan JSON")
         except json.JSONDecodeError as exc:
             raise ConfigError(
                 "plan JSON", text[:60], f"valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})"
             ) from None
-        return cls.from_dict(data, env=env, strict=strict)
+        return cls.from_dict(data, env=env, strict=strict, allow=allow)
 
     # -- people -----------------------------------------------------------------------------
     def explain(self, applied: Applied | TrainState | None = None) -> str:
@@ -162,7 +169,8 @@ class Plan:
             raise RequirementError(
                 "plan",
                 f"a world size of {self.env.world_size}, as it was composed for (this run has {runtime.world_size})",
-                f"compose the plan again here (Plan.from_json(text) re-checks it), or launch {self.env.world_size} processes",
+                "compose the plan again here (Plan.from_json(text) re-checks it), "
+                f"or launch {self.env.world_size} processes",
             )
         if runtime.device != self.env.device:
             raise RequirementError(
