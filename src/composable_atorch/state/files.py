@@ -171,8 +171,8 @@ def recover(root: Path) -> None:
             shutil.rmtree(staged, ignore_errors=True)
         else:
             _swap_in(root, staged, final, meta["step"])
-    for old in root.glob(".step-*.old"):
-        shutil.rmtree(old, ignore_errors=True)
+    for stale in (*root.glob(".step-*.old"), *root.glob(".step-*.partial")):  # saves run one at a time
+        shutil.rmtree(stale, ignore_errors=True)
 
 
 def prune(root: Path, keep: int) -> None:
