@@ -61,13 +61,6 @@ def write_json(path: Path, data: Any) -> None:
     os.replace(tmp, path)
 
 
-def read_json(path: Path, what: str) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ConfigError(what, str(path), f"a readable JSON file written by save_state ({exc})") from None
-
-
 def check_jsonable(value: Any, where: str) -> Any:
     """``value`` itself if JSON can hold it; ConfigError naming ``where`` otherwise."""
     try:
