@@ -224,3 +224,12 @@ def _ds3d_with(batch_fn) -> dict:
     )
     plan["transforms"][-1]["config"]["batch_fn"] = batch_fn
     return plan
+
+
+def test_a_name_that_is_no_class_or_function_is_refused():
+    from composable_atorch.core import codec
+
+    for path in ("torch:float32", "composable_atorch.core.codec:MAX_DEPTH", "torch:os", "torch:nn", "x:y;z"):
+        with pytest.raises(UntrustedInputError):
+            codec.resolve(path)
+    assert codec.resolve("composable_atorch.models.gpt:Block") is Block

@@ -93,6 +93,8 @@ def resolve(path: Any, kind: str = "$class", allowed: dict[str, Any] | None = No
                 f"a name outside Python's standard library, which a plan never names implicitly; {_FIX}",
             )
         module = sys.modules.get(module_name)
+        if module is None and module_name == "__main__":  # a spawned child holds the script as __mp_main__
+            module = sys.modules.get("__mp_main__")
         if module is None:
             raise UntrustedInputError(
                 f"{kind} path", path, f"a name from a module this process has imported (plans never import); {_FIX}"
@@ -102,7 +104,9 @@ def resolve(path: Any, kind: str = "$class", allowed: dict[str, Any] | None = No
             obj = vars(obj).get(part) if hasattr(obj, "__dict__") else None
             if obj is None:
                 raise UntrustedInputError(f"{kind} path", path, f"a name defined in {module_name}; {_FIX}")
-        if not _named(obj) or f"{obj.__module__}:{obj.__qualname__}" != path:
+        own = getattr(obj, "__module__", None)
+        own = "__main__" if own == "__mp_main__" else own
+        if not _named(obj) or f"{own}:{getattr(obj, '__qualname__', None)}" != path:
             raise UntrustedInputError(
                 f"{kind} path", path, f"a class or function named by its own module and name; {_FIX}"
             )
