@@ -12,7 +12,7 @@ first also holding the embeddings, the last the final norm and the head. Each st
 * exactly two stages per rank in a V (rank r holds r and 2P-1-r, so rank 0 holds the first and
   the last): zero-bubble ``"ZBVZeroBubble"`` and ``"DualPipeV"``.
 
-All of them ran on CPU / gloo in torch 2.13 and match one process (tests/test_pipeline_parallel).
+All of them ran on CPU / gloo in torch 2.13 and match one process (tests/parallel/test_pipeline_parallel.py).
 The zero-bubble ones refuse compiled stages (torch cannot split a compiled backward into input
 and weight passes), so they conflict with ``compile`` in the contract.
 
