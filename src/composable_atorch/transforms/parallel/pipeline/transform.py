@@ -38,12 +38,14 @@ from torch import nn
 from composable_atorch.core.contract import Conflict, Contract, Implication, MinWorldSize, Stage
 from composable_atorch.core.transform import ApplyContext, TrainState, Transform
 from composable_atorch.errors import ConfigError, ParameterMappingError
+from composable_atorch.runtime.optim import OptimizerHook
 from composable_atorch.runtime.train_step import PIPELINE_ATTR, mark_loss_group
 from composable_atorch.transforms.parallel.data.common import GRAD_SYNC, DataGradSync, broadcast_local, parallel_context
 from composable_atorch.transforms.parallel.pipeline.stages import (  # noqa: F401 - re-exported
     KNOWN_MODELS,
     PipelineLoopError,
     anatomy,
+    anatomy_full,
     balanced_cuts,
     numel,
     rank_modules,
@@ -217,29 +219,47 @@ class PipelineParallel(Transform):
         if k is None:
             object.__setattr__(self, "stages_per_rank", 1 if placement == "single" else 2)
         if self.split != "auto":
-            if (
-                isinstance(self.split, str)
-                or not isinstance(self.split, list | tuple)
-                or not all(isinstance(i, int) and not isinstance(i, bool) and i > 0 for i in self.split)
-            ):
+            items = list(self.split) if isinstance(self.split, list | tuple) else None
+            ints = items is not None and all(isinstance(i, int) and not isinstance(i, bool) and i > 0 for i in items)
+            paths = items is not None and all(isinstance(i, str) and i for i in items)
+            if not items or not (ints or paths):
                 raise ConfigError(
                     "pipeline_parallel.split",
                     self.split,
-                    "'auto' or increasing block indices > 0 where stages 1.. begin",
+                    "'auto', increasing block indices > 0 where stages 1.. begin, or the qualified names of those "
+                    "blocks (e.g. ['model.layers.4'])",
                 )
-            if list(self.split) != sorted(set(self.split)):
+            if ints and items != sorted(set(items)):
                 raise ConfigError("pipeline_parallel.split", self.split, "strictly increasing block indices")
-            object.__setattr__(self, "split", tuple(self.split))
+            object.__setattr__(self, "split", tuple(items))
 
     def describe(self):
         split = "balanced by parameters" if self.split == "auto" else f"stages begin at blocks {list(self.split)}"
         per = f", {self.stages_per_rank} stages per rank" if self.stages_per_rank > 1 else ""
         return f"pipeline_parallel({self.schedule}{per}, {self.microbatches} microbatches, {split})"
 
+    def _paths(self) -> tuple[str, ...]:
+        return tuple(self.split) if self.split != "auto" and isinstance(self.split[0], str) else ()
+
     def cuts(self, model: nn.Module, pp: int) -> tuple[int, ...]:
         """Start blocks of stages 1.. for ``pp`` ranks (``pp x stages_per_rank`` stages); typed errors first."""
+        return self._cut_plan(model, pp)[1]
+
+    def _cut_plan(self, model: nn.Module, pp: int):
+        """(the generic cutter's Anatomy or None for the built-in GPT, start blocks of stages 1..)."""
         stages = pp * self.stages_per_rank
-        blocks, head, tail = anatomy(model)
+        an = anatomy_full(model, self._paths())
+        if an is None:
+            blocks, head, tail = anatomy(model)
+        else:
+            blocks, (head, tail) = an.blocks, an.weights(model)
+            if self.stages_per_rank > 1:
+                raise ConfigError(
+                    "pipeline_parallel.stages_per_rank",
+                    self.stages_per_rank,
+                    f"1 for {type(model).__name__}: several stages per rank are cut for the built-in GPT only "
+                    "(use schedule='1F1B' or 'GPipe')",
+                )
         n = len(blocks)
         if n < stages:
             raise ConfigError(
@@ -267,12 +287,17 @@ class PipelineParallel(Transform):
                 f"a multiple of max(1, microbatches // pipeline size) = {rounds} for {self.schedule}",
             )
         if self.split == "auto":
-            return balanced_cuts([numel(b) for b in blocks], stages, head, tail)
-        if len(self.split) != stages - 1 or self.split[-1] >= n:
+            return an, balanced_cuts([numel(b) for b in blocks], stages, head, tail)
+        split = self.split
+        if self._paths():
+            split = tuple(int(p.rpartition(".")[2]) for p in split)
+        if len(split) != stages - 1 or split[-1] >= n or list(split) != sorted(set(split)) or split[0] < 1:
             raise ConfigError(
-                "pipeline_parallel.split", list(self.split), f"{stages - 1} increasing block indices below {n}"
+                "pipeline_parallel.split",
+                list(self.split),
+                f"{stages - 1} increasing blocks after the first, below {n}",
             )
-        return self.split
+        return an, split
 
     def apply(self, state: TrainState, ctx: ApplyContext) -> TrainState:
         from torch.distributed.pipelining import PipelineStage
@@ -280,7 +305,7 @@ class PipelineParallel(Transform):
         pc = parallel_context(state, self.name)
         pp = pc.layout.size("pipeline")
         model = state.model
-        cuts = self.cuts(model, pp)  # checks before any change
+        an, cuts = self._cut_plan(model, pp)  # checks before any change
         if (
             state.loader is not None
             and getattr(state.loader, "batch_size", None)
@@ -298,15 +323,20 @@ class PipelineParallel(Transform):
         n_stages = pp * self.stages_per_rank
         placement = stage_ranks(self.schedule, pp, self.stages_per_rank)
         local = sorted(s for s, r in placement.items() if r == index)
-        blocks = anatomy(model)[0]
+        blocks = anatomy(model)[0] if an is None else an.blocks
         bounds = (0, *cuts, len(blocks))
         sizes = [sum(numel(blocks[i]) for i in range(lo, hi)) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
-        kept, stage_mods = rank_modules(model, bounds, local)
+        kept, stage_mods = rank_modules(model, bounds, local, an)
+        # a tied weight the last stage holds through its head only goes by the head's name there
+        state.param_names.update({id(p): n for n, p in kept.named_parameters()})
         pp_group = pc.mesh["pipeline"].get_group()
         data_group = pc.data_group() if pc.data_size > 1 else None
         if data_group is not None:
             broadcast_local(kept, data_group)
             state.hooks.append(DataGradSync(kept, data_group, pc.data_size))
+        tie = tied_sync(an, kept, local, n_stages, placement, pp_group)
+        if tie is not None:  # a sum over the two stages; the data average above commutes with it
+            state.hooks.append(tie)
         device = torch.device(ctx.env.device)
         pstages = [
             PipelineStage(m, s, n_stages, device, group=pp_group) for s, m in zip(local, stage_mods, strict=True)
@@ -331,9 +361,53 @@ class PipelineParallel(Transform):
             self.name,
             f"{n_stages} stages over blocks {[f'{bounds[s]}..{bounds[s + 1] - 1}' for s in range(n_stages)]} (block params {sizes}); "
             f"this rank holds stage(s) {local}; {self.schedule}, {self.microbatches} microbatches; train with composable_atorch.train_step"
-            + (f"; stage gradients averaged over the data dim of {pc.data_size}" if data_group is not None else ""),
+            + (f"; stage gradients averaged over the data dim of {pc.data_size}" if data_group is not None else "")
+            + (
+                f"; cut {type(model).__name__} at its block list {an.path!r}, embeddings / head told apart by {an.source}"
+                if an
+                else ""
+            )
+            + (f"; tied {an.tied} kept equal (first and last stage add their gradients)" if an and an.tied else ""),
         )
         return state
+
+
+class TiedGradSync(OptimizerHook):
+    """Add the gradients of weights the first and the last stage both hold (tied embeddings).
+
+    One process sums the two uses' gradients in one tensor; here each stage holds a copy and sees
+    its own use only, so the two exchange gradients (point to point, only the two ranks take part)
+    and step the same sum: the copies stay equal, as DeepSpeed's tied layers do.
+    """
+
+    def __init__(self, params: list[nn.Parameter], peer: int, group):
+        self.params, self.peer, self.group = params, peer, group
+
+    def before_step(self, optimizer):
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            theirs = torch.empty_like(p.grad)
+            ops = [
+                dist.P2POp(dist.isend, p.grad, group=self.group, group_peer=self.peer),
+                dist.P2POp(dist.irecv, theirs, group=self.group, group_peer=self.peer),
+            ]
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+            p.grad.add_(theirs)
+
+
+def tied_sync(an, kept: nn.Module, local: list[int], n_stages: int, placement: dict, group):
+    """The hook that keeps tied copies equal on the first and last stage's ranks; None when not needed."""
+    if an is None or not an.tied or (0 in local and n_stages - 1 in local):
+        return None
+    if 0 in local:
+        names, peer = [a for a, _ in an.tied], placement[n_stages - 1]
+    elif n_stages - 1 in local:
+        names, peer = [b for _, b in an.tied], placement[0]
+    else:
+        return None
+    return TiedGradSync([kept.get_parameter(n) for n in names], peer, group)
 
 
 def _stage_optimizer(optim: torch.optim.Optimizer, names: dict[int, str], stage: nn.Module) -> torch.optim.Optimizer:
