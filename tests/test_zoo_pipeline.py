@@ -18,7 +18,7 @@ from torch import nn
 import composable_atorch as ca
 import zoo
 from composable_atorch.errors import ConfigError
-from composable_atorch.transforms.parallel.pipeline.cutter import UncuttableModelError
+from composable_atorch.transforms.parallel.pipeline import UncuttableModelError
 
 from _dist import run_world
 

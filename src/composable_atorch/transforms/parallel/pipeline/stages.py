@@ -15,7 +15,8 @@ from torch import nn
 
 from composable_atorch.errors import CompositionError, ConfigError
 from composable_atorch.runtime.train_step import PIPELINE_ATTR
-from composable_atorch.transforms.parallel.pipeline.cutter import Anatomy, anatomy_of, cut_stage
+from composable_atorch.transforms.parallel.pipeline.anatomy import Anatomy, anatomy_of
+from composable_atorch.transforms.parallel.pipeline.cutter import cut_stage
 
 
 class PipelineLoopError(CompositionError, RuntimeError):
@@ -54,7 +55,8 @@ def anatomy_full(model: nn.Module, split_paths: tuple[str, ...] = ()) -> Anatomy
 
 
 def anatomy(model: nn.Module, split_paths: tuple[str, ...] = ()) -> tuple[list[nn.Module], int, int]:
-    """(blocks, parameters outside blocks on the first stage, on the last stage); typed errors for what cannot be cut."""
+    """(blocks, parameters outside blocks on the first stage, on the last stage); typed errors for what
+    cannot be cut."""
     an = anatomy_full(model, split_paths)
     if an is None:
         return list(model.blocks), numel(model.tok) + numel(model.pos), numel(model.ln_f) + numel(model.head)

@@ -1,8 +1,10 @@
 """Pipeline parallelism on ``torch.distributed.pipelining``: ``pipeline_parallel``.
 
-The model is cut at block boundaries (balanced by parameter count, or at the block indices given
-in ``split``) into ``pipeline size x stages_per_rank`` stages (see :mod:`.stages`), the
-first also holding the embeddings, the last the final norm and the head. Each stage is a manual
+The model is cut at block boundaries (balanced by parameter count, or where ``split`` says: block
+indices or the blocks' qualified names) into ``pipeline size x stages_per_rank`` stages (see
+:mod:`.stages`; any HF causal LM or model holding its blocks in a list, :mod:`.anatomy`), the
+first also holding the embeddings, the last the final norm and the head (a weight tied between
+them is held by both and kept equal). Each stage is a manual
 :class:`~torch.distributed.pipelining.PipelineStage` driven by one of torch's schedules:
 
 * one stage per rank: ``"GPipe"``, ``"1F1B"``;
@@ -38,9 +40,9 @@ from torch import nn
 from composable_atorch.core.contract import Conflict, Contract, Implication, MinWorldSize, Stage
 from composable_atorch.core.transform import ApplyContext, TrainState, Transform
 from composable_atorch.errors import ConfigError, ParameterMappingError
-from composable_atorch.runtime.optim import OptimizerHook
 from composable_atorch.runtime.train_step import PIPELINE_ATTR, mark_loss_group
 from composable_atorch.transforms.parallel.data.common import GRAD_SYNC, DataGradSync, broadcast_local, parallel_context
+from composable_atorch.transforms.parallel.pipeline.cutter import tied_sync
 from composable_atorch.transforms.parallel.pipeline.stages import (  # noqa: F401 - re-exported
     KNOWN_MODELS,
     PipelineLoopError,
@@ -149,7 +151,8 @@ class PipelineParallel(Transform):
     """Cut the model into ``pipeline x stages_per_rank`` stages trained by one of torch's schedules.
 
     ``microbatches``: how many pieces each (per data rank) batch is cut into. ``split``: ``"auto"``
-    (balance parameters over block boundaries) or the block indices where stages 1.. begin.
+    (balance parameters over block boundaries), the block indices where stages 1.. begin, or
+    those blocks' qualified names (``["model.layers.4"]``; a suffix such as ``"layers.4"`` will do).
     ``schedule``: one of :data:`SCHEDULES`. ``stages_per_rank``: virtual stages per rank (None:
     1 for GPipe / 1F1B, 2 for the interleaved and V schedules; the V ones need exactly 2).
     """
@@ -180,8 +183,8 @@ class PipelineParallel(Transform):
             ),
             Conflict(
                 "compile",
-                "torch's zero-bubble schedules split each backward into input and weight passes, which a compiled stage cannot do "
-                "(torch.distributed.pipelining refuses compiled stages for them)",
+                "torch's zero-bubble schedules split each backward into input and weight passes, "
+                "which a compiled stage cannot do (torch.distributed.pipelining refuses compiled stages for them)",
                 "drop compile, or use schedule='Interleaved1F1B' / '1F1B'",
                 when=_zero_bubble,
             ),
@@ -243,10 +246,13 @@ class PipelineParallel(Transform):
 
     def cuts(self, model: nn.Module, pp: int) -> tuple[int, ...]:
         """Start blocks of stages 1.. for ``pp`` ranks (``pp x stages_per_rank`` stages); typed errors first."""
-        return self._cut_plan(model, pp)[1]
+        return self.cut_plan(model, pp)[1]
 
-    def _cut_plan(self, model: nn.Module, pp: int):
-        """(the generic cutter's Anatomy or None for the built-in GPT, start blocks of stages 1..)."""
+    def cut_plan(self, model: nn.Module, pp: int):
+        """(the generic cutter's Anatomy or None for the built-in GPT, start blocks of stages 1..).
+
+        Read it before tensor parallelism shards the weights (mixed_parallel does): the anatomy's
+        probe forward runs on plain weights only."""
         stages = pp * self.stages_per_rank
         an = anatomy_full(model, self._paths())
         if an is None:
@@ -299,13 +305,13 @@ class PipelineParallel(Transform):
             )
         return an, split
 
-    def apply(self, state: TrainState, ctx: ApplyContext) -> TrainState:
+    def apply(self, state: TrainState, ctx: ApplyContext, cut_plan=None) -> TrainState:
         from torch.distributed.pipelining import PipelineStage
 
         pc = parallel_context(state, self.name)
         pp = pc.layout.size("pipeline")
         model = state.model
-        an, cuts = self._cut_plan(model, pp)  # checks before any change
+        an, cuts = cut_plan or self.cut_plan(model, pp)  # checks before any change
         if (
             state.loader is not None
             and getattr(state.loader, "batch_size", None)
@@ -357,57 +363,19 @@ class PipelineParallel(Transform):
         if state.optim is not None:
             state.optim = _stage_optimizer(state.optim, state.param_names, kept)
         state.model = kept
-        state.note(
-            self.name,
-            f"{n_stages} stages over blocks {[f'{bounds[s]}..{bounds[s + 1] - 1}' for s in range(n_stages)]} (block params {sizes}); "
-            f"this rank holds stage(s) {local}; {self.schedule}, {self.microbatches} microbatches; train with composable_atorch.train_step"
-            + (f"; stage gradients averaged over the data dim of {pc.data_size}" if data_group is not None else "")
-            + (
-                f"; cut {type(model).__name__} at its block list {an.path!r}, embeddings / head told apart by {an.source}"
-                if an
-                else ""
-            )
-            + (f"; tied {an.tied} kept equal (first and last stage add their gradients)" if an and an.tied else ""),
+        ranges = [f"{bounds[s]}..{bounds[s + 1] - 1}" for s in range(n_stages)]
+        line = (
+            f"{n_stages} stages over blocks {ranges} (block params {sizes}); this rank holds stage(s) {local}; "
+            f"{self.schedule}, {self.microbatches} microbatches; train with composable_atorch.train_step"
         )
+        if data_group is not None:
+            line += f"; stage gradients averaged over the data dim of {pc.data_size}"
+        if an is not None:
+            line += f"; cut {type(model).__name__} at {an.path!r}, embeddings / head told apart by {an.source}"
+            if an.tied:
+                line += f"; tied {an.tied} kept equal (the first and last stage add their gradients)"
+        state.note(self.name, line)
         return state
-
-
-class TiedGradSync(OptimizerHook):
-    """Add the gradients of weights the first and the last stage both hold (tied embeddings).
-
-    One process sums the two uses' gradients in one tensor; here each stage holds a copy and sees
-    its own use only, so the two exchange gradients (point to point, only the two ranks take part)
-    and step the same sum: the copies stay equal, as DeepSpeed's tied layers do.
-    """
-
-    def __init__(self, params: list[nn.Parameter], peer: int, group):
-        self.params, self.peer, self.group = params, peer, group
-
-    def before_step(self, optimizer):
-        for p in self.params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            theirs = torch.empty_like(p.grad)
-            ops = [
-                dist.P2POp(dist.isend, p.grad, group=self.group, group_peer=self.peer),
-                dist.P2POp(dist.irecv, theirs, group=self.group, group_peer=self.peer),
-            ]
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
-            p.grad.add_(theirs)
-
-
-def tied_sync(an, kept: nn.Module, local: list[int], n_stages: int, placement: dict, group):
-    """The hook that keeps tied copies equal on the first and last stage's ranks; None when not needed."""
-    if an is None or not an.tied or (0 in local and n_stages - 1 in local):
-        return None
-    if 0 in local:
-        names, peer = [a for a, _ in an.tied], placement[n_stages - 1]
-    elif n_stages - 1 in local:
-        names, peer = [b for _, b in an.tied], placement[0]
-    else:
-        return None
-    return TiedGradSync([kept.get_parameter(n) for n in names], peer, group)
 
 
 def _stage_optimizer(optim: torch.optim.Optimizer, names: dict[int, str], stage: nn.Module) -> torch.optim.Optimizer:
@@ -433,5 +401,6 @@ def _stage_optimizer(optim: torch.optim.Optimizer, names: dict[int, str], stage:
 def pipeline_parallel(
     *, microbatches: int = 2, schedule: str = "1F1B", split: Any = "auto", stages_per_rank: int | None = None
 ) -> PipelineParallel:
-    """``pipeline_parallel(microbatches=4, schedule="Interleaved1F1B", stages_per_rank=2)``; train with :func:`composable_atorch.train_step`."""
+    """``pipeline_parallel(microbatches=4, schedule="Interleaved1F1B", stages_per_rank=2)``;
+    train with :func:`composable_atorch.train_step`."""
     return PipelineParallel(microbatches=microbatches, schedule=schedule, split=split, stages_per_rank=stages_per_rank)
