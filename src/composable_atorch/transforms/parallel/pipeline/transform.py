@@ -37,11 +37,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from composable_atorch.core.contract import Conflict, Contract, Implication, MinWorldSize, Stage
+from composable_atorch.core.contract import Conflict, Contract, MinWorldSize, Stage
 from composable_atorch.core.transform import ApplyContext, TrainState, Transform
 from composable_atorch.errors import ConfigError, ParameterMappingError
 from composable_atorch.runtime.train_step import PIPELINE_ATTR, mark_loss_group
-from composable_atorch.transforms.parallel.data.common import GRAD_SYNC, DataGradSync, broadcast_local, parallel_context
+from composable_atorch.transforms.parallel.data.common import (
+    GRAD_SYNC,
+    DataGradSync,
+    broadcast_local,
+    implies_mesh_dim,
+    parallel_context,
+)
 from composable_atorch.transforms.parallel.pipeline.cutter import tied_sync
 from composable_atorch.transforms.parallel.pipeline.stages import (  # noqa: F401 - re-exported
     KNOWN_MODELS,
@@ -166,11 +172,8 @@ class PipelineParallel(Transform):
         roles=("pipeline", "model_parallel"),
         renames=True,  # each rank keeps the parameters of its stage only (names unchanged)
         implies=(
-            Implication(
-                "parallel_mode",
-                "pipeline stages live on the 'pipeline' dimension of parallel_mode's device mesh",
-                config={"groups": (("pipeline", 2), ("data", 1))},
-                satisfied_by=("process_groups",),
+            implies_mesh_dim(
+                "pipeline", "pipeline stages live on the 'pipeline' dimension of parallel_mode's device mesh"
             ),
         ),
         conflicts=(
