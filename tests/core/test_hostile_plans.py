@@ -19,7 +19,7 @@ from composable_atorch.models import Block
 
 CPU = Environment()
 WORLD4 = Environment.detect().with_(world_size=4)
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def batch_to_pipe(batch):
