@@ -13,7 +13,7 @@ from composable_atorch.cli import launch
 
 from _dist import free_port
 
-SCRIPT = Path(__file__).parent / "scripts" / "report_ranks.py"
+SCRIPT = Path(__file__).parent.parent / "scripts" / "report_ranks.py"
 
 
 @pytest.mark.parametrize(
@@ -126,7 +126,7 @@ def test_a_failing_rank_fails_the_launch_with_its_exit_code(tmp_path):
 
 
 # -- lost and hung ranks -------------------------------------------------------------------------
-RESTART = Path(__file__).parent / "scripts" / "train_restart.py"
+RESTART = Path(__file__).parent.parent / "scripts" / "train_restart.py"
 
 
 def test_every_rank_gets_a_store_per_round_and_the_timeout(monkeypatch):
