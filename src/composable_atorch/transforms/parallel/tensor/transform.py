@@ -43,11 +43,12 @@ from composable_atorch.transforms.parallel.tensor.planner import (
     MANUAL_FORM,
     TensorParallelPlanError,
     TPInfo,
-    auto_plan,
     is_conv1d,
     is_linear,
     name_matches,
     normalize_plan,
+    plan_with_notes,
+    verify,
 )
 
 # ---------------------------------------------------------------------------------------------
@@ -216,11 +217,36 @@ class TensorParallel(Transform):
         self, model: nn.Module, degree: int
     ) -> tuple[dict[str, tuple[str, dict]], dict[str, tuple], dict[str, str]]:
         """``({module: (kind, kwargs)}, {module: shrink attrs}, {dropout module: kind})``; typed errors on bad input."""
-        entries = auto_plan(model) if self.plan == "auto" else self.plan
+        return self._placements(model, degree)[:3]
+
+    def check(self, model: nn.Module, degree: int = 2) -> list[str]:
+        """Plan and verify ``model`` at ``degree`` without touching its weights (the search calls this to
+        rule a candidate out at no trial cost): TensorParallelPlanError when it cannot be sharded,
+        else what explain() will say about the plan."""
+        return self._placements(model, degree)[4]
+
+    def _placements(self, model: nn.Module, degree: int):
+        if self.plan != "auto":
+            return self._resolve(model, degree, self.plan, [])
+        entries, notes = plan_with_notes(model)
+        try:
+            return self._resolve(model, degree, entries, notes)
+        except TensorParallelPlanError as e:
+            # an attention module that reads its full width from the input (a user's block, Bloom's
+            # ALiBi built for all heads) fails at local shapes: its projections stay whole, the MLPs shard
+            fallback, notes = plan_with_notes(model, attention=False)
+            if fallback == entries or not any(k in ("col", "row") for k, _, _ in fallback):
+                raise
+            entries = fallback
+            why = f"attention kept whole (replicated): sharding its heads fails: {e.problem} ({', '.join(e.names[:2])})"
+            return self._resolve(model, degree, entries, [*notes, why])
+
+    def _resolve(self, model: nn.Module, degree: int, entries, notes: list[str]):
         modules = dict(model.named_modules())
         shard: dict[str, tuple[str, dict]] = {}
         shrink: dict[str, tuple] = {}
         drops: dict[str, str] = {}
+        summed: list[str] = []
         unmatched = []
         for kind, pattern, args in entries:
             hits = [n for n in modules if n and name_matches(n, pattern)]
@@ -232,6 +258,8 @@ class TensorParallel(Transform):
                     shrink[n] = tuple(args)
                 elif kind in ("replic_drop", "parallel_drop"):
                     drops[n] = kind
+                elif kind == "grad_sum":
+                    summed.append(n)
                 else:
                     shard[n] = (kind, dict(args))
         if unmatched:
@@ -247,6 +275,10 @@ class TensorParallel(Transform):
                 elif m.num_embeddings % degree:
                     bad.append(f"{n}: vocab {m.num_embeddings} not divisible by tensor degree {degree}")
                 continue
+            if kind == "col" and isinstance(m, nn.Embedding):  # a per-head table (T5's relative bias)
+                if m.embedding_dim % degree:
+                    bad.append(f"{n}: {m.embedding_dim} columns not divisible by tensor degree {degree}")
+                continue
             if not is_linear(m):
                 bad.append(f"{n}: {type(m).__name__} is not an nn.Linear or Conv1D")
                 continue
@@ -255,7 +287,8 @@ class TensorParallel(Transform):
             stride = int(kw.get("stride", 1))
             if size % (degree * stride):
                 bad.append(
-                    f"{n}: {'output' if kind == 'col' else 'input'} features {size} not divisible by degree {degree} x stride {stride}"
+                    f"{n}: {'output' if kind == 'col' else 'input'} features {size} "
+                    f"not divisible by degree {degree} x stride {stride}"
                 )
         for n, attrs in shrink.items():
             for a in attrs:
@@ -267,17 +300,22 @@ class TensorParallel(Transform):
         for n, kind in drops.items():
             if kind == "replic_drop" and self.sequence_parallel and not isinstance(modules[n], nn.Dropout):
                 bad.append(
-                    f"{n}: replic_drop under sequence_parallel needs an nn.Dropout (it draws the full mask and keeps its sequence slice)"
+                    f"{n}: replic_drop under sequence_parallel needs an nn.Dropout "
+                    "(it draws the full mask and keeps its sequence slice)"
                 )
         if bad:
             raise TensorParallelPlanError("cannot split these layers evenly", bad)
-        return shard, shrink, drops
+        if degree > 1:
+            notes = [*notes, verify(model, shard, shrink, degree)]
+        return shard, shrink, drops, summed, notes
 
     def apply(self, state: TrainState, ctx: ApplyContext) -> TrainState:
         pc = parallel_context(state, self.name)
         degree = pc.layout.size("tensor")
         model = state.model
-        shard, shrink, drops = self.placements(model, degree)  # every check before any change
+        shard, shrink, drops, summed, notes = self._placements(model, degree)  # every check before any change
+        for note in notes:
+            state.note(self.name, note)
         if not pc.distributed or degree == 1:
             state.note(
                 self.name,
@@ -314,6 +352,8 @@ class TensorParallel(Transform):
                 m._tp_stride_perm = perm  # global weights are stored in this order (see full_weight)
             if kind == "vocab":
                 styles[n] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+            elif isinstance(m, nn.Embedding):  # a per-head table: each rank keeps its heads' columns
+                styles[n] = ColwiseParallel()
             elif is_conv1d(m):
                 styles[n] = _conv1d_style(kind, sp)
             elif kind == "col" and kw.get("gather_output"):  # a head: its logits gathered, so any loss works
@@ -334,7 +374,11 @@ class TensorParallel(Transform):
                     styles[n] = SequenceParallel(use_local_output=False)
             _sequence_entry_exit(modules[blocks[0]], modules[blocks[-1]], mesh, degree, sequence)
         parallelize_module(model, mesh, styles)
+        for n, (kind, _) in shard.items():
+            if kind == "row" and not sp:
+                modules[n].register_forward_hook(_own_output)
         _retie(model, tied, mesh, state)
+        _sum_grads(model, summed, mesh, state)
         for n, attrs in shrink.items():
             m = modules[n]
             for a in attrs:
@@ -355,6 +399,39 @@ class TensorParallel(Transform):
             f"CPU RNG state synchronized over the tensor dim (replicated dropouts draw one process's masks){_drop_note(drops)}",
         )
         return state
+
+
+def _own_output(_module, _args, output):
+    """A row-parallel output is a view DTensor's to_local made; a model that adds into it in place
+    (Falcon's ``mlp_output += attention_output``) would hit autograd's view+inplace error: a copy."""
+    return output.clone() if isinstance(output, torch.Tensor) else output
+
+
+def _sum_grads(model: nn.Module, names: list[str], mesh, state) -> None:
+    """Replicated parameters that run on one rank's heads only (a per-head norm) get a partial gradient
+    on each rank: the hooks sum it over the tensor ranks (transformers' replicated_with_grad_allreduce)."""
+    if not names:
+        return
+    import torch.distributed as dist
+
+    group = mesh.get_group()
+    modules = dict(model.named_modules())
+    count = 0
+    for n in names:
+        for p in modules[n].parameters(recurse=False):
+            if p.requires_grad and not hasattr(p, "placements"):
+                p.register_hook(lambda g, group=group: _summed(g, group, dist))
+                count += 1
+    state.note(
+        "tensor_parallel",
+        f"{count} replicated parameter(s) inside sharded attention: gradients summed over the tensor ranks",
+    )
+
+
+def _summed(grad, group, dist):
+    grad = grad.clone()
+    dist.all_reduce(grad, group=group)
+    return grad
 
 
 def _dropout_streams(model: nn.Module, drops: dict[str, str], mesh, degree: int, sp: bool, sequence: dict) -> None:
