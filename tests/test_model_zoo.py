@@ -25,20 +25,31 @@ from _dist import run_world
 
 STEPS = 3
 FP32_TOL, BF16_TOL = 1e-4, 5e-2
+#: Adam's eps at 1e-6, not 1e-8: Adam moves a weight by ~lr whatever its gradient's size, so a gradient
+#: that is zero up to reduction-order noise (1e-9, a different sum order at world 2) would move by
+#: 1e-3 one way or the other; with eps 1e-6 such noise moves it by ~1e-6 and real gradients are
+#: still normalised.
 OPTIMS = {
     "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05),
-    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-3, eps=1e-6),
 }
 
-#: transform -> (its transforms, whether each rank trains on its half of the global batch)
+
+def _block(model):
+    """The model's repeated block: the class of the longest nn.ModuleList's elements."""
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m)]
+    return type(max(lists, key=len)[0])
+
+
+#: transform -> (its transforms for a model, whether each rank trains on its half of the global batch)
 TRANSFORMS = {
-    "ddp": (lambda: (ca.ddp(),), True),
-    "fsdp": (lambda: (ca.fsdp(),), True),
-    "zero2": (lambda: (ca.zero2(),), True),
-    "checkpoint": (lambda: (ca.checkpoint(), ca.ddp()), True),
-    "amp": (lambda: (ca.amp("bf16"), ca.ddp()), True),
-    "module_replace": (lambda: (ca.module_replace(), ca.ddp()), True),
-    "tensor_parallel": (lambda: (ca.tensor_parallel(), ca.parallel_mode([("tensor", 2)])), False),
+    "ddp": (lambda m: (ca.ddp(),), True),
+    "fsdp": (lambda m: (ca.fsdp(),), True),
+    "zero2": (lambda m: (ca.zero2(),), True),
+    "checkpoint": (lambda m: (ca.checkpoint(_block(m)), ca.ddp()), True),
+    "amp": (lambda m: (ca.amp("bf16"), ca.ddp()), True),
+    "module_replace": (lambda m: (ca.module_replace(), ca.ddp()), True),
+    "tensor_parallel": (lambda m: (ca.tensor_parallel(), ca.parallel_mode([("tensor", 2)])), False),
 }
 
 #: (architecture, transform) -> a fragment of the typed refusal's message
@@ -100,7 +111,7 @@ def _case(name: str, transform: str, opt: str):
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            model, optim, _ = ca.compose(*make())(model, OPTIMS[opt](model.parameters()))
+            model, optim, _ = ca.compose(*make(model))(model, OPTIMS[opt](model.parameters()))
             part = slice(2 * rank, 2 * rank + 2) if split else None
             _train(name, model, optim, batches, part)
     except ConfigError as e:
@@ -110,8 +121,27 @@ def _case(name: str, transform: str, opt: str):
     return ("ok", {k: v.numpy() for k, v in _full(model).items()})
 
 
-def _world(rank, world, cases):
-    out = {}
+class _UnusedHead(zoo.UserModel):
+    """The user model with a parameter its forward never uses (as BERT's MLM head bias can be)."""
+
+    def __init__(self):
+        super().__init__()
+        self.spare = torch.nn.Linear(4, 4)
+
+
+def _unused_case(rank):
+    """ddp on a model with an unused parameter: found by the probe step, not torch's reduction error at step 2."""
+    torch.manual_seed(0)
+    model = _UnusedHead()
+    plan = ca.compose(ca.ddp())
+    applied = plan(model, torch.optim.SGD(model.parameters(), lr=0.05))
+    model, optim, _ = applied
+    _train("user", model, optim, [zoo.batch("user", seed=s) for s in range(STEPS)], slice(2 * rank, 2 * rank + 2))
+    return plan.explain(applied=applied), {k: v.numpy() for k, v in _full(model).items()}
+
+
+def _world(rank, world, cases, unused=False):
+    out = {"unused": _unused_case(rank)} if unused else {}
     for name, transform, opt in cases:
         out[(name, transform, opt)] = _case(name, transform, opt)
     return out
@@ -160,6 +190,54 @@ def _check(results, cases):
 )
 def test_zoo_matches_one_process(group):
     cases = _all_cases(group)
-    results = run_world(_world, 2, cases, timeout=900)
+    unused = "ddp" in group
+    results = run_world(_world, 2, cases, unused, timeout=900)
     failures = _check(results, cases)
     assert not failures, "\n".join(failures)
+    if unused:
+        (explain, p0), (_, p1) = results[0]["unused"], results[1]["unused"]
+        assert "spare.weight" in explain and "find_unused_parameters turned on" in explain
+        assert all((p0[k] == p1[k]).all() for k in p0)
+
+
+# -- planning (one process): what explain() says, and the search ruling plans out -----------------
+
+
+def _notes(name):
+    return " | ".join(ca.tensor_parallel().check(_build(name), 2))
+
+
+def _shard(name):
+    shard, shrink, _ = ca.tensor_parallel().placements(_build(name), 2)
+    return shard, shrink
+
+
+def test_planning_says_what_it_keeps_whole():
+    assert "expert parallelism is not done" in _notes("mixtral")
+    assert "qkv_proj: fused q/k/v of unequal sizes" in _notes("phi3")  # GQA-fused: kept whole
+    assert _shard("phi3")[0]["model.layers.0.mlp.gate_up_proj"] == ("col", {"stride": 2})
+    assert "attention kept whole" in _notes("user") and "attention kept whole" in _notes("bloom")
+    assert "transformers' base_model_tp_plan" in _notes("llama")
+    shard, shrink = _shard("t5")  # heads and the per-head relative attention bias
+    assert shard["encoder.block.0.layer.0.SelfAttention.relative_attention_bias"] == ("col", {})
+    assert shrink["encoder.block.0.layer.0.SelfAttention"] == ("inner_dim", "n_heads")
+    shard, _ = _shard("gpt2")  # Conv1D, fused q/k/v strided
+    assert shard["transformer.h.0.attn.c_attn"] == ("col", {"stride": 3})
+    shard, _ = _shard("bert")
+    assert shard["bert.encoder.layer.0.attention.output.dense"] == ("row", {})
+    assert shard["bert.encoder.layer.0.intermediate.dense"] == ("col", {})
+
+
+def test_search_rules_out_unplaceable_plans_as_invalid():
+    """A model tensor_parallel cannot plan: its tensor-parallel candidates are invalid before any trial."""
+    from composable_atorch.auto.space import SearchSpace, planning_admit
+
+    def enumerate_for(model):
+        return SearchSpace.for_model(model, world_size=2, batch_size=4, admit=planning_admit(model)).enumerate()
+
+    chain = enumerate_for(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4)))
+    assert any('"tensor":2' in key for key in chain.valid) and not chain.invalid
+    lone = enumerate_for(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU()))  # nothing to pair
+    assert not any('"tensor":2' in key for key in lone.valid)
+    assert len(lone.invalid) == len(chain.valid) - len(lone.valid) > 0
+    assert all("TensorParallelPlanError" in p.error and "no column-then-row" in p.error for p in lone.invalid)
