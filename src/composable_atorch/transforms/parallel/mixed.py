@@ -70,7 +70,8 @@ def _split_loader(loader, pc: ParallelContext):
 
 
 def _has_pipeline(mine, _accumulate) -> bool:
-    """With a pipeline degree given here (the search's candidates give it); one read from parallel_mode is refused when applied."""
+    """With a pipeline degree given here (the search's candidates give it); one read from parallel_mode is
+    refused when applied."""
     return (mine.pipeline or 1) > 1
 
 
@@ -177,7 +178,8 @@ class MixedParallel(Transform):
             raise RequirementError(
                 self.name,
                 "parallel degrees",
-                "compose it with parallel_mode([('tensor', t), ('pipeline', p), ('data', d)]) or give mixed_parallel(tensor=t, pipeline=p)",
+                "compose it with parallel_mode([('tensor', t), ('pipeline', p), ('data', d)]) or give "
+                "mixed_parallel(tensor=t, pipeline=p)",
             )
         groups = [("tensor", self.tensor or 1), ("pipeline", self.pipeline or 1), ("data", 1)]
         pc = make_context(plan_layout(groups, ctx.env.world_size), ctx.env.device)
@@ -186,7 +188,8 @@ class MixedParallel(Transform):
             state.loader = _split_loader(state.loader, pc)
         state.note(
             self.name,
-            f"layout {pc.layout.describe()}; device mesh {pc.layout.mesh_dim_names}; loader split over the data dim of {pc.data_size}",
+            f"layout {pc.layout.describe()}; device mesh {pc.layout.mesh_dim_names}; loader split over the data dim "
+            f"of {pc.data_size}",
         )
         return pc
 
@@ -233,7 +236,8 @@ def mixed_parallel(
     tensor: int | None = None,
     pipeline: int | None = None,
 ) -> MixedParallel:
-    """``mixed_parallel()`` with ``parallel_mode([("tensor", 2), ("pipeline", 2), ("data", 2)])``, or ``mixed_parallel(tensor=2, pipeline=2)``."""
+    """``mixed_parallel()`` with ``parallel_mode([("tensor", 2), ("pipeline", 2), ("data", 2)])``, or
+    ``mixed_parallel(tensor=2, pipeline=2)``."""
     return MixedParallel(
         tp_plan=tp_plan,
         microbatches=microbatches,

@@ -70,7 +70,8 @@ def _distributed_loader(loader, pc: ParallelContext, sampler_cls):
         raise ConfigError(
             "loader batch_size",
             batch,
-            f"a multiple of the data-parallel size {parts} (the loader's batch is the global batch, split into {parts} per-rank batches)",
+            f"a multiple of the data-parallel size {parts} (the loader's batch is the global batch, split into "
+            f"{parts} per-rank batches)",
         )
     sampler = (sampler_cls or DistributedSampler)(
         loader.dataset,
@@ -99,7 +100,8 @@ class ParallelMode(Transform):
         implies=(
             Implication(
                 "ddp",
-                "ranks see different samples, so some transform must synchronize gradients (the seed's parallel_mode means DDP)",
+                "ranks see different samples, so some transform must synchronize gradients (the seed's "
+                "parallel_mode means DDP)",
                 satisfied_by=(GRAD_SYNC,),
             ),
         ),
@@ -251,7 +253,8 @@ class Ddp(Transform):
             state.hooks.append(DataGradSync(state.model, pc.data_group(), pc.data_size))
             state.note(
                 self.name,
-                f"tensor-parallel (DTensor) parameters: gradients all-reduced over the data group of {pc.data_size} before each step (DDP's replicate does not take DTensors)",
+                f"tensor-parallel (DTensor) parameters: gradients all-reduced over the data group of {pc.data_size} "
+                "before each step (DDP's replicate does not take DTensors)",
             )
             return state
         # -- end model parallelism --
@@ -272,7 +275,8 @@ class Ddp(Transform):
         state.hooks.append(GradSyncHook(state.model))
         state.note(
             self.name,
-            f"replicate (DDP) over the data group of {pc.data_size}; parameter names kept; sync skipped inside accumulation windows",
+            f"replicate (DDP) over the data group of {pc.data_size}; parameter names kept; sync skipped inside "
+            "accumulation windows",
         )
         return state
 
@@ -374,7 +378,8 @@ class Zero1(HasBackends, Transform):
         inner = type(state.optim.optim).__name__
         state.note(
             self.name,
-            f"{type(state.optim).__name__}({inner}): each of {pc.data_size} ranks keeps 1/{pc.data_size} of the optimizer state",
+            f"{type(state.optim).__name__}({inner}): each of {pc.data_size} ranks keeps 1/{pc.data_size} of the "
+            "optimizer state",
         )
         return state
 

@@ -65,8 +65,10 @@ def replica(model: nn.Module, grad: bool = False) -> nn.Module:
 
 
 def run(model: nn.Module, example) -> None:
+    """One no-grad forward; the CPU random stream is restored after it (a probe's dropouts must not
+    shift the masks training draws)."""
     args, kwargs = example
-    with torch.no_grad():
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
         model(*args, **kwargs)
 
 
@@ -79,7 +81,8 @@ def unused_parameters(model: nn.Module) -> list[str] | None:
     rep = replica(model, grad=True)
     args, kwargs = example
     try:
-        out = rep(*args, **kwargs)
+        with torch.random.fork_rng(devices=[]):
+            out = rep(*args, **kwargs)
         leaves = out.values() if isinstance(out, dict) else (out if isinstance(out, tuple | list) else (out,))
         floats = [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad]
         if not floats:

@@ -1,4 +1,5 @@
-"""``ds_3d_parallel`` (``deepspeed_3d_parallel``): DeepSpeed pipeline x tensor x data parallelism from an unmodified model.
+"""``ds_3d_parallel`` (``deepspeed_3d_parallel``): DeepSpeed pipeline x tensor x data parallelism from an
+unmodified model.
 
     with record_module_init():
         meta_model = LlamaForCausalLM(LlamaConfig(...))            # nothing allocated
@@ -106,6 +107,12 @@ class DeepSpeed3DParallelConfig:
         self.batch_fn = batch_fn if batch_fn is not None else identity_batch
 
 
+def _precision(config: dict) -> str:
+    if config.get("bf16", {}).get("enabled"):
+        return "bf16"
+    return "fp16" if config.get("fp16", {}).get("enabled") else "fp32"
+
+
 def identity_batch(batch):
     """ATorch's default ``batch_fn`` (the batch as the loader gives it). A named function, not a
     lambda, so a plan built from the config stays JSON-serialisable."""
@@ -157,7 +164,8 @@ class DeepSpeed3DParallel(Transform):
             ),
             Conflict(
                 "tensor_parallel",
-                "ds_3d_parallel shards the stage layers itself (Megatron-style, for DeepSpeed's engine); DTensor layers would be sharded twice",
+                "ds_3d_parallel shards the stage layers itself (Megatron-style, for DeepSpeed's engine); DTensor "
+                "layers would be sharded twice",
                 "drop tensor_parallel; pass DeepSpeed3DParallelConfig(tpinfo=...)",
             ),
             Conflict(
@@ -177,7 +185,8 @@ class DeepSpeed3DParallel(Transform):
             ),
             Conflict(
                 "amp",
-                "DeepSpeed trains in its own precision (its bf16 / fp16 modes); autocast around the engine is not applied by train_batch",
+                "DeepSpeed trains in its own precision (its bf16 / fp16 modes); autocast around the engine is not "
+                "applied by train_batch",
                 "use half('bf16') in the plan, or bf16 / fp16 in ds_config",
             ),
             Conflict(
@@ -269,7 +278,8 @@ class DeepSpeed3DParallel(Transform):
 
     # -- checks (every one before any work) --------------------------------------------------
     def _tp_placements(self, model, degree: int):
-        """``(shard, shrink, drops)`` over the meta model's qualified names; TensorParallelPlanError if the TPInfo names no module."""
+        """``(shard, shrink, drops)`` over the meta model's qualified names; TensorParallelPlanError if the
+        TPInfo names no module."""
         if not self.tpinfo:
             if degree > 1:
                 raise ConfigError(
@@ -404,28 +414,33 @@ class DeepSpeed3DParallel(Transform):
         lo, hi = pipe.parts[stage], pipe.parts[stage + 1]
         state.note(
             self.name,
-            f"DeepSpeed pipeline {sizes['pipeline']} x tensor {sizes['tensor']} x data {sizes['data']}; this rank is stage {stage}: "
+            f"DeepSpeed pipeline {sizes['pipeline']} x tensor {sizes['tensor']} x data {sizes['data']}; this rank is "
+            f"stage {stage}: "
             f"layers {lo}..{hi - 1} of {len(specs)} ({', '.join(repr(s) for s in specs[lo:hi])})",
         )
         state.note(
             self.name,
-            f"{patch_note}; {n_blocks} {block} blocks balanced over the stages; layers built from recorded init args, seeded base_seed + layer index",
+            f"{patch_note}; {n_blocks} {block} blocks balanced over the stages; layers built from recorded init "
+            "args, seeded base_seed + layer index",
         )
         if dropped_head:
             state.note(
                 self.name,
-                f"{dropped_head} is tied to {entries[0][0]}: computed by the tied embedding's logit helper on the last stage",
+                f"{dropped_head} is tied to {entries[0][0]}: computed by the tied embedding's logit helper on the "
+                "last stage",
             )
         if shard:
             state.note(
                 self.name,
-                f"Megatron-style tensor sharding of {len(shard)} layers over the tensor dim of {sizes['tensor']} ({len(shrink)} shrunk, {len(drops)} dropouts in seeded streams)",
+                f"Megatron-style tensor sharding of {len(shard)} layers over the tensor dim of {sizes['tensor']} "
+                f"({len(shrink)} shrunk, {len(drops)} dropouts in seeded streams)",
             )
         state.note(
             self.name,
-            f"engine config: micro-batch {config['train_micro_batch_size_per_gpu']}, {config['gradient_accumulation_steps']} micro-batches per train_batch, "
+            f"engine config: micro-batch {config['train_micro_batch_size_per_gpu']}, "
+            f"{config['gradient_accumulation_steps']} micro-batches per train_batch, "
             f"ZeRO-{config['zero_optimization']['stage']}, clipping {config.get('gradient_clipping', 0)}, "
-            f"{'bf16' if config.get('bf16', {}).get('enabled') else 'fp16' if config.get('fp16', {}).get('enabled') else 'fp32'}",
+            f"{_precision(config)}",
         )
         return state
 

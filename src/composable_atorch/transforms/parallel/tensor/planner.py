@@ -37,7 +37,8 @@ class TensorParallelPlanError(ConfigError):
 
 
 MANUAL_FORM = (
-    "tensor_parallel(TPInfo().shard_col({'attn.c_attn': {'stride': 3}}, 'mlp.c_fc').shard_row('attn.c_proj', 'mlp.c_proj')"
+    "tensor_parallel(TPInfo().shard_col({'attn.c_attn': {'stride': 3}}, 'mlp.c_fc').shard_row('attn.c_proj', "
+    "'mlp.c_proj')"
     ".shrink({'.attn': {'embed_dim', 'split_size', 'num_heads'}}))"
 )
 

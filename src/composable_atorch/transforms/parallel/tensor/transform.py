@@ -319,7 +319,8 @@ class TensorParallel(Transform):
         if not pc.distributed or degree == 1:
             state.note(
                 self.name,
-                f"tensor degree {degree}{'' if pc.distributed else ', no process group'}: model left whole ({len(shard)} layers would shard)",
+                f"tensor degree {degree}{'' if pc.distributed else ', no process group'}: model left whole "
+                f"({len(shard)} layers would shard)",
             )
             return state
         from torch.distributed.tensor import Replicate, Shard
@@ -388,7 +389,8 @@ class TensorParallel(Transform):
         vocab = sum(1 for k, _ in shard.values() if k == "vocab")
         state.note(
             self.name,
-            f"DTensor parallelize_module over the tensor dim of {degree}: {cols} colwise, {rows} rowwise, {vocab} vocab-parallel layer(s); "
+            f"DTensor parallelize_module over the tensor dim of {degree}: {cols} colwise, {rows} rowwise, {vocab} "
+            "vocab-parallel layer(s); "
             f"{len(shrink)} attention module(s) shrunk to heads/{degree}"
             + (", LayerNorms sequence-parallel" if sp else ""),
         )
@@ -396,7 +398,8 @@ class TensorParallel(Transform):
         mark_loss_group(model, pc.data_group() if pc.data_size > 1 else None, pc.data_size)
         state.note(
             self.name,
-            f"CPU RNG state synchronized over the tensor dim (replicated dropouts draw one process's masks){_drop_note(drops)}",
+            "CPU RNG state synchronized over the tensor dim (replicated dropouts draw one process's "
+            f"masks){_drop_note(drops)}",
         )
         return state
 
@@ -550,7 +553,8 @@ class SequenceParallel(TensorParallel):
             raise ConfigError(
                 "sequence_parallel.sp_size",
                 config["sp_size"],
-                "no sp_size: the degree is the tensor size of parallel_mode, e.g. parallel_mode([('tensor', 2), ('data', 1)]) "
+                "no sp_size: the degree is the tensor size of parallel_mode, e.g. parallel_mode([('tensor', 2), "
+                "('data', 1)]) "
                 "(sequence parallelism here is Megatron's, over the tensor dimension)",
             )
         return super().from_seed(config)
