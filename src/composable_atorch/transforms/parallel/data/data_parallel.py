@@ -70,8 +70,8 @@ def _distributed_loader(loader, pc: ParallelContext, sampler_cls):
         raise ConfigError(
             "loader batch_size",
             batch,
-            f"a multiple of the data-parallel size {parts} (the loader's batch is the global batch, split into "
-            f"{parts} per-rank batches)",
+            f"a multiple of the data-parallel size {parts} (the loader's batch is the global batch, split into {parts} "
+            "per-rank batches)",
         )
     sampler = (sampler_cls or DistributedSampler)(
         loader.dataset,
@@ -85,11 +85,11 @@ def _distributed_loader(loader, pc: ParallelContext, sampler_cls):
 
 @dataclass(frozen=True)
 class ParallelMode(Transform):
-    """Process groups and a device mesh from the seed's layout; the loader split over the data dimension.
+    """Process groups and a device mesh from ATorch's layout; the loader split over the data dimension.
 
-    ``groups`` is the seed's ``[(name, size), ...]`` (first name varies fastest over the ranks);
-    the data size is adjusted to the world size as the seed describes. Alone, it trains data-parallel
-    with ddp (as the seed's ``["parallel_mode", ...]`` does): some transform must own gradient sync.
+    ``groups`` is ATorch's ``[(name, size), ...]`` (first name varies fastest over the ranks);
+    the data size is adjusted to the world size as ATorch describes. Alone, it trains data-parallel
+    with ddp (as ATorch's ``["parallel_mode", ...]`` does): some transform must own gradient sync.
     Call ``loader.sampler.set_epoch(epoch)`` each epoch to reshuffle, as with any DistributedSampler.
     """
 
@@ -100,8 +100,8 @@ class ParallelMode(Transform):
         implies=(
             Implication(
                 "ddp",
-                "ranks see different samples, so some transform must synchronize gradients (the seed's "
-                "parallel_mode means DDP)",
+                "ranks see different samples, so some transform must synchronize gradients (ATorch's parallel_mode "
+                "means DDP)",
                 satisfied_by=(GRAD_SYNC,),
             ),
         ),
@@ -125,7 +125,7 @@ class ParallelMode(Transform):
 
     @classmethod
     def from_seed(cls, config=None):
-        """Seed forms: None, ``(groups, rank_order)``, ``(groups, rank_order, multi_instance)`` or ``groups``."""
+        """ATorch's forms: None, ``(groups, rank_order)``, ``(groups, rank_order, multi_instance)`` or ``groups``."""
         if config is None:
             return cls()
         if isinstance(config, dict):
@@ -240,7 +240,7 @@ class Ddp(Transform):
                 self.name, "no process group: a single process has no gradients to synchronize, model left as it is"
             )
             return state
-        # -- model parallelism (issue 10): a data dimension of 1 has nothing to synchronize --
+        # -- model parallelism: a data dimension of 1 has nothing to synchronize --
         if pc.data_size == 1:
             state.note(
                 self.name,

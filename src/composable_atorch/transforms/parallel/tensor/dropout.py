@@ -1,4 +1,4 @@
-"""Dropout random streams under tensor parallelism: the seed's ``replic_drop`` / ``parallel_drop``.
+"""Dropout random streams under tensor parallelism: ATorch's ``replic_drop`` / ``parallel_drop``.
 
 torch's own answer for DTensor random ops, ``torch.distributed.tensor._random.OffsetBasedRNGTracker``,
 moves a Philox offset so each shard draws its part of one global random tensor; it refuses the

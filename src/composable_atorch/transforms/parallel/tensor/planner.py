@@ -1,4 +1,4 @@
-"""What tensor parallelism shards: the seed's :class:`TPInfo`, plan normalisation and the auto planner.
+"""What tensor parallelism shards: ATorch's :class:`TPInfo`, plan normalisation and the auto planner.
 
 Pure functions of a model's module tree (nothing is sharded here); :mod:`.tensor` applies a plan
 with DTensor's ``parallelize_module``. See :mod:`.tensor` for the three plan forms.
@@ -44,7 +44,7 @@ MANUAL_FORM = (
 
 
 class TPInfo:
-    """The seed's manual tensor-parallel description; every method returns ``self`` (chainable).
+    """ATorch's manual tensor-parallel description; every method returns ``self`` (chainable).
 
     Arguments are module-name suffixes (``"mlp.c_fc"``, ``fnmatch`` wildcards allowed) or
     ``{suffix: {init kwargs}}``; the one kwarg read is ``stride`` (a fused projection such as

@@ -16,10 +16,10 @@ The plan is one of
   norms' gradients summed; the plan runs once at one rank's shapes before any weight moves
   (attention that fails there is kept whole, said in explain()); a model with no pair is a
   :class:`TensorParallelPlanError` naming its Linear layers and showing the manual form;
-* a :class:`TPInfo` (the seed's manual form);
+* a :class:`TPInfo` (ATorch's manual form);
 * a mapping ``{"blocks.*.attn.q": "colwise", ...}`` (HF's form).
 
-The seed name ``sequence_parallel`` is :class:`SequenceParallel`: this transform with
+ATorch's name ``sequence_parallel`` is :class:`SequenceParallel`: this transform with
 ``sequence_parallel=True``. Dropout streams follow the plan's ``replic_drop`` / ``parallel_drop``
 (see :mod:`.tp_dropout`); fused (strided) layers are checkpointed in the user's unpermuted layout
 (see :mod:`.tp_checkpoint`). ``train_step`` averages the loss over the plan's data dimension.
@@ -34,11 +34,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from composable_atorch.core.contract import Conflict, Contract, Implication, MinWorldSize, Stage
+from composable_atorch.core.contract import Conflict, Contract, MinWorldSize, Stage
 from composable_atorch.core.transform import ApplyContext, TrainState, Transform
 from composable_atorch.errors import ConfigError
 from composable_atorch.runtime.train_step import mark_loss_group
-from composable_atorch.transforms.parallel.data.common import parallel_context
+from composable_atorch.transforms.parallel.data.common import implies_mesh_dim, parallel_context
 from composable_atorch.transforms.parallel.tensor.planner import (
     MANUAL_FORM,
     TensorParallelPlanError,
@@ -91,11 +91,8 @@ class TensorParallel(Transform):
         # ATorch drops distributed methods in one process (remove_distributed_method): skipped, with the reason
         requires=(MinWorldSize(minimum=2, on_unmet="skip"),),
         implies=(
-            Implication(
-                "parallel_mode",
-                "tensor parallelism shards over the 'tensor' dimension of parallel_mode's device mesh",
-                config={"groups": (("tensor", 2), ("data", 1))},
-                satisfied_by=("process_groups",),
+            implies_mesh_dim(
+                "tensor", "tensor parallelism shards over the 'tensor' dimension of parallel_mode's device mesh"
             ),
         ),
         conflicts=(
@@ -342,7 +339,7 @@ def full_weight(module: nn.Module, name: str = "weight", value: torch.Tensor | N
 
 @dataclass(frozen=True)
 class SequenceParallel(TensorParallel):
-    """The seed name ``sequence_parallel``: :class:`TensorParallel` with ``sequence_parallel=True``.
+    """ATorch's name ``sequence_parallel``: :class:`TensorParallel` with ``sequence_parallel=True``.
 
     Megatron's sequence parallelism on the tensor dimension (the norms and dropouts between the
     sharded layers run on a sequence shard), not ATorch's Ulysses all-to-all, which has no
