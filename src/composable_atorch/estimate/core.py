@@ -86,6 +86,7 @@ def estimate(
     step_time: bool = True,
     steps: int = 1,
     criterion=None,
+    calibration=None,
 ) -> Estimate:
     """Predict each rank's memory (and, where torch can, the step time) of ``plan`` on ``world_size`` ranks.
 
@@ -104,6 +105,10 @@ def estimate(
     ``loss_fn`` other plans train on it too (``criterion(model(inputs), targets)``, as
     :func:`composable_atorch.train_step`). ``device`` is the target the plan is checked against; the
     simulation itself runs on fake CPU tensors (see :mod:`.simulate`).
+
+    Step time: on CUDA torch's RuntimeEstimator (where a GPU is present); on the CPU the simulated
+    step's ops priced with this machine's calibration (:mod:`.steptime`; ``calibration``: a
+    :class:`~.calibrate.Calibration`, default the cached one, measured once per machine).
     """
     world_size = check_world_size(world_size)
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
@@ -139,6 +144,11 @@ def estimate(
     # the CPU the simulation holds them from the backward on (simulate.buckets_from_backward)
     whole_step = device == "cuda"
     mailbox = Mailbox()
+    modelled = step_time and device == "cpu"
+    if modelled and calibration is None:
+        from composable_atorch.estimate.calibrate import calibration as cached
+
+        calibration = cached()
 
     def simulate(rank: int):
         return simulate_rank(
@@ -154,6 +164,7 @@ def estimate(
             buckets_in_backward=not whole_step,
             criterion=criterion,
             mailbox=mailbox,
+            trace_ops=modelled,
         )
 
     run = simulate(0)  # rank 0 holds stage 0 of any layout
@@ -185,7 +196,15 @@ def estimate(
     )
     if len(runs) > 1:
         extra["memtracker_by_stage"] = [r.by_kind for r in runs]
-    if run.step_time_s is None:
+    timing = modelled_step_time(runs, calibration, world_size) if modelled else None
+    if timing is not None:
+        notes.append(
+            f"step time: the simulated step's ops priced with this machine's calibration "
+            f"(compute {timing.compute:.4f} s, comm {timing.comm:.4f} s, overhead {timing.overhead:.4f} s"
+            + (f", pipeline bubble {timing.bubble:.4f} s" if timing.bubble else "")
+            + ")"
+        )
+    elif run.step_time_s is None:
         extra["step_time_reason"] = (
             "torch's RuntimeEstimator needs a CUDA device (none here)"
             if device == "cuda"
@@ -197,13 +216,31 @@ def estimate(
         device=device,
         steps=tuple(sim_plan.names),
         notes=tuple(notes),
-        step_time_s=max_or_none(r.step_time_s for r in runs),
-        step_time_mode=run.step_time_mode,
+        step_time_s=timing.seconds if timing is not None else max_or_none(r.step_time_s for r in runs),
+        step_time_mode=MODELLED if timing is not None else run.step_time_mode,
+        step_time=timing,
         flops=max_or_none(r.flops for r in runs),
         micro_batch=run.micro_batch,
         micro_batches=run.micro_batches,
         extra=extra,
     )
+
+
+MODELLED = "calibrated op trace (composable_atorch.estimate.steptime)"
+
+
+def modelled_step_time(runs, cal, world_size: int):
+    """The slowest simulated stage's step time: its traced ops priced, DDP's all-reduce added, a
+    pipeline's bubble applied (:mod:`.steptime`)."""
+    from composable_atorch.estimate.steptime import StepTime, bubble_factor, ddp_allreduce
+
+    times = []
+    for r in runs:
+        parts = r.trace.price(cal, world_size)
+        parts["comm"] += ddp_allreduce(r.allreduce_buckets, cal, world_size)
+        stages = len(runs) if r.stage is not None else 1
+        times.append(StepTime.of(parts, bubble_factor(stages, r.micro_batches)))
+    return max(times, key=lambda t: t.seconds)
 
 
 def to_rank_cost(by_kind: dict[str, int], extra_temporary: int = 0, stage: int | None = None) -> RankCost:
