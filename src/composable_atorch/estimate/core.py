@@ -87,6 +87,7 @@ def estimate(
     steps: int = 1,
     criterion=None,
     calibration=None,
+    dedup: bool | None = None,
 ) -> Estimate:
     """Predict each rank's memory (and, where torch can, the step time) of ``plan`` on ``world_size`` ranks.
 
@@ -109,6 +110,10 @@ def estimate(
     Step time: on CUDA torch's RuntimeEstimator (where a GPU is present); on the CPU the simulated
     step's ops priced with this machine's calibration (:mod:`.steptime`; ``calibration``: a
     :class:`~.calibrate.Calibration`, default the cached one, measured once per machine).
+
+    ``dedup``: simulate the model's repeated blocks at two small depths and extrapolate
+    (:mod:`.dedup`; the same memory, a fraction of the time); None does so from
+    ``dedup.AUTO_FROM`` blocks on; pipeline plans are always simulated whole.
     """
     world_size = check_world_size(world_size)
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
@@ -150,7 +155,7 @@ def estimate(
 
         calibration = cached()
 
-    def simulate(rank: int):
+    def simulate(rank: int, model=model):
         return simulate_rank(
             sim_plan,
             model,
@@ -167,7 +172,8 @@ def estimate(
             trace_ops=modelled,
         )
 
-    run = simulate(0)  # rank 0 holds stage 0 of any layout
+    run = shallow_run(simulate, model, dedup, notes)
+    run = run if run is not None else simulate(0)  # rank 0 holds stage 0 of any layout
     runs = [run]
     if run.stage_of_rank is not None:  # the other stages in stage order: each reads the one before's metadata
         for s in range(1, max(run.stage_of_rank) + 1):
@@ -224,6 +230,23 @@ def estimate(
         micro_batches=run.micro_batches,
         extra=extra,
     )
+
+
+def shallow_run(simulate, model, dedup: bool | None, notes: list[str]):
+    """Rank 0's run extrapolated from two truncated copies of the model (:mod:`.dedup`), or None when
+    the model has no repeated blocks worth it, ``dedup`` is False, or the plan is a pipeline."""
+    from composable_atorch.estimate import dedup as dd
+
+    found = dd.find_blocks(model) if dedup is not False else None
+    if found is None or found[1] <= dd.DEPTHS[1] or (dedup is None and found[1] < dd.AUTO_FROM):
+        return None
+    (name, n), (k1, k2) = found, dd.DEPTHS
+    small = simulate(0, dd.truncated(model, name, k1))
+    if small.stage_of_rank is not None:
+        return None
+    large = simulate(0, dd.truncated(model, name, k2))
+    notes.append(f"{n} identical blocks in {name or 'the model'}: simulated with {k1} and {k2}, extrapolated per block")
+    return dd.extrapolate(small, large, k1, k2, n)
 
 
 MODELLED = "calibrated op trace (composable_atorch.estimate.steptime)"
