@@ -26,7 +26,7 @@ def measure(plan_json: str, world: int, criterion=None, parts: bool = False):
     """The trial's peak of one step of ``plan_json`` in this process (a group of ``world`` exists);
     ``criterion``: train as the worker does for a workload with one (pipeline plans need it).
     ``parts``: also this rank's pipeline stage(s) and parameter bytes."""
-    from composable_atorch.auto.worker import peak_bytes_of_step, prefetch, train_step
+    from composable_atorch.auto.worker import peak_bytes_of_step, prefetch, trial_step
     from composable_atorch.runtime.train_step import PIPELINE_ATTR
 
     torch.manual_seed(0)
@@ -38,10 +38,10 @@ def measure(plan_json: str, world: int, criterion=None, parts: bool = False):
     tokens = torch.randint(0, 256, (micro, TASK.seq_len))
     data = iter([(tokens, tokens.clone())] * (3 * int(getattr(optim, "accumulation_steps", 1))))
     for _ in range(2):
-        train_step(model, optim, data, TASK.loss, "cpu", criterion=criterion)
+        trial_step(model, optim, data, TASK.loss, "cpu", criterion=criterion)
     fetched = prefetch(optim, data, "cpu")  # as the worker does: the batch is fetched before the tracker
     peak, _ = peak_bytes_of_step(
-        lambda before_micro=None: train_step(
+        lambda before_micro=None: trial_step(
             model, optim, iter(fetched), TASK.loss, "cpu", before_micro, criterion=criterion
         ),
         model,
@@ -155,13 +155,16 @@ def test_frozen_parameters_are_estimated_under_fsdp():
 
 def test_result_interface():
     shape = torch.Size([TASK.batch_size, TASK.seq_len])
-    est = estimate_pkg(ca.fsdp(wrap=Block), TASK.model, (shape, shape), world_size=4, device="cpu", loss_fn=TASK.loss)
+    est = estimate_pkg.estimate(
+        ca.fsdp(wrap=Block), TASK.model, (shape, shape), world_size=4, device="cpu", loss_fn=TASK.loss
+    )
     assert len(est.ranks) == 4 and est.peak == max(r.peak for r in est.ranks)
     r = est.ranks[0]
     assert r.parameters > 0 and r.optimizer > 0 and r.activations > 0
     assert est.fits(est.peak * 2) and not est.fits(est.peak) and est.fits(est.peak, margin=0.0)
     assert "peak" in est.table() and est.to_dict()["peak"] == est.peak
-    assert est.step_time_s is None and est.step_time_mode is None  # no CUDA here: torch's RuntimeEstimator needs one
+    # on the CPU: the simulated step's ops priced with this machine's calibration (estimate.steptime)
+    assert est.step_time_s > 0 and est.step_time_mode == estimate_pkg.core.MODELLED
     # sharding divides the states: world 4 holds less than world 1
     one = estimate(ca.compose(), TASK.model, (shape, shape), world_size=1, device="cpu", loss_fn=TASK.loss)
     assert r.parameters < one.ranks[0].parameters

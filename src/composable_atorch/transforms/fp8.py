@@ -1,6 +1,6 @@
 """fp8: train chosen ``nn.Linear`` layers in float8, through transformer-engine or torchao.
 
-Which Linear layers (seed 000's rules): weight dims both multiples of 16 (the fp8 GEMM and its
+Which Linear layers (ATorch's documented rules): weight dims both multiples of 16 (the fp8 GEMM and its
 transpose in the backward need it), and the qualified name passes ``include`` (at least one
 substring present, when given) and ``exclude`` (no substring present). The Llama example:
 ``exclude=("lm_head",)`` keeps the output head in high precision, which fp8 hurts.
@@ -8,7 +8,7 @@ substring present, when given) and ``exclude`` (no substring present). The Llama
 Backends, chosen in ``resolve(env)``:
 
 * ``transformer_engine`` on CUDA with compute capability >= 8.9 where it imports: ``te.Linear``
-  with the weights copied, and ``fp8_autocast`` with the seed's ``DelayedScaling`` recipe around
+  with the weights copied, and ``fp8_autocast`` with ATorch's ``DelayedScaling`` recipe around
   the outer forward;
 * ``torchao`` otherwise: ``convert_to_float8_training`` (dynamic per-tensor scaling). It runs on
   the CPU too (emulated: fp8 numerics, no speed-up), so the fp8 path trains in tests here. The
@@ -46,7 +46,7 @@ from composable_atorch.errors import ConfigError
 BACKENDS = ("auto", "transformer_engine", "torchao")
 FORMATS = ("HYBRID", "E4M3")
 AMAX_ALGOS = ("max", "most_recent")
-#: The seed's recipe.DelayedScaling fields and their defaults.
+#: ATorch's recipe.DelayedScaling fields and their defaults.
 RECIPE_DEFAULTS = {
     "margin": 0,
     "interval": 1,
@@ -184,7 +184,7 @@ class Fp8(Transform):
         if not isinstance(self.reduce_amax, bool):
             raise ConfigError("fp8.reduce_amax", self.reduce_amax, "True or False")
 
-    # -- search / seed ------------------------------------------------------------------------
+    # -- search / ATorch ------------------------------------------------------------------------
     @classmethod
     def candidates(cls, search):
         """One candidate where fp8 can be faster: TE on sm89+, else torchao on fp8 hardware.
@@ -202,7 +202,7 @@ class Fp8(Transform):
 
     @classmethod
     def from_seed(cls, config=None):
-        """The seed's dict: include, exclude, verbose (explain() always lists) and the recipe fields."""
+        """ATorch's dict: include, exclude, verbose (explain() always lists) and the recipe fields."""
         config = dict(config or {})
         config.pop("verbose", None)
         return fp8(**config)
@@ -279,7 +279,7 @@ class Fp8(Transform):
         return "torchao Float8Linear (same parameters)"
 
     def recipe_kwargs(self, accepted: set[str], formats) -> dict:
-        """The seed's recipe as ``recipe.DelayedScaling`` keywords, limited to those it accepts.
+        """ATorch's recipe as ``recipe.DelayedScaling`` keywords, limited to those it accepts.
 
         transformer-engine >= 1.8 dropped ``interval`` (scales update every step); passing it
         would raise, so fields the installed version does not accept are left out.
@@ -332,7 +332,7 @@ class Fp8(Transform):
 
 
 def fp8(include=None, exclude=None, backend: str = "auto", **recipe) -> Fp8:
-    """Float8 Linear training: ``fp8(exclude=("lm_head",))``; recipe fields as in the seed (margin...)."""
+    """Float8 Linear training: ``fp8(exclude=("lm_head",))``; recipe fields as in ATorch (margin...)."""
     unknown = sorted(set(recipe) - set(RECIPE_DEFAULTS))
     if unknown:
         raise ConfigError(
