@@ -97,3 +97,21 @@ def test_block_dedup_gives_the_full_estimate():
         assert fast.ranks == full.ranks
         assert fast.flops == full.flops
         assert fast.step_time_s == pytest.approx(full.step_time_s, rel=1e-9)
+
+
+def test_search_skips_only_plans_predicted_to_lose_by_more_than_the_error():
+    from composable_atorch.auto.predict import Prediction, StepTimeCheck
+    from composable_atorch.auto.trial import TrialResult
+
+    def ok(step):
+        return TrialResult("ok", samples_per_s=16 / step, step_time=step)
+
+    check = StepTimeCheck(min_error=0.1)
+    check.observe(Prediction(1, step_time_s=0.5), ok(1.0))
+    assert check.loses(Prediction(1, step_time_s=5.0)) is None  # one trial tells no error: nothing skipped yet
+    check.observe(Prediction(1, step_time_s=0.25), ok(0.6))  # ratios 2.0 and 2.4: scale 2.4, error 1/6
+    assert check.scale == pytest.approx(2.4) and check.error == pytest.approx(1 / 6)
+    assert check.loses(Prediction(1, step_time_s=0.27)) is None  # 0.648 s: within the error of the best 0.6 s
+    assert "slower than the best measured" in check.loses(Prediction(1, step_time_s=0.4))  # 0.96 s
+    assert check.loses(Prediction(1)) is None  # no step time predicted: measured
+    assert "+140%" in check.pick_note(Prediction(1, step_time_s=0.25), ok(0.6))
