@@ -233,20 +233,33 @@ def estimate(
 
 
 def shallow_run(simulate, model, dedup: bool | None, notes: list[str]):
-    """Rank 0's run extrapolated from two truncated copies of the model (:mod:`.dedup`), or None when
-    the model has no repeated blocks worth it, ``dedup`` is False, or the plan is a pipeline."""
+    """Rank 0's run extrapolated from truncated copies of the model (:mod:`.dedup`), or None when the
+    model has no repeated blocks worth it, ``dedup`` is False, the plan is a pipeline, or the check
+    depth is not where the line through the first two puts it (the memory peak moved from one
+    phase of the step to another as blocks were added: then the whole model is simulated)."""
     from composable_atorch.estimate import dedup as dd
 
     found = dd.find_blocks(model) if dedup is not False else None
-    if found is None or found[1] <= dd.DEPTHS[1] or (dedup is None and found[1] < dd.AUTO_FROM):
+    if found is None or found[1] <= dd.DEPTHS[-1] or (dedup is None and found[1] < dd.AUTO_FROM):
         return None
-    (name, n), (k1, k2) = found, dd.DEPTHS
-    small = simulate(0, dd.truncated(model, name, k1))
-    if small.stage_of_rank is not None:
+    name, n = found
+    runs = []
+    for depth in dd.DEPTHS:
+        runs.append(simulate(0, dd.truncated(model, name, depth)))
+        if runs[-1].stage_of_rank is not None:
+            return None
+        if runs[-1].allreduce_buckets:  # DDP's bucket stand-ins: their layout over the parameters is not per block
+            notes.append(f"{n} identical blocks: DDP's gradient buckets span blocks, so the whole model is simulated")
+            return None
+    (k1, k2, k3), (small, large, check) = dd.DEPTHS, runs
+    if dd.extrapolate(small, large, k1, k2, k3).by_kind != check.by_kind:
+        notes.append(f"{n} identical blocks: the memory peak changes phase with depth, so the whole model is simulated")
         return None
-    large = simulate(0, dd.truncated(model, name, k2))
-    notes.append(f"{n} identical blocks in {name or 'the model'}: simulated with {k1} and {k2}, extrapolated per block")
-    return dd.extrapolate(small, large, k1, k2, n)
+    notes.append(
+        f"{n} identical blocks in {name or 'the model'}: simulated with {k1}, {k2} and {k3} (the line through "
+        f"the first two holds at the third), extrapolated per block"
+    )
+    return dd.extrapolate(large, check, k2, k3, n)
 
 
 MODELLED = "calibrated op trace (composable_atorch.estimate.steptime)"

@@ -8,9 +8,14 @@ and backward. So a model of ``n`` blocks costs ``q(k1) + (n - k1) * (q(k2) - q(k
 quantity ``q``, measured on copies of the model truncated to ``k1`` and ``k2`` blocks. Two depths,
 not one, so that what is not per block (embeddings, the head, the loss, the first and last block's
 edge effects such as FSDP's root) is measured rather than assumed; ``k1 = 2`` keeps a first and a
-last block apart from each other. A 32-layer Llama is simulated as 2 + 3 layers.
+last block apart from each other. A third depth checks the line: where the peak moves from one
+phase of the step to another as blocks are added (DDP's buckets filling up, a checkpointed
+backward overtaking the optimizer step), the bytes at the third depth are off the line and the
+whole model is simulated instead. A 32-layer Llama is simulated as 2 + 3 + 4 layers.
 
-Pipeline plans are not truncated (their stage cut depends on the depth): they are simulated whole.
+Pipeline plans are not truncated (their stage cut depends on the depth), nor plans with DDP (its
+gradient buckets, added as stand-ins, are filled across blocks up to 25 MiB each, so what of them
+is alive at the peak is not per block): they are simulated whole.
 """
 
 from __future__ import annotations
@@ -24,8 +29,9 @@ import torch
 from composable_atorch.estimate.simulate import BUCKET_CAPS, RankRun
 from composable_atorch.estimate.steptime import OpTrace
 
-#: the two depths simulated, and the depth from which truncating pays (5 blocks simulated in all)
-DEPTHS = (2, 3)
+#: the depths simulated (the third checks the line through the first two), and the depth from
+#: which truncating pays (9 blocks simulated in all)
+DEPTHS = (2, 3, 4)
 AUTO_FROM = 8
 
 
