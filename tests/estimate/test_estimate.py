@@ -13,7 +13,7 @@ import torch
 
 import composable_atorch as ca
 import composable_atorch.estimate as estimate_pkg
-from composable_atorch.auto.builtin import GPTTask
+from composable_atorch.auto.workload import GPTTask
 from composable_atorch.errors import ConfigError
 from composable_atorch.estimate import EstimateError, estimate
 from composable_atorch.models import Block
