@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import composable_atorch as ca
-from composable_atorch.auto.builtin import GPTTask
+from composable_atorch.auto.workload import GPTTask
 from composable_atorch.estimate import calibrate, estimate
 from composable_atorch.estimate.calibrate import Calibration, CalibrationError, Curve
 from composable_atorch.estimate.steptime import OpTrace
