@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from composable_atorch.core import codec, passes
+from composable_atorch.core import codec, passes, untrusted
 from composable_atorch.core.context import ApplyContext, TrainState
 from composable_atorch.core.registry import build
 from composable_atorch.environment import Environment
@@ -96,13 +96,20 @@ class Plan:
         return json.dumps(self.to_dict(), indent=indent)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], *, env: Environment | None = None, strict: bool | None = None) -> Plan:
+    def from_dict(
+        cls, data: dict[str, Any], *, env: Environment | None = None, strict: bool | None = None, allow=()
+    ) -> Plan:
+        """The plan ``data`` describes, composed for ``env``. Classes and functions it names resolve
+        only against ``allow`` and what this process has imported (see :mod:`.codec`): never imported."""
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise ConfigError(
                 "plan format", data.get("format") if isinstance(data, dict) else type(data).__name__, repr(FORMAT)
             )
         if data.get("version") != VERSION:
             raise ConfigError("plan version", data.get("version"), str(VERSION))
+        if not isinstance(data.get("strict", False), bool):
+            raise ConfigError("plan strict", data.get("strict"), "true or false")
+        untrusted.check_depth(data, "plan")
         entries = data.get("transforms")
         if not isinstance(entries, list):
             raise ConfigError("plan transforms", entries, "a list of {'name': ..., 'config': {...}}")
@@ -110,19 +117,19 @@ class Plan:
         for i, entry in enumerate(entries):
             if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
                 raise ConfigError(f"plan transforms[{i}]", entry, "{'name': str, 'config': {...}}")
-            config = codec.decode(entry.get("config", {}))
+            config = codec.decode(entry.get("config", {}), allow)
             transforms.append(build(entry["name"], config))
         return Plan.composed(transforms, strict=data.get("strict", False) if strict is None else strict, env=env)
 
     @classmethod
-    def from_json(cls, text: str, *, env: Environment | None = None, strict: bool | None = None) -> Plan:
+    def from_json(cls, text: str, *, env: Environment | None = None, strict: bool | None = None, allow=()) -> Plan:
         try:
-            data = json.loads(text)
+            data = untrusted.loads(text, "plan JSON")
         except json.JSONDecodeError as exc:
             raise ConfigError(
                 "plan JSON", text[:60], f"valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})"
             ) from None
-        return cls.from_dict(data, env=env, strict=strict)
+        return cls.from_dict(data, env=env, strict=strict, allow=allow)
 
     # -- people -----------------------------------------------------------------------------
     def explain(self, applied: Applied | TrainState | None = None) -> str:
