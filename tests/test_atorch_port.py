@@ -29,7 +29,7 @@ from torch import nn
 
 import composable_atorch as ca
 from composable_atorch import strategy
-from composable_atorch.compat.atorch import AtorchStrategy, default_prepare_input
+from composable_atorch.compat.accelerate import AtorchStrategy, default_prepare_input
 from composable_atorch.errors import ConfigError, RequirementError, WorkloadError
 
 from _dist import run_world

@@ -43,7 +43,10 @@ def _from_seed_list(items, *, env, strict) -> Plan:
         else:
             raise ConfigError(f"strategy[{i}]", item, "a name or a (name, config) pair")
         transforms.append(lookup(name).from_seed(codec.decode(config) if isinstance(config, list | dict) else config))
-    return compose(*transforms, env=env, strict=strict)
+    out = tuple(transforms)
+    for t in transforms:
+        out = t.adjust_seed_list(out)
+    return compose(*out, env=env, strict=strict)
 
 
 def _from_text(text: str, *, env, strict) -> Plan:

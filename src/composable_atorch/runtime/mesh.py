@@ -19,24 +19,39 @@ from composable_atorch.runtime.layout import ParallelContext, make_context, plan
 BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl")
 
 
-def init_distributed(backend: str = "gloo", *, timeout_s: float | None = None) -> bool:
+def init_distributed(
+    backend: str = "gloo",
+    *,
+    timeout_s: float | None = None,
+    timeout=None,
+    set_cuda_device_using_local_rank: bool = False,
+) -> bool:
     """Initialize the default process group from torchrun's environment; True if it exists now.
 
     Already initialized: nothing happens. No ``WORLD_SIZE`` in the environment (not launched):
-    a single process, returns False.
+    a single process, returns False. ATorch's keywords: ``timeout`` (a ``datetime.timedelta``, as
+    torch takes it) and ``set_cuda_device_using_local_rank`` (select GPU ``LOCAL_RANK``, when there is one).
     """
     import datetime
 
+    import torch
     import torch.distributed as dist
 
     if backend not in BACKENDS:
         raise ConfigError("init_distributed backend", backend, ", ".join(BACKENDS))
+    if timeout is not None and timeout_s is not None:
+        raise ConfigError("init_distributed timeout", timeout, "one of timeout (a timedelta) and timeout_s")
+    if timeout is not None and not isinstance(timeout, datetime.timedelta):
+        raise ConfigError("init_distributed timeout", timeout, "a datetime.timedelta (or timeout_s in seconds)")
+    if timeout_s is not None:
+        timeout = datetime.timedelta(seconds=timeout_s)
+    if set_cuda_device_using_local_rank and torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if dist.is_initialized():
         return True
     if "WORLD_SIZE" not in os.environ:
         return False
-    kwargs = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
-    dist.init_process_group(backend, **kwargs)
+    dist.init_process_group(backend, **({} if timeout is None else {"timeout": timeout}))
     return True
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import inspect
+import types
 from typing import ClassVar
 
 import torch
@@ -279,3 +280,19 @@ class DataGradSync(OptimizerHook):
                 g = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
                 dist.all_reduce(g, group=self.group)
                 g.div_(self.size)
+
+
+def _full_clip_grad_norm_(self, max_norm, norm_type=2.0):
+    """FSDP1's ``model.clip_grad_norm_(max_norm, norm_type)`` on an FSDP2 model: torch's
+    clip_grad_norm_ over the sharded (DTensor) gradients, returning the full norm as a plain tensor
+    (ATorch's scripts log it, e.g. with TensorBoard's ``add_scalar``, which takes no DTensor)."""
+    params = [p for p in self.parameters() if p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
+def give_clip_grad_norm(model: nn.Module) -> None:
+    """The sharded root keeps FSDP1's clip_grad_norm_ method (FSDP2's fully_shard has none), unless
+    the model defines its own."""
+    if not hasattr(model, "clip_grad_norm_"):
+        model.clip_grad_norm_ = types.MethodType(_full_clip_grad_norm_, model)

@@ -1,4 +1,4 @@
-"""The seed's ``auto_accelerate``: a thin facade over strategies, the search and plans.
+"""ATorch's ``auto_accelerate``: a thin facade over strategies, the search and plans.
 
 ``load_strategy`` given -> semi-automatic: the strategy is loaded (any form strategy.load takes),
 checked by compose() and applied; with ``ignore_dryrun_on_load_strategy=False`` it is first run
@@ -34,6 +34,7 @@ from collections import namedtuple
 
 import torch
 
+from composable_atorch.compat import groups
 from composable_atorch.compat.request import (
     AccelerateArgs,
     Request,
@@ -216,7 +217,9 @@ def auto_accelerate(
     optim_maker = req.optim_maker
     optim = optim_maker(model) if optim_maker else None
     loader = None if dataset is None else torch.utils.data.DataLoader(dataset, **req.dataloader_args)
-    model, optim, loader = plan(model, optim, loader)
+    applied = plan(model, optim, loader)
+    model, optim, loader = applied
+    groups.record(applied.state.parallel)  # for ATorch's module-level helpers (compat.atorch.distributed)
     if loss_func is not None and hasattr(getattr(model, "module", None), "loss_fn"):
         model.module.loss_fn = (
             loss_func  # a DeepSpeed pipeline engine computes the loss inside train_batch (ds_3d_parallel)
