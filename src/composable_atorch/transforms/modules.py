@@ -253,6 +253,16 @@ def _set_child(model: nn.Module, qualname: str, new: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, leaf, new)
 
 
+class _Notes:
+    """What ModuleReplace.apply reads and writes of a TrainState: the model and its notes."""
+
+    def __init__(self, model: nn.Module):
+        self.model, self.lines = model, []
+
+    def note(self, _step: str, text: str) -> None:
+        self.lines.append(text)
+
+
 @dataclass(frozen=True)
 class ModuleReplace(Transform):
     """Swap modules for fused implementations (see the module docstring); names and weights kept.
@@ -321,6 +331,13 @@ class ModuleReplace(Transform):
         tried = "all registered pairs" if self.pairs is None else ", ".join(self.pairs) or "no pair"
         skipped = "".join(f"; {n}: no effect here, {why}" for n, why in self.ignored)
         return f"module_replace({tried}{skipped})"
+
+    def rewrite(self, module: nn.Module, ctx: ApplyContext) -> tuple[nn.Module, list[str]]:
+        """The same replacement on one module, outside a plan's state: ds_3d_parallel calls it on each
+        layer it builds from the recorded init args (swaps made in the meta model are not recorded)."""
+        notes = _Notes(module)
+        self.apply(notes, ctx)
+        return notes.model, notes.lines
 
     def apply(self, state: TrainState, ctx: ApplyContext) -> TrainState:
         model, env, dtype = state.model, ctx.env, training_dtype(ctx)
