@@ -276,3 +276,42 @@ def test_multiple_parallel_instances_at_world_4():
         # each instance's two ranks end equal (DDP over the instance's data group); instances train
         # the same data from the same start, so all four agree as well
         assert r["same_as"][rank // 2 * 2] and r["same_as"][rank // 2 * 2 + 1]
+
+
+# ATorch's ds_3d_llama2.py asks for ("deepspeed_3d_parallel", cfg) and "module_replace" together
+
+
+def _ds3d_module_replace_case(rank, world, _):
+    from composable_atorch.models.gpt import GPT, CausalSelfAttention
+
+    vocab = 64
+    with ca.record_module_init():
+        meta = GPT(vocab_size=vocab, seq_len=16, d_model=32, n_layer=2, n_head=2)
+    cfg = ca.DeepSpeed3DParallelConfig(
+        tie_first=False, ds_config={"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2}
+    )
+    status, result, best = auto_accelerate(
+        meta,
+        torch.optim.SGD,
+        optim_args={"lr": 0.05},
+        loss_func=lambda logits, labels: F.cross_entropy(logits.reshape(-1, vocab), labels.reshape(-1)),
+        load_strategy=[
+            ("parallel_mode", ([("data", 1), ("pipeline", 2)], None)),
+            ("deepspeed_3d_parallel", cfg),
+            ("module_replace", {"gpt_sdpa": None}),
+        ],
+        ignore_dryrun_on_load_strategy=True,
+    )
+    kinds = sorted({type(m).__name__ for m in result.model.module.modules() if isinstance(m, CausalSelfAttention)})
+    ids = torch.randint(0, vocab, (4, 17), generator=torch.Generator().manual_seed(0))
+    batches = iter([(ids[:2, :-1], ids[:2, 1:]), (ids[2:, :-1], ids[2:, 1:])])
+    loss = float(result.model.train_batch(batches))
+    return dict(status=status, kinds=kinds, loss=loss)
+
+
+@pytest.mark.dist
+def test_ds_3d_parallel_with_module_replace_swaps_inside_the_built_layers():
+    pytest.importorskip("deepspeed")
+    for r in run_world(_ds3d_module_replace_case, 2, None, timeout=300):
+        assert r["status"] and r["kinds"] == ["SDPACausalSelfAttention"], r  # each stage's block, swapped
+        assert math.isfinite(r["loss"]) and r["loss"] > 0

@@ -611,6 +611,13 @@ def test_result_fields_in_atorch_order_and_args_read_both_ways():
     }  # ATorch's dict
     with pytest.raises(KeyError, match="use_optim_backward"):
         result.args["use_optim_backwards"]
+    assert result.args.get("requires_set_gradient_accumulation_boundary") is False and set(result.args) == {
+        "use_optim_backward",
+        "requires_set_gradient_accumulation_boundary",
+    }
+    # ATorch's Strategy reading surface on best_strategy
+    assert best.opt_list[0][0] == best[0][0] == "amp" and best.opt_names() == ["amp"]
+    assert best.is_tunable() is False and best.get_parallel_mode() == (False, None)
     # the wrapped loss: a plain loss.backward() goes through the grad scaler
     assert run_train(result.model, result.dataloader, result.optim, result.prepare_input, result.loss_func) == 4
 

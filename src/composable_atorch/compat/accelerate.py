@@ -85,6 +85,23 @@ class AtorchStrategy(Plan):
         """ATorch's ``Strategy.opt_names()``: every step's name, implied ones included."""
         return list(self.names)
 
+    # the rest of ATorch's Strategy reading surface (a plan is immutable: add_opt / __setitem__ are not offered)
+    @property
+    def opt_list(self) -> list[StrategyEntry]:
+        return list(self)
+
+    def __getitem__(self, idx):
+        return self.opt_list[idx]
+
+    def is_tunable(self) -> bool:
+        """False: every step of a returned plan has its configuration."""
+        return False
+
+    def get_parallel_mode(self):
+        """ATorch's ``(found, config)`` for parallel_mode (config as this library holds it)."""
+        entry = next((e for e in self if e[0] == "parallel_mode"), None)
+        return (False, None) if entry is None else (True, entry[1])
+
     def explain(self, applied=None) -> str:
         text = super().explain(applied)
         extra = getattr(self, "facade_notes", ())

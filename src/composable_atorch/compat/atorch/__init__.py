@@ -17,6 +17,9 @@ from composable_atorch.compat.accelerate import (
     auto_accelerate,
     default_prepare_input,
 )
+
+# ATorch's scripts reach these as attributes of the package (``atorch.optimizers.AGD``)
+from composable_atorch.compat.atorch import auto, distributed, optimizers  # noqa: E402 - after the names above
 from composable_atorch.compat.atorch.distributed.distributed import (
     init_distributed,
     local_rank,
@@ -32,9 +35,12 @@ __all__ = [
     "AtorchStrategy",
     "StrategyEntry",
     "auto_accelerate",
+    "auto",
     "default_prepare_input",
+    "distributed",
     "init_distributed",
     "local_rank",
+    "optimizers",
     "rank",
     "reset_distributed",
     "world_size",
