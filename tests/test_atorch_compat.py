@@ -7,6 +7,8 @@ plain PyTorch (F.cross_entropy on the full logits, FSDP1's clip_grad_norm_, FSDP
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
