@@ -94,3 +94,16 @@ def test_atorch_nanogpt_fsdp_script_unchanged_but_imports(tmp_path):
     assert "fsdp(wrap Block" in out and "amp(bf16)" in out
     events = list((tmp_path / "fsdp-bfloat16").glob("events.out.tfevents.*"))
     assert events and b"Grad norm" in events[0].read_bytes()
+
+
+def test_atorch_auto_accelerate_gpt2_fsdp_example_unchanged_but_imports():
+    """ATorch's auto_accelerate example (train_gpt2_entry.sh's arguments, smaller data), imports changed only.
+    The script prints no loss (only sec/step), so it is checked on running its steps to the end."""
+    out = launch(
+        "atorch_auto_accelerate/train.py",
+        *("--model_type", "gpt2", "--distributed", "--hidden_size", "64", "--head_num", "4", "--layer_num", "4"),
+        *("--seq_length", "32", "--load_strategy", "--use_fsdp", "--datasize", "32", "--epoch", "1"),
+        *("--log_interval", "1"),
+        cwd=EXAMPLES / "atorch_auto_accelerate",  # the script imports its data.py / modeling.py
+    )
+    assert "[step=3]" in out and out.count("Finished training!") == 2
