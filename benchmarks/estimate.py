@@ -70,7 +70,7 @@ def measure_plans(
     worker does for a workload that has one (a pipeline plan trains no other way)."""
     import torch
 
-    from composable_atorch.auto.worker import batches, peak_bytes_of_step, prefetch, train_step
+    from composable_atorch.auto.worker import batches, peak_bytes_of_step, prefetch, trial_step
     from composable_atorch.cli.demo import TASK
     from composable_atorch.core.plan import Plan
     from composable_atorch.runtime.train_step import PIPELINE_ATTR
@@ -83,12 +83,12 @@ def measure_plans(
             model, optim, loader = Plan.from_json(text)(model, optim, loader)
             data = batches(loader)
             for _ in range(warmup):
-                train_step(model, optim, data, TASK.loss, "cpu", criterion=criterion)
+                trial_step(model, optim, data, TASK.loss, "cpu", criterion=criterion)
 
             fetched = prefetch(optim, data, "cpu")  # as the worker does
 
             def step(before_micro=None, model=model, optim=optim, fetched=fetched):
-                return train_step(model, optim, iter(fetched), TASK.loss, "cpu", before_micro, criterion=criterion)
+                return trial_step(model, optim, iter(fetched), TASK.loss, "cpu", before_micro, criterion=criterion)
 
             peak, _ = peak_bytes_of_step(step, model, optim, "cpu")
             runner = getattr(model, PIPELINE_ATTR, None)

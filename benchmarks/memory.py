@@ -1,7 +1,8 @@
 """Per-rank training-state memory of ddp / zero1 / zero2 / fsdp and of model-parallel layouts (TP, PP,
 TP x FSDP, TP x PP x DP), and activation memory with checkpointing.
 
-    python benchmarks/memory.py [--worlds 2 4] [--fake-worlds 8 16 64] [--no-model-parallel] [--d-model 128] [--n-layer 4]
+    python benchmarks/memory.py [--worlds 2 4] [--fake-worlds 8 16 64] [--no-model-parallel] \
+        [--d-model 128] [--n-layer 4]
 
 State bytes are counted exactly, per rank, after one real training step on a gloo process group
 of N spawned processes: the local bytes of every parameter (a DTensor's local shard), of every
@@ -159,7 +160,8 @@ FAKE_WORLDS = (8, 16, 64)
 MICROBATCHES = 2
 #: one stage per rank (the pipeline rows' stage is the rank's whole share)
 SCHEDULE = "1F1B"
-#: measured per-rank params / grads / AdamW bytes must equal the plan's arithmetic within this (chunks round up; AdamW step counters)
+#: measured per-rank params / grads / AdamW bytes must equal the plan's arithmetic within this
+#: (chunks round up; AdamW step counters)
 CHECK_TOLERANCE = 0.005
 
 
@@ -270,7 +272,8 @@ def _ds3d_measure(lay, sizes):
     return ds3d_layout_state(lay.tensor, lay.pipeline, lay.data, sizes)
 
 
-#: A new family: one steps function above and one entry here (rows at gloo worlds run on gloo, the rest on the fake group).
+#: A new family: one steps function above and one entry here
+#: (rows at gloo worlds run on gloo, the rest on the fake group).
 FAMILIES: dict[str, Family] = {
     "fsdp": Family(_fsdp_steps, ((1, 1, 2), (1, 1, 4), (1, 1, 8), (1, 1, 16), (1, 1, 64)), ALL_STATE, "fsdp"),
     "tp": Family(_tp_steps, ((2, 1, 1), (2, 1, 2), (8, 1, 1), (8, 1, 8))),
@@ -674,11 +677,13 @@ def main(argv=None) -> int:
         console.print(
             f"tensor_parallel('auto') on HF Llama shards what transformers' tp_plan names (the layers' projections, "
             f"the head with gathered logits; not the embedding, whose DTensor gradient would be replicated); the rest "
-            f"stays whole on every tensor rank: {rep['bytes'] / 2**30:.3f} GiB of the 7B's fp32 parameters (largest: {', '.join(rep['largest'])})."
+            f"stays whole on every tensor rank: {rep['bytes'] / 2**30:.3f} GiB of the 7B's fp32 parameters (largest: "
+            f"{', '.join(rep['largest'])})."
         )
         if mp_report["not_on_fake"]:
             console.print(
-                f"not run on the fake group (the family's engine needs real collectives): {', '.join(mp_report['not_on_fake'])}"
+                "not run on the fake group (the family's engine needs real collectives): "
+                f"{', '.join(mp_report['not_on_fake'])}"
             )
         rows = mp_report["gloo"] + mp_report["fake"]
         rows = [r for r in rows if r.get("arithmetic", True)]  # DS 3D rows are compared with torch-native instead

@@ -150,19 +150,22 @@ def main(argv=None) -> int:
     whole = whole_state()
     mib = 2**20
     print(
-        f"ds_3d_parallel per-rank state at world 4, Llama hidden {LLAMA_TINY['hidden_size']}, {LLAMA_TINY['num_hidden_layers']} layers, fp32 + AdamW, ZeRO-0"
+        f"ds_3d_parallel per-rank state at world 4, Llama hidden {LLAMA_TINY['hidden_size']}, "
+        f"{LLAMA_TINY['num_hidden_layers']} layers, fp32 + AdamW, ZeRO-0"
     )
     print(
         f"{'layout':<18}{'rank':>5}{'params MiB':>12}{'grads MiB':>11}{'optim MiB':>11}{'total MiB':>11}{'x whole':>9}"
     )
     print(
-        f"{'whole model':<18}{'-':>5}{whole['params'] / mib:>12.3f}{whole['grads'] / mib:>11.3f}{whole['optimizer'] / mib:>11.3f}{whole['total'] / mib:>11.3f}{1:>9.3f}"
+        f"{'whole model':<18}{'-':>5}{whole['params'] / mib:>12.3f}{whole['grads'] / mib:>11.3f}"
+        f"{whole['optimizer'] / mib:>11.3f}{whole['total'] / mib:>11.3f}{1:>9.3f}"
     )
     for i in range(len(per_rank[0])):
         for rank, rows in enumerate(per_rank):
             r = rows[i]
             print(
-                f"{r['layout']:<18}{rank:>5}{r['params'] / mib:>12.3f}{r['grads'] / mib:>11.3f}{r['optimizer'] / mib:>11.3f}{r['total'] / mib:>11.3f}{r['total'] / whole['total']:>9.3f}"
+                f"{r['layout']:<18}{rank:>5}{r['params'] / mib:>12.3f}{r['grads'] / mib:>11.3f}"
+                f"{r['optimizer'] / mib:>11.3f}{r['total'] / mib:>11.3f}{r['total'] / whole['total']:>9.3f}"
             )
     return 0
 

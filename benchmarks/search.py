@@ -39,10 +39,11 @@ from pathlib import Path
 
 import composable_atorch as ca
 from composable_atorch.auto.builtin import GPTTask
+from composable_atorch.auto.policy import TrialSettings
 from composable_atorch.auto.predict import Predictor, default_estimator
 from composable_atorch.auto.space import plan_key
 from composable_atorch.auto.study import ProcessRunner, search
-from composable_atorch.auto.trial import TrialResult, TrialSettings
+from composable_atorch.auto.trial import TrialResult
 from composable_atorch.environment import Environment
 
 TASK = GPTTask(seq_len=64, d_model=96, n_layer=2, n_head=4, batch_size=16)
@@ -244,12 +245,15 @@ def main(argv=None) -> int:
     print(head)
     for r in rows:
         print(
-            f"{r['budget']:>3} {r['budget_pct']:>5}%  {r['sampler']:<12} {r['median_regret_pct']:>12}% {r['mean_regret_pct']:>10}% "
-            f"{r['within_3pct']:>6} {r['median_trials']:>6} {r['invalid_proposals']:>7} {r['skipped_by_prediction']:>7} "
+            f"{r['budget']:>3} {r['budget_pct']:>5}%  {r['sampler']:<12} {r['median_regret_pct']:>12}% "
+            f"{r['mean_regret_pct']:>10}% "
+            f"{r['within_3pct']:>6} {r['median_trials']:>6} {r['invalid_proposals']:>7} "
+            f"{r['skipped_by_prediction']:>7} "
             f"{r['over_budget_runs']:>11} {r['median_wall_s']:>7}"
         )
     print(
-        f"target: within 3% at K={n // 4} (25%) in {target['seeds_within_3pct_at_quarter_budget']} seeds (need >= 8/10): "
+        f"target: within 3% at K={n // 4} (25%) in {target['seeds_within_3pct_at_quarter_budget']} seeds (need >= "
+        "8/10): "
         f"{'met' if target['within_3pct_at_quarter_budget'] else 'NOT met'}; better than random at K=3, 7: {better}; "
         f"study runs over the budget: {over}; overall: {'MET' if target['met'] else 'NOT MET'}"
     )
@@ -270,7 +274,8 @@ def main(argv=None) -> int:
                 "table": {k: r.to_dict() for k, r in table.items()},
                 "predictions": {k: p.to_dict() for k, p in preds.items()},
                 "prediction_s": predict_s,
-                "oracle_note": "samplers are compared against the exhaustive measurements replayed as an oracle (see the module doc)",
+                "oracle_note": "samplers are compared against the exhaustive measurements replayed as an oracle (see "
+                "the module doc)",
             },
             indent=1,
         )

@@ -183,7 +183,8 @@ def main(argv=None) -> int:
     rows = []
     print(f"\nloop: {args.loop}")
     print(
-        f"{'LoRA':<5} {'ranks':>5}  {'published MiB':>13}  {'predicted MiB':>13}  {'error':>7}  breakdown (MiB: params/grads/optim/activations/temporary)"
+        f"{'LoRA':<5} {'ranks':>5}  {'published MiB':>13}  {'predicted MiB':>13}  {'error':>7}  breakdown (MiB: "
+        "params/grads/optim/activations/temporary)"
     )
     for world in args.worlds:
         for lora in loras:
@@ -198,7 +199,8 @@ def main(argv=None) -> int:
                 for k in ("parameters", "gradients", "optimizer", "activations", "temporary")
             )
             print(
-                f"{'yes' if lora else 'no':<5} {world:>5}  {pub:>13.1f}  {pred:>13.1f}  {err * 100:+6.1f}%  {parts}  ({time.perf_counter() - t0:.0f} s)",
+                f"{'yes' if lora else 'no':<5} {world:>5}  {pub:>13.1f}  {pred:>13.1f}  {err * 100:+6.1f}%  {parts}  "
+                f"({time.perf_counter() - t0:.0f} s)",
                 flush=True,
             )
             rows.append(

@@ -14,7 +14,8 @@ Tiny, on this CPU (a 4-layer Llama from a config, byte tokens of text every Pyth
 Full size (the seed's run: 8 GPUs, mp 2 x pp 2 x dp 2, a DeepSpeed JSON config)::
 
     PIPELINE_PARALLEL_SIZE=2 MODEL_PARALLEL_SIZE=2 MODEL_NAME_OR_PATH=meta-llama/Llama-2-7b-hf \\
-        python -m composable_atorch launch --nproc 8 examples/ds_3d_llama2.py --ds_config ds_config.json --block_size 4096
+        python -m composable_atorch launch --nproc 8 examples/ds_3d_llama2.py \\
+        --ds_config ds_config.json --block_size 4096
 """
 
 from __future__ import annotations
@@ -68,7 +69,8 @@ def main():
     pipeline_size = int(os.environ.get("PIPELINE_PARALLEL_SIZE", 2))
     if world % (tensor_size * pipeline_size):
         raise SystemExit(
-            f"world {world} is not divisible by MODEL_PARALLEL_SIZE {tensor_size} x PIPELINE_PARALLEL_SIZE {pipeline_size}"
+            f"world {world} is not divisible by MODEL_PARALLEL_SIZE {tensor_size} x PIPELINE_PARALLEL_SIZE "
+            f"{pipeline_size}"
         )
     data_size = world // (tensor_size * pipeline_size)
     groups = [("tensor", tensor_size), ("data", data_size), ("pipeline", pipeline_size)]

@@ -1,4 +1,7 @@
-"""Registry-matrix cases for model parallelism: tensor_parallel, sequence_parallel, pipeline_parallel, mixed_parallel (world 2)."""
+"""Registry-matrix cases for model parallelism (world 2).
+
+tensor_parallel, sequence_parallel, pipeline_parallel, mixed_parallel.
+"""
 
 from composable_atorch import mixed_parallel, parallel_mode, pipeline_parallel, sequence_parallel, tensor_parallel
 

@@ -17,12 +17,6 @@ import pytest  # noqa: E402
 #: the entry here then does nothing more. An entry naming no collected test fails the run (below),
 #: so a renamed test cannot silently rejoin the fast tier.
 MARKS = {
-    "test_fp8.py::test_fp8_trains_20_steps_within_tolerance_of_bf16": ("slow", "45 s: 20 emulated fp8 steps"),
-    "test_fp8.py::test_fp8_under_bf16_autocast_trains_within_tolerance": ("slow", "23 s: emulated fp8 under autocast"),
-    "test_fp8.py::test_llama_fp8_without_lm_head_trains_20_steps_within_tolerance_of_bf16": (
-        "slow",
-        "18 s: emulated fp8",
-    ),
     "test_checkpointing.py::test_a_crash_during_save_leaves_the_previous_checkpoint_loadable": (
         "dist",
         "spawns training processes (10 s)",

@@ -431,7 +431,8 @@ def _gpt2_cases(rank, world, _):
             steps = run_train(
                 result.model, result.dataloader, result.optim, result.prepare_input, result.loss_func, gpt2_model=True
             )
-            # what ATorch's test never writes down: both ranks end with one model (full weights gathered from the shards)
+            # what ATorch's test never writes down: both ranks end with one model
+            # (full weights gathered from the shards)
             full = {
                 n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float()
                 for n, p in result.model.named_parameters()
@@ -723,7 +724,8 @@ PORT = {
     "auto_accelerate_test.test_pass_sample_batch": "ported",
     "auto_accelerate_test.test_load_save_strategy": "different: pickle refused; the JSON form is ported",
     "auto_accelerate_test.test_adjust_strategy": "ported",
-    "auto_accelerate_test.test_adjust_strategy (remove_distributed_method)": "ported (skipped with the reason in explain())",
+    "auto_accelerate_test.test_adjust_strategy (remove_distributed_method)": "ported (skipped with the reason in "
+    "explain())",
     "auto_accelerate_test.test_tasks": "not ported: drives ATorch's task engine (no counterpart)",
     "semi_auto_acc_test.test_gpt2_strategy": "ported",
     "semi_auto_acc_test.test_ds_zero (no offload)": "ported (DeepSpeed's optimizer is result.optim.optimizer)",
@@ -734,14 +736,18 @@ PORT = {
     "semi_auto_acc_test.test_fsdp_wraps": "ported (FSDP2 modules counted instead of FSDP1 wrappers)",
     "semi_auto_acc_test.test_gpt2_bf16_only": "ported (BF16Optimizer -> half's fp32 master weights, by default)",
     "semi_auto_acc_test.test_gpt2_fp8": "different: torchao fp8 on the CPU; transformer-engine needs a GPU",
-    "clip_grad_norm_test.test_fsdp_strategy_clip_grad_norm": "ported (torch's clip_grad_norm_ for atorch's; equal to 1e-6, not bitwise)",
+    "clip_grad_norm_test.test_fsdp_strategy_clip_grad_norm": "ported (torch's clip_grad_norm_ for atorch's; equal to "
+    "1e-6, not bitwise)",
     "clip_grad_norm_test.test_fsdp_norm_utils": "not ported: ATorch's private norm utilities",
     "clip_grad_norm_test.test_tp_strategy_clip_grad_norm": "ported (xfail until the generic planner is on main)",
-    "module_replace_optimization_test.test_module_replace_optimization": "different: apex pair accepted, no effect (explain)",
-    "module_replace_optimization_test.test_module_replace_default_optimization": "different: flash-attn needs a GPU; modules kept",
+    "module_replace_optimization_test.test_module_replace_optimization": "different: apex pair accepted, no effect "
+    "(explain)",
+    "module_replace_optimization_test.test_module_replace_default_optimization": "different: flash-attn needs a GPU; "
+    "modules kept",
     "module_replace_optimization_test.test_multi_devices_gpu": "not ported: needs a GPU (mixed cuda/cpu placement)",
     "amp_test.test_fp16_and_bf16": "ported",
-    "amp_test.test_half_precision_dtype_gpu": "different: outputs cast back to float32 (the loss runs outside autocast)",
+    "amp_test.test_half_precision_dtype_gpu": "different: outputs cast back to float32 (the loss runs outside "
+    "autocast)",
     "amp_test.test_skipping_update_params_nonfinite_loss": "ported",
     "amp_test.test_not_skipping_update_params_nonfinite_loss": "ported",
 }

@@ -2,9 +2,8 @@
 
 import pytest
 
-from composable_atorch.auto.policy import Budget, SpaceOptions, StudyOptions
-from composable_atorch.auto.trial import TrialSettings
-from composable_atorch.auto.worker import Workload
+from composable_atorch.auto.policy import Budget, SpaceOptions, StudyOptions, TrialSettings
+from composable_atorch.auto.workload import Workload
 from composable_atorch.cli import demo
 from composable_atorch.cli import search as cli_search
 from composable_atorch.errors import WorkloadError

@@ -6,12 +6,12 @@ import pytest
 
 import composable_atorch as ca
 from composable_atorch.auto.space import ABSENT, SearchSpace, block_classes, dimensions, plan_key
-from composable_atorch.auto.study import parse_bytes
 from composable_atorch.core.contract import Conflict, Contract, Stage
 from composable_atorch.core.transform import SearchContext, Transform
 from composable_atorch.environment import Environment
 from composable_atorch.errors import ConfigError, UnknownTransformError
 from composable_atorch.models import GPT, MLP, Block, CausalSelfAttention
+from composable_atorch.units import parse_bytes
 
 ENV2 = Environment.detect().with_(world_size=2)
 
@@ -138,3 +138,14 @@ def test_parse_bytes():
     for bad in ("lots", -1, 0, True):
         with pytest.raises(ConfigError, match="memory_limit"):
             parse_bytes(bad)
+
+
+def test_budget_takes_the_same_units_as_the_estimate():
+    # one parser for the search's budget and the estimate's fit test: TiB works in both
+    from composable_atorch.auto.policy import Budget
+
+    assert Budget(memory_limit="1TiB").memory_bytes == 2**40
+    assert Budget(memory_limit="2TB").memory_bytes == 2 * 10**12
+    assert parse_bytes("1TiB", "limit_bytes", required=True) == 2**40
+    with pytest.raises(ConfigError, match="limit_bytes"):
+        parse_bytes(None, "limit_bytes", required=True)

@@ -12,7 +12,7 @@ import torch
 import composable_atorch as ca
 from composable_atorch.auto.builtin import GPTTask
 from composable_atorch.auto.space import SearchSpace, plan_key
-from composable_atorch.auto.worker import batches, train_step
+from composable_atorch.auto.worker import batches, trial_step
 from composable_atorch.cli.demo import DEMO_EXCLUDED, TASK
 from composable_atorch.core.plan import Plan
 from composable_atorch.environment import Environment
@@ -97,7 +97,7 @@ def train_each_plan(rank: int, world: int, plan_jsons: list[str], steps: int) ->
             model, optim, loader = plan(*workload.build())
             data = batches(loader)
             for _ in range(steps):
-                train_step(model, optim, data, workload.loss_fn, "cpu", criterion=workload.criterion)
+                trial_step(model, optim, data, workload.loss_fn, "cpu", criterion=workload.criterion)
             mine = _full(model)
         except Exception as exc:  # noqa: BLE001 - a crash is reported with its plan (collectives stay paired:
             # every rank runs the same plan on the same model, so they fail together)

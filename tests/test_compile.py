@@ -27,7 +27,10 @@ def tiny_gpt():
 
 
 def train(model, plan, steps=3, applied=None):
-    """Losses and final weights after a few AdamW steps on fixed batches (``applied``: a list that gets plan(...)'s result)."""
+    """Losses and final weights after a few AdamW steps on fixed batches.
+
+    ``applied``: a list that gets plan(...)'s result.
+    """
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     if plan is not None:
         result = plan(model, optim)

@@ -1,9 +1,10 @@
 """DeepSpeed ZeRO-1/2/3 backends of zero1 / zero2 / fsdp, in one spawned world-2 gloo group.
 
 Each trains 5 AdamW steps (the user's torch optimizer, not DeepSpeed's fused Adam) on the same
-global batches as ddp. Tolerance 1e-5 for ZeRO-1/2 and 1e-4 for ZeRO-3: ZeRO keeps flat fp32 partitions and reduces in its own
-buckets, so the sums run in another order than DDP's (measured differences are printed by the
-assertion). The first engine start JIT-compiles a comm op (~60 s, cached afterwards): slow.
+global batches as ddp. Tolerance 1e-5 for ZeRO-1/2 and 1e-4 for ZeRO-3: ZeRO keeps flat fp32
+partitions and reduces in its own buckets, so the sums run in another order than DDP's
+(measured differences are printed by the assertion). The first engine start JIT-compiles a comm op
+(~60 s, cached afterwards): slow.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ def measure(plan_json: str, world: int, criterion=None, parts: bool = False):
     """The trial's peak of one step of ``plan_json`` in this process (a group of ``world`` exists);
     ``criterion``: train as the worker does for a workload with one (pipeline plans need it).
     ``parts``: also this rank's pipeline stage(s) and parameter bytes."""
-    from composable_atorch.auto.worker import peak_bytes_of_step, prefetch, train_step
+    from composable_atorch.auto.worker import peak_bytes_of_step, prefetch, trial_step
     from composable_atorch.runtime.train_step import PIPELINE_ATTR
 
     torch.manual_seed(0)
@@ -38,10 +38,10 @@ def measure(plan_json: str, world: int, criterion=None, parts: bool = False):
     tokens = torch.randint(0, 256, (micro, TASK.seq_len))
     data = iter([(tokens, tokens.clone())] * (3 * int(getattr(optim, "accumulation_steps", 1))))
     for _ in range(2):
-        train_step(model, optim, data, TASK.loss, "cpu", criterion=criterion)
+        trial_step(model, optim, data, TASK.loss, "cpu", criterion=criterion)
     fetched = prefetch(optim, data, "cpu")  # as the worker does: the batch is fetched before the tracker
     peak, _ = peak_bytes_of_step(
-        lambda before_micro=None: train_step(
+        lambda before_micro=None: trial_step(
             model, optim, iter(fetched), TASK.loss, "cpu", before_micro, criterion=criterion
         ),
         model,

@@ -1,4 +1,5 @@
-"""save_pretrained: a model trained under fsdp / ddp / zero / tensor parallel at world 2 saved as a Hugging Face directory.
+"""save_pretrained: a model trained under fsdp / ddp / zero / tensor parallel at world 2 saved as a
+Hugging Face directory.
 
 The directory loads with ``from_pretrained`` in a fresh model and gives the trained model's logits.
 """

@@ -1,4 +1,7 @@
-"""World 4: TP2 x FSDP2, PP2 x DP2, TP2 x PP2 and mixed_parallel against one process; TP2 x FSDP2 checkpoint reshards (one spawned group)."""
+"""World 4: TP2 x FSDP2, PP2 x DP2, TP2 x PP2 and mixed_parallel against one process.
+
+TP2 x FSDP2 checkpoint reshards (one spawned group).
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""pipeline_parallel at world 2 (GPipe, 1F1B, interleaved, zero-bubble) against one process; train_step; the plain loop fails loudly."""
+"""pipeline_parallel at world 2 (GPipe, 1F1B, interleaved, zero-bubble) against one process.
+
+train_step; the plain loop fails loudly.
+"""
 
 from __future__ import annotations
 

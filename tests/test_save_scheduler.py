@@ -80,7 +80,10 @@ def test_scheduler_errors(tmp_path):
 
 
 def test_is_boundary_says_which_micro_step_syncs_and_steps():
-    """Accelerate's ``sync_gradients``: ``optim.is_boundary`` before ``optim.step()``, ``optim.sync_gradients`` after."""
+    """Accelerate's ``sync_gradients``.
+
+    ``optim.is_boundary`` before ``optim.step()``, ``optim.sync_gradients`` after.
+    """
     model, optim, _, loader = setup()
     model, optim, loader = ca.compose(ca.accumulate(2))(model, optim, loader)
     seen = []

@@ -8,10 +8,9 @@ import torch
 
 import composable_atorch as ca
 from composable_atorch.auto.builtin import GPTTask
-from composable_atorch.auto.policy import Budget, SpaceOptions, StudyOptions
+from composable_atorch.auto.policy import Budget, SpaceOptions, StudyOptions, TrialSettings
 from composable_atorch.auto.study import search
-from composable_atorch.auto.trial import TrialSettings
-from composable_atorch.auto.worker import batches, train_step
+from composable_atorch.auto.worker import batches, trial_step
 from composable_atorch.core.plan import Plan
 from composable_atorch.environment import Environment
 
@@ -34,7 +33,7 @@ def train_and_gather(rank: int, world: int, plan_json: str, steps: int) -> dict:
     model, optim, loader = Plan.from_json(plan_json)(*workload.build())
     data = batches(loader)
     losses = [
-        train_step(model, optim, data, workload.loss_fn, "cpu", criterion=workload.criterion)[0] for _ in range(steps)
+        trial_step(model, optim, data, workload.loss_fn, "cpu", criterion=workload.criterion)[0] for _ in range(steps)
     ]
     mine = {}
     for name, p in ca.runtime.optim.named_parameters(model).items():

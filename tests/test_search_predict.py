@@ -14,12 +14,12 @@ import torch
 
 import composable_atorch as ca
 from composable_atorch.auto import report
-from composable_atorch.auto.policy import Budget, SpaceOptions, StudyOptions
+from composable_atorch.auto.policy import Budget, SpaceOptions, StudyOptions, TrialSettings
 from composable_atorch.auto.predict import Prediction, Predictor, predict_plan
 from composable_atorch.auto.space import plan_key
 from composable_atorch.auto.study import search
-from composable_atorch.auto.trial import TrialResult, TrialSettings
-from composable_atorch.auto.worker import Workload
+from composable_atorch.auto.trial import TrialResult
+from composable_atorch.auto.workload import Workload
 from composable_atorch.data import TextDataset
 from composable_atorch.environment import Environment
 from composable_atorch.errors import ConfigError

@@ -16,7 +16,7 @@ class CompositionError(Exception):
 
 
 class UnknownTransformError(CompositionError, KeyError):
-    """A transform (or seed strategy) name that the registry does not know."""
+    """A transform (or ATorch strategy) name that the registry does not know."""
 
     def __init__(self, name: str, valid: Iterable[str], *, note: str | None = None):
         self.name = name

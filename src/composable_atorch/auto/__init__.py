@@ -13,13 +13,13 @@ before it runs (plans predicted over the budget cost no trial), :mod:`.trial` me
 fresh processes, :mod:`.study` runs the optuna study, :mod:`.report` writes what it found.
 """
 
-from composable_atorch.auto.policy import Budget, SpaceOptions, StudyOptions
+from composable_atorch.auto.policy import Budget, SpaceOptions, StudyOptions, TrialSettings
 from composable_atorch.auto.predict import Prediction, Predictor
 from composable_atorch.auto.preflight import preflight
 from composable_atorch.auto.space import SearchSpace, block_classes, plan_key
 from composable_atorch.auto.study import SearchResult, TrialRecord, search
-from composable_atorch.auto.trial import TrialResult, TrialSettings, run_trial, train_plan
-from composable_atorch.auto.worker import Workload
+from composable_atorch.auto.trial import TrialResult, run_trial, train_plan
+from composable_atorch.auto.workload import Workload
 
 __all__ = [
     "Budget",

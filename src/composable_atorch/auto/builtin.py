@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from composable_atorch.auto.worker import Workload
+from composable_atorch.auto.workload import Workload
 from composable_atorch.data import TextDataset
 from composable_atorch.models import GPT, GPTConfig
 from composable_atorch.models.gpt import lm_loss

@@ -7,35 +7,20 @@ when it is made, with the field, value and what is allowed in the error.
 * :class:`Budget` — how much the search may spend: plans measured, seconds, memory per rank.
 * :class:`SpaceOptions` — which plans are searched.
 * :class:`StudyOptions` — the optuna study: persistence, sampler, seed, what runs first.
-* :class:`~composable_atorch.auto.trial.TrialSettings` — how one plan is measured (world size,
-  steps, time limit).
+* :class:`TrialSettings` — how one plan is measured (world size, steps, time limit); the trial
+  runner (:mod:`.trial`) reads it.
 """
 
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from composable_atorch.errors import ConfigError
-
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
-
-
-def parse_bytes(value: Any, field_name: str = "memory_limit") -> int | None:
-    """``None``, a number of bytes, or a string such as ``"300MiB"`` / ``"2GB"``."""
-    if value is None:
-        return None
-    if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
-        return int(value)
-    if isinstance(value, str):
-        m = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", value)
-        if m and m.group(2).lower() in _UNITS:
-            return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    raise ConfigError(field_name, value, "a positive number of bytes or a string such as '300MiB' or '2GB'")
+from composable_atorch.units import parse_bytes
 
 
 def storage_url(storage: Any) -> str | None:
@@ -151,3 +136,27 @@ class StudyOptions:
     @property
     def url(self) -> str | None:
         return storage_url(self.storage)
+
+
+@dataclass(frozen=True)
+class TrialSettings:
+    """How one plan is measured: ``world_size`` worker processes, ``warmup_steps`` optimizer steps,
+    then ``measure_steps`` timed ones; ``timeout`` seconds from spawn to exit (a trial still running
+    then is a hang); ``measure_memory`` adds one more step under the memory tracker."""
+
+    world_size: int = 2
+    warmup_steps: int = 2
+    measure_steps: int = 4
+    #: seconds one trial may take, spawn to exit; a trial still running then is a hang
+    timeout: float = 120.0
+    measure_memory: bool = True
+
+    def __post_init__(self):
+        if not isinstance(self.world_size, int) or self.world_size < 1:
+            raise ConfigError("world_size", self.world_size, "an integer >= 1")
+        for name in ("warmup_steps", "measure_steps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < (0 if name == "warmup_steps" else 1):
+                raise ConfigError(name, value, "a positive integer" if name == "measure_steps" else "an integer >= 0")
+        if not isinstance(self.timeout, int | float) or self.timeout <= 0:
+            raise ConfigError("trial timeout", self.timeout, "a positive number of seconds")

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from composable_atorch.auto.space import plan_key
-from composable_atorch.auto.worker import Workload
+from composable_atorch.auto.workload import Workload
 from composable_atorch.core.plan import Plan
 from composable_atorch.environment import Environment
 
@@ -133,8 +133,9 @@ class Predictor:
     The model is built fresh on the meta device for every plan (a plan may change the model it
     is given); the batch is the first global batch of the workload's dataset, as its loader yields
     it (the plan splits it over the data dimension, as in a trial); the workload's loss, criterion
-    (a pipeline plan trains on it) and optimizer go with them. An estimator that raises gives no prediction for that plan (the plan
-    then runs, as without predictions), with the reason. ``cache`` may be shared between searches
+    (a pipeline plan trains on it) and optimizer go with them. An estimator that raises gives no
+    prediction for that plan (the plan then runs, as without predictions), with the reason. ``cache``
+    may be shared between searches
     of the same workload (the benchmark replays many).
     """
 

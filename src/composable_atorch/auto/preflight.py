@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from composable_atorch.auto.worker import Workload, make_optimizer
+from composable_atorch.auto.workload import Workload, make_optimizer
 from composable_atorch.errors import WorkloadError
 
 

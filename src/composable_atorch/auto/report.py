@@ -140,7 +140,8 @@ def _title(result: SearchResult) -> str:
         )
     )
     return (
-        f"{s['measured_total']} measured of {s['space']['valid_plans']} valid plans{budget}{predicted}; {rejected} invalid "
+        f"{s['measured_total']} measured of {s['space']['valid_plans']} valid plans{budget}{predicted}; {rejected} "
+        "invalid "
         f"combinations rejected by compose(); {s['invalid_proposals']} invalid and {s['duplicate_proposals']} "
         "repeated proposals cost no run"
     )
@@ -155,7 +156,8 @@ def text_table(result: SearchResult) -> str:
     lines = [_title(result), f"{'#':>4}  {'plan':<48} {'samples/s':>10} {'predicted MiB':>13} {'peak MiB':>9}  status"]
     for r in rows(result):
         lines.append(
-            f"{r['trial']:>4}  {r['plan'][:48]:<48} {_num(r['samples_per_s']):>10} {_num(r['predicted_mib']):>13} {_num(r['peak_mib']):>9}  "
+            f"{r['trial']:>4}  {r['plan'][:48]:<48} {_num(r['samples_per_s']):>10} {_num(r['predicted_mib']):>13} "
+            f"{_num(r['peak_mib']):>9}  "
             f"{r['status']}{' (best)' if r['best'] else ''} {r['reason'][:80]}"
         )
     return "\n".join(lines)
@@ -189,7 +191,8 @@ def write_html(result: SearchResult, path: str | Path) -> Path:
     bold = ' style="font-weight:bold"'
     body = "".join(
         f"<tr{bold if r['best'] else ''}><td>{r['trial']}</td><td>{html.escape(r['plan'])}</td>"
-        f"<td>{_num(r['samples_per_s'])}</td><td>{_num(r['tokens_per_s'], 0)}</td><td>{_num(r['predicted_mib'])}</td><td>{_num(r['peak_mib'])}</td>"
+        f"<td>{_num(r['samples_per_s'])}</td><td>{_num(r['tokens_per_s'], 0)}</td>"
+        f"<td>{_num(r['predicted_mib'])}</td><td>{_num(r['peak_mib'])}</td>"
         f"<td>{r['status']}</td><td>{html.escape(r['reason'])}</td></tr>"
         for r in rows(result)
     )

@@ -193,7 +193,8 @@ class SearchSpace:
                     raise ConfigError(
                         "included",
                         kind,
-                        f"transforms that offer search candidates here ({kind} offers none for {self.env.describe()}); pass it in load_strategy instead",
+                        f"transforms that offer search candidates here ({kind} offers none for {self.env.describe()}); "
+                        "pass it in load_strategy instead",
                     )
                 continue
             per_kind[kind] = ([] if kind in included_kinds else [None]) + list(dict.fromkeys(found))
@@ -272,6 +273,33 @@ class SearchSpace:
             return Point(items, None, f"{type(exc).__name__}: {exc}")
         refused = self.admit(plan) if self.admit is not None else None
         return Point(items, None, refused) if refused else Point(items, plan)
+
+    def nothing(self) -> Point:
+        """Asking for nothing: what compose() makes of no request here (at world > 1 it implies data
+        parallelism), customized and admitted as every point is. Its assignment is empty: it is the
+        reference the space is measured against, not one of its assignments (see :meth:`baseline`)."""
+        return self.point({})
+
+    def baseline(self, enumeration: Enumeration | None = None) -> Point | None:
+        """The first assignment whose plan is :meth:`nothing`'s: what the search measures first, the
+        reference every other plan is against. None when asking nothing is refused or no assignment
+        of the space gives that plan. ``enumeration`` (this space's :meth:`enumerate`) saves composing
+        the assignments again."""
+        nothing = self.nothing()
+        if not nothing.valid:
+            return None
+        if enumeration is not None:
+            return enumeration.valid.get(nothing.key)
+        return next((p for a in self.assignments() if (p := self.point(a)).valid and p.key == nothing.key), None)
+
+    def point_of(self, plan: Plan) -> Point | None:
+        """The valid point that asks for exactly ``plan``'s requested transforms (a loaded strategy to
+        start from), or None when the space has no such assignment or compose() rejects it here."""
+        assignment = self.assignment_of(plan)
+        if not assignment:
+            return None
+        point = self.point(assignment)
+        return point if point.valid else None
 
     def assignment_of(self, plan: Plan) -> dict[str, str] | None:
         """The assignment that asks for exactly ``plan``'s requested transforms, if the space has one."""

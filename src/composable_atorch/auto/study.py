@@ -22,13 +22,13 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from composable_atorch.auto.policy import Budget, SpaceOptions, StudyOptions, parse_bytes, storage_url
+from composable_atorch.auto.policy import Budget, SpaceOptions, StudyOptions, TrialSettings, storage_url
 from composable_atorch.auto.predict import Estimator, Predictor, default_estimator
 from composable_atorch.auto.preflight import preflight
 from composable_atorch.auto.records import SearchResult, TrialRecord
-from composable_atorch.auto.space import ABSENT, Enumeration, Point, SearchSpace, block_classes, pipeline_degree
-from composable_atorch.auto.trial import TrialResult, TrialSettings, check_picklable, run_trial
-from composable_atorch.auto.worker import Workload
+from composable_atorch.auto.space import Enumeration, Point, SearchSpace, block_classes, pipeline_degree
+from composable_atorch.auto.trial import TrialResult, run_trial
+from composable_atorch.auto.workload import Workload
 from composable_atorch.core.plan import Plan
 from composable_atorch.environment import Environment
 from composable_atorch.errors import ConfigError
@@ -39,7 +39,6 @@ __all__ = [
     "SpaceOptions",
     "StudyOptions",
     "TrialRecord",
-    "parse_bytes",
     "search",
     "storage_url",
 ]
@@ -65,16 +64,21 @@ def make_sampler(sampler: Any, seed: int | None, n_startup_trials: int):
 
 
 class ProcessRunner:
-    """Runs a plan in fresh worker processes (the default runner)."""
+    """Runs a plan in fresh worker processes (the default runner).
+
+    This is where a workload enters worker processes, for the search and for ATorch's dry run alike,
+    so its picklability is checked here, once, before any work.
+    """
 
     def __init__(self, workload: Workload, settings: TrialSettings):
+        workload.check_picklable()
         self.workload, self.settings = workload, settings
 
     def __call__(self, plan: Plan, *, timeout: float) -> TrialResult:
         return run_trial(plan.to_json(), self.workload, replace(self.settings, timeout=timeout))
 
 
-def needs_criterion(plan: Plan) -> str | None:
+def plan_needs_criterion(plan: Plan) -> str | None:
     """Why a workload without ``criterion`` cannot train ``plan`` (a pipeline runs the loss inside its
     schedule, on the last stage's output: ``loss_fn(model, batch)`` has no place there)."""
     if pipeline_degree(plan) > 1:
@@ -180,7 +184,7 @@ def search(
 ) -> SearchResult:
     """Search the plans of the registered transforms for the fastest one that fits the memory budget.
 
-    ``workload`` (:class:`~composable_atorch.auto.worker.Workload`) is what every trial trains: its
+    ``workload`` (:class:`~composable_atorch.auto.workload.Workload`) is what every trial trains: its
     factories are sent to fresh processes, so they must be importable or picklable. ``trial`` says
     how one plan is measured (world size, steps, time limit), ``budget`` what the search may spend,
     ``space`` which plans are searched, ``study`` how the optuna study runs (see :mod:`.policy`).
@@ -210,8 +214,7 @@ def search(
     space, study = space or SpaceOptions(), study or StudyOptions()
     checked = None
     if runner is None:
-        check_picklable(workload)
-        runner = ProcessRunner(workload, trial)
+        runner = ProcessRunner(workload, trial)  # checks the workload's picklability
     if study.preflight:
         checked = preflight(workload)  # raises WorkloadError: no plan can fix the workload itself
     env = (env or Environment.detect()).with_(world_size=trial.world_size)
@@ -261,7 +264,7 @@ class _Loop:
             included=space.included,
             extra=start_from.requested if start_from else (),
             customize=space.customize,
-            admit=None if workload.criterion is not None else needs_criterion,
+            admit=None if workload.criterion is not None else plan_needs_criterion,
         )
         self.enumeration = self.space.enumerate()
         optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -378,35 +381,10 @@ class _Loop:
         return [t.user_attrs.get("status", "") for t in self.study.trials]
 
     def _enqueue_first(self, plan: Plan | None) -> None:
-        if plan is None:  # the baseline: what compose() makes of no request (at world > 1, data parallel)
-            base = (
-                self.space.point({k: ABSENT for k in self.space.kinds})
-                if all(ABSENT in c for c in self.space.options.values())
-                else None
-            )
-            key = base.key if base is not None and base.valid else self._key_of_nothing()
-            point = self.enumeration.valid.get(key) if key else None
-            if point is not None and point.key not in self.seen:
-                self.study.enqueue_trial(dict(point.assignment), skip_if_exists=False)
-            return
-        assignment = self.space.assignment_of(plan)
-        if assignment and all(label in self.space.options[k] for k, label in assignment.items()):
-            point = self.space.point(assignment)
-            if point.valid and point.key not in self.seen:
-                self.study.enqueue_trial(assignment, skip_if_exists=False)
-
-    def _key_of_nothing(self) -> str | None:
-        from composable_atorch.auto.space import plan_key
-        from composable_atorch.core.compose import compose
-        from composable_atorch.errors import CompositionError
-
-        try:
-            plan = compose(env=self.env)
-            if self.space.customize is not None:
-                plan = self.space.customize(plan)
-        except CompositionError:
-            return None
-        return plan_key(plan)
+        """Enqueue ``plan`` (a loaded strategy) or, for None, the baseline, unless measured already."""
+        point = self.space.baseline(self.enumeration) if plan is None else self.space.point_of(plan)
+        if point is not None and point.key not in self.seen:
+            self.study.enqueue_trial(dict(point.assignment), skip_if_exists=False)
 
     # -- the loop ---------------------------------------------------------------------------
     def _stop_reason(self, remaining: float | None) -> str | None:

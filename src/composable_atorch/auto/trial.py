@@ -15,7 +15,6 @@ import contextlib
 import json
 import multiprocessing as mp
 import os
-import pickle
 import queue
 import signal
 import statistics
@@ -25,28 +24,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import wait
 
-from composable_atorch.auto.worker import RankSpec, Workload, rank_main
-from composable_atorch.errors import ConfigError
-
-
-@dataclass(frozen=True)
-class TrialSettings:
-    world_size: int = 2
-    warmup_steps: int = 2
-    measure_steps: int = 4
-    #: seconds one trial may take, spawn to exit; a trial still running then is a hang
-    timeout: float = 120.0
-    measure_memory: bool = True
-
-    def __post_init__(self):
-        if not isinstance(self.world_size, int) or self.world_size < 1:
-            raise ConfigError("world_size", self.world_size, "an integer >= 1")
-        for name in ("warmup_steps", "measure_steps"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < (0 if name == "warmup_steps" else 1):
-                raise ConfigError(name, value, "a positive integer" if name == "measure_steps" else "an integer >= 0")
-        if not isinstance(self.timeout, int | float) or self.timeout <= 0:
-            raise ConfigError("trial timeout", self.timeout, "a positive number of seconds")
+from composable_atorch.auto.policy import TrialSettings
+from composable_atorch.auto.worker import RankSpec, rank_main
+from composable_atorch.auto.workload import Workload
 
 
 @dataclass
@@ -76,19 +56,6 @@ class TrialResult:
     @classmethod
     def from_dict(cls, data: dict) -> TrialResult:
         return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
-
-
-def check_picklable(workload: Workload) -> None:
-    """ConfigError naming the field that cannot reach a worker process (before any work)."""
-    for name in ("model_fn", "optim_fn", "dataset", "loss_fn", "loader_kwargs", "criterion"):
-        try:
-            pickle.dumps(getattr(workload, name))
-        except Exception as exc:  # noqa: BLE001 - pickling can fail in many ways
-            raise ConfigError(
-                name,
-                getattr(workload, name),
-                f"a module-level function, class or picklable object: trials run in fresh processes ({exc})",
-            ) from None
 
 
 def kill_group(proc) -> None:

@@ -7,7 +7,7 @@ starts its own session (``os.setsid``) so the parent can kill it and anything it
 leaves a process behind.
 
 Every plan trains through :func:`composable_atorch.train_step`, the one documented call that trains
-pipeline plans too (:func:`train_step` here adds accumulation windows and the sample record).
+pipeline plans too (:func:`trial_step` here adds accumulation windows and the sample record).
 
 Peak memory per rank: on CUDA ``torch.cuda.max_memory_allocated`` over one training step; on the
 CPU torch's ``MemTracker`` (torch.distributed._tools) over one training step, with the model's
@@ -29,59 +29,13 @@ import signal
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
+
+from composable_atorch.auto.workload import Workload
 
 #: Environment variables of an enclosing torchrun that must not leak into a trial's own group.
 _LAUNCHER_PREFIXES = ("TORCHELASTIC_", "GROUP_", "ROLE_", "TORCH_ELASTIC")
-
-
-@dataclass(frozen=True)
-class Workload:
-    """What every trial trains. Everything here crosses a process boundary: module-level functions,
-    classes or picklable objects only (no lambdas).
-
-    ``model_fn()`` builds a fresh model; ``optim_fn(model)`` its optimizer (an optimizer class is
-    called with ``model.parameters()``); ``loss_fn(model, batch)`` runs the forward and returns the
-    loss of one batch; ``batch_size`` is the global batch (strong scaling).
-
-    ``criterion(output, targets)``, when given, is the same loss in the shape of
-    :func:`composable_atorch.train_step` for loaders that yield ``(inputs, targets)``: with it every
-    plan trains through ``train_step(model, optim, inputs, targets, criterion)``, pipeline plans
-    included (a pipeline runs the loss inside its schedule, on the last stage's output, so
-    ``loss_fn(model, batch)`` cannot train one). Without it plans train through the same call on
-    an adapter (:class:`WholeBatch`), and the search proposes no pipeline plan.
-    """
-
-    model_fn: Callable[[], Any]
-    optim_fn: Callable[..., Any]
-    dataset: Any
-    loss_fn: Callable[[Any, Any], Any]
-    batch_size: int
-    loader_kwargs: dict = field(default_factory=dict)
-    seed: int = 0
-    criterion: Callable[[Any, Any], Any] | None = None
-
-    def build(self):
-        import torch
-        from torch.utils.data import DataLoader
-
-        torch.manual_seed(self.seed)
-        model = self.model_fn()
-        optim = make_optimizer(self.optim_fn, model)
-        kwargs = {"shuffle": True, "drop_last": True, **self.loader_kwargs}
-        if kwargs.get("shuffle"):
-            kwargs.setdefault("generator", torch.Generator().manual_seed(self.seed))
-        loader = DataLoader(self.dataset, batch_size=self.batch_size, **kwargs)
-        return model, optim, loader
-
-
-def make_optimizer(optim_fn, model):
-    import torch
-
-    if isinstance(optim_fn, type) and issubclass(optim_fn, torch.optim.Optimizer):
-        return optim_fn(model.parameters())
-    return optim_fn(model)
 
 
 @dataclass(frozen=True)
@@ -197,7 +151,7 @@ def loss_of_output(output, _targets):
     return output
 
 
-def needs_criterion(model) -> str | None:
+def stage_needs_criterion(model) -> str | None:
     """Why ``model`` (as a plan returned it) cannot train through ``loss_fn(model, batch)``: a pipeline stage."""
     from composable_atorch.runtime.train_step import PIPELINE_ATTR
 
@@ -217,7 +171,7 @@ def step_call(model, batch, loss_fn, criterion) -> tuple[Any, Any, Any, Any]:
     return WholeBatch(model, loss_fn), batch, None, loss_of_output
 
 
-def train_step(
+def trial_step(
     model, optim, data: Iterator, loss_fn, device: str, before_micro=None, seen: list | None = None, *, criterion=None
 ) -> tuple[float, Any]:
     """One optimizer step through :func:`composable_atorch.train_step` (the call that trains every plan):
@@ -240,7 +194,7 @@ def train_step(
 
 def prefetch(optim, data: Iterator, device: str) -> list:
     """The next optimizer step's micro-batches, fetched and on ``device``: the measured step runs on
-    these (``train_step(..., iter(prefetch(...)), ...)``) so the tracker sees forward, backward and
+    these (``trial_step(..., iter(prefetch(...)), ...)``) so the tracker sees forward, backward and
     step only. A batch fetched inside the tracked step is a new view of the dataset's storage (a
     TextDataset slices one corpus tensor), which torch's MemTracker counts whole, as an activation;
     the estimate leaves the input batch out too."""
@@ -372,21 +326,21 @@ def _run(rank: int, spec: RankSpec, device: str, progress) -> dict:
     model, optim, loader = plan(model, optim, loader)
     data = batches(loader)
     loss_fn, criterion = spec.workload.loss_fn, spec.workload.criterion
-    if criterion is None and (why := needs_criterion(model)):
+    if criterion is None and (why := stage_needs_criterion(model)):
         from composable_atorch.errors import ConfigError
 
         raise ConfigError("Workload.criterion", None, why)
     if spec.mode == "train":
         losses = []
         for i in range(spec.train_steps):
-            loss, _ = train_step(model, optim, data, loss_fn, device, criterion=criterion)
+            loss, _ = trial_step(model, optim, data, loss_fn, device, criterion=criterion)
             losses.append(loss)
             if progress is not None and rank == 0:
                 progress.put((i + 1, loss))
         return {"losses": losses}
     losses, batch = [], None
     for _ in range(spec.warmup_steps):
-        loss, batch = train_step(model, optim, data, loss_fn, device, criterion=criterion)
+        loss, batch = trial_step(model, optim, data, loss_fn, device, criterion=criterion)
         losses.append(loss)
     dist.barrier()
     start = time.perf_counter()
@@ -394,7 +348,7 @@ def _run(rank: int, spec: RankSpec, device: str, progress) -> dict:
     for _ in range(spec.measure_steps):
         t0 = time.perf_counter()
         consumed.append([])
-        loss, batch = train_step(
+        loss, batch = trial_step(
             model, optim, data, loss_fn, device, seen=consumed[-1], criterion=criterion
         )  # .item() inside: the step is done
         step_times.append(time.perf_counter() - t0)
@@ -413,7 +367,7 @@ def _run(rank: int, spec: RankSpec, device: str, progress) -> dict:
         fetched = prefetch(optim, data, device)  # before the tracker: it measures forward/backward/step only
 
         def step(before_micro=None):
-            return train_step(model, optim, iter(fetched), loss_fn, device, before_micro, criterion=criterion)
+            return trial_step(model, optim, iter(fetched), loss_fn, device, before_micro, criterion=criterion)
 
         peak, method = peak_bytes_of_step(step, model, optim, device)
     return {

@@ -21,9 +21,9 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from composable_atorch.auto import report
 from composable_atorch.auto.builtin import GPTTask
-from composable_atorch.auto.policy import Budget, SpaceOptions, StudyOptions
+from composable_atorch.auto.policy import Budget, SpaceOptions, StudyOptions, TrialSettings
 from composable_atorch.auto.study import search
-from composable_atorch.auto.trial import TrialSettings, train_plan
+from composable_atorch.auto.trial import train_plan
 from composable_atorch.core import strategy
 from composable_atorch.environment import Environment
 from composable_atorch.errors import CompositionError
@@ -91,7 +91,8 @@ def main(argv: list[str]) -> int:
         else:
             console.print(
                 f"[bold]searching[/bold] plans for a {TASK.n_layer}-block GPT (d={TASK.d_model}, seq {TASK.seq_len}, "
-                f"global batch {TASK.batch_size}) at world {args.world_size}, memory budget {args.memory_limit} per rank; "
+                f"global batch {TASK.batch_size}) at world {args.world_size}, memory budget {args.memory_limit} per "
+                "rank; "
                 f"left out: {', '.join(DEMO_EXCLUDED)} (emulated on a CPU)"
             )
             result = search(

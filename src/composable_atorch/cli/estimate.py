@@ -72,8 +72,9 @@ def lm_criterion(output, targets):
 
 
 def main(argv: list[str]) -> int:
-    from composable_atorch.estimate import estimate, parse_bytes
+    from composable_atorch.estimate import estimate
     from composable_atorch.estimate.core import as_plan_dict
+    from composable_atorch.units import parse_bytes
 
     parser = argparse.ArgumentParser(
         prog="python -m composable_atorch estimate",
@@ -118,6 +119,7 @@ def main(argv: list[str]) -> int:
         if limit is not None:
             ok = est.fits(limit, args.margin)
             print(
-                f"{'fits' if ok else 'does NOT fit'} in {args.device_memory} per device (peak + {args.margin:.0%} margin)"
+                f"{'fits' if ok else 'does NOT fit'} in {args.device_memory} per device (peak + {args.margin:.0%} "
+                "margin)"
             )
     return 0 if limit is None or est.fits(limit, args.margin) else 1

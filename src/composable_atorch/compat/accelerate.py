@@ -22,7 +22,7 @@ global batch of those measurements, ``expand_sample_batch`` repeats the sample's
   entry says whether it was requested or implied;
 * a user's model / loss that fails with no plan raises WorkloadError on every rank (ATorch's
   engine returns ``status False``);
-* ``ignore_dryrun_on_load_strategy`` defaults to True, as the seed's documentation says.
+* ``ignore_dryrun_on_load_strategy`` defaults to True, as ATorch's documentation says.
 """
 
 from __future__ import annotations
@@ -337,16 +337,13 @@ def _needs_boundary(optim) -> bool:
 
 
 def _dry_run(req: Request, plan: Plan) -> str | None:
-    from composable_atorch.auto.trial import TrialSettings, check_picklable, run_trial
+    from composable_atorch.auto.policy import TrialSettings
+    from composable_atorch.auto.study import ProcessRunner
 
-    workload = req.workload()
-    check_picklable(workload)
     world = int(os.environ.get("WORLD_SIZE", plan.env.world_size))
-    result = run_trial(
-        plan.to_json(),
-        workload,
-        TrialSettings(world_size=world, timeout=req.opts["trial_timeout"], measure_memory=False),
-    )
+    timeout = req.opts["trial_timeout"]
+    runner = ProcessRunner(req.workload(), TrialSettings(world_size=world, timeout=timeout, measure_memory=False))
+    result = runner(plan, timeout=timeout)
     if req.opts["verbose"]:
         print(
             f"auto_accelerate: dry run {result.status}"
@@ -357,9 +354,8 @@ def _dry_run(req: Request, plan: Plan) -> str | None:
 
 def _search(req: Request, loaded: Plan | None, env: Environment) -> tuple[str | None, str | None]:
     from composable_atorch.auto import report
-    from composable_atorch.auto.policy import Budget, SpaceOptions, StudyOptions
+    from composable_atorch.auto.policy import Budget, SpaceOptions, StudyOptions, TrialSettings
     from composable_atorch.auto.study import search
-    from composable_atorch.auto.trial import TrialSettings
 
     o = req.opts
     if not req.can_train:

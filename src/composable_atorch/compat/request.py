@@ -39,12 +39,12 @@ class AccelerateArgs(Mapping):
         return len(self.__dataclass_fields__)
 
 
-#: kargs and their defaults: the seed's, ATorch's extra args, then the search budget (not in the seed).
+#: kargs and their defaults: ATorch's documented ones, its extra args, then the search budget (not in ATorch).
 KARGS: dict[str, Any] = {
     "verbose": False,
     "time_limit": None,
     "find_unused_parameters": None,
-    "ignore_dryrun_on_load_strategy": True,  # the seed's documented default (ATorch's code reads False)
+    "ignore_dryrun_on_load_strategy": True,  # ATorch's documented default (its code reads False)
     # ATorch's AutoAccelerateExtraArgs and its meta-init keyword
     "sample_batch": None,  # a batch standing in for the dataset in dry runs and the search
     "batch_size": None,  # the global batch of those measurements (default: sample_batch's rows)
@@ -68,7 +68,7 @@ MODEL_INPUT_FORMATS = (None, "unpack_sequence", "unpack_dict")
 
 
 def default_prepare_input(data, device):
-    """The seed's default: move the batch (tensors inside tuples, lists and dicts) to ``device``."""
+    """ATorch's default: move the batch (tensors inside tuples, lists and dicts) to ``device``."""
     if isinstance(data, torch.Tensor):
         return data.to(device)
     if isinstance(data, dict):
@@ -80,7 +80,7 @@ def default_prepare_input(data, device):
 
 @dataclasses.dataclass(frozen=True)
 class SeedLoss:
-    """The seed's loop as a picklable ``loss_fn(model, batch)`` for the search's workers."""
+    """ATorch's loop as a picklable ``loss_fn(model, batch)`` for the search's workers."""
 
     loss_func: Any
     prepare_input: Any = None
@@ -124,7 +124,7 @@ class ModelCopy:
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
-    """Plan settings the seed passes outside the strategy, set on whichever transform has the field."""
+    """Plan settings ATorch passes outside the strategy, set on whichever transform has the field."""
 
     find_unused_parameters: bool | None = None
     distributed_sampler_cls: type | None = None
@@ -300,7 +300,7 @@ class Request:
 
     def workload(self):
         """What a dry run or a trial trains: the dataset, or sample_batch's rows when there is none."""
-        from composable_atorch.auto.worker import Workload
+        from composable_atorch.auto.workload import Workload
 
         args = self.dataloader_args
         dataset, batch_size = self.dataset, args.get("batch_size", 1)

@@ -87,7 +87,10 @@ class MinWorldSize(Requirement):
         return f"world size >= {self.minimum}"
 
     def fix(self):
-        return f"launch with at least {self.minimum} processes, e.g. `python -m composable_atorch launch --nproc {self.minimum} train.py`"
+        return (
+            f"launch with at least {self.minimum} processes, e.g. `python -m composable_atorch launch --nproc "
+            f"{self.minimum} train.py`"
+        )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -162,7 +162,8 @@ class Plan:
             raise RequirementError(
                 "plan",
                 f"a world size of {self.env.world_size}, as it was composed for (this run has {runtime.world_size})",
-                f"compose the plan again here (Plan.from_json(text) re-checks it), or launch {self.env.world_size} processes",
+                f"compose the plan again here (Plan.from_json(text) re-checks it), or launch {self.env.world_size} "
+                "processes",
             )
         if runtime.device != self.env.device:
             raise RequirementError(

@@ -1,9 +1,9 @@
-"""Strategies as data: the seed's list form, JSON text or files, and Plans — never pickle.
+"""Strategies as data: ATorch's list form, JSON text or files, and Plans — never pickle.
 
 ``load`` accepts
 
 * a :class:`Plan` (returned as it is);
-* the seed's list form: ``["parallel_mode", ("amp_native", {"dtype": torch.bfloat16}), ("checkpoint", (Block,))]``;
+* ATorch's list form: ``["parallel_mode", ("amp_native", {"dtype": torch.bfloat16}), ("checkpoint", (Block,))]``;
 * a JSON string (a saved plan, or the list form with JSON-encoded configs), or bytes of one;
 * a path to a ``.json`` file.
 

@@ -104,14 +104,15 @@ class ApplyContext:
             raise ConfigError(
                 f"{self.reader.name}.contract.reads",
                 name,
-                f"declare every transform a step reads in its contract, e.g. Contract(..., reads=({name!r},)) (declared: {declared})",
+                f"declare every transform a step reads in its contract, e.g. Contract(..., reads=({name!r},)) "
+                f"(declared: {declared})",
             )
         return next((t for t in self.plan.transforms if t.name == name), None)
 
 
 _REGISTRY: dict[str, type[Transform]] = {}
 _ALIASES: dict[str, str] = {}
-#: Seed names whose transforms are not built (yet): name -> why.
+#: ATorch names whose transforms are not built (yet): name -> why.
 _PLANNED: dict[str, str] = {}
 
 
@@ -121,7 +122,7 @@ class Transform:
 
     name: ClassVar[str] = ""
     contract: ClassVar[Contract]
-    #: Other names users may know this transform by (the seed's ``amp_native``...).
+    #: Other names users may know this transform by (ATorch's ``amp_native``...).
     aliases: ClassVar[tuple[str, ...]] = ()
 
     def __init_subclass__(cls, replace: bool = False, **kwargs):
@@ -163,9 +164,9 @@ class Transform:
 
     @classmethod
     def from_seed(cls, config: Any = None) -> Transform:
-        """Build from the seed's ``(name, config)`` form. ``None`` means the seed's default config.
+        """Build from ATorch's ``(name, config)`` form. ``None`` means ATorch's default config.
 
-        The default accepts a dict of fields; transforms whose seed config has another shape
+        The default accepts a dict of fields; transforms whose ATorch config has another shape
         (a tuple of classes, a dtype string) override this.
         """
         if config is None:

@@ -15,8 +15,9 @@ group, measured by the same MemTracker the trial worker uses (see :mod:`.simulat
 from __future__ import annotations
 
 from composable_atorch.estimate.core import estimate
-from composable_atorch.estimate.inputs import EstimateError, parse_bytes
+from composable_atorch.estimate.inputs import EstimateError
 from composable_atorch.estimate.result import Estimate, RankCost
+from composable_atorch.units import parse_bytes  # the one byte-size parser, re-exported for estimate users
 
 estimate_plan = estimate
 

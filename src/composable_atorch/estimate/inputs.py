@@ -6,7 +6,6 @@ meta device, ``ConfigError`` for a batch with no shapes or a world size the plan
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from typing import Any
 
@@ -14,19 +13,6 @@ import torch
 from torch.nn import functional as F
 
 from composable_atorch.errors import CompositionError, ConfigError
-
-_UNITS = {
-    "": 1,
-    "B": 1,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-    "KIB": 2**10,
-    "MIB": 2**20,
-    "GIB": 2**30,
-    "TIB": 2**40,
-}
 
 
 class EstimateError(CompositionError):
@@ -36,17 +22,6 @@ class EstimateError(CompositionError):
         self.what, self.fix = what, fix
         self.error = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
         super().__init__(f"{what} ({self.error}). Fix: {fix}.")
-
-
-def parse_bytes(value: Any, field_name: str = "limit_bytes") -> int:
-    """A number of bytes, or a string such as ``"80GiB"`` / ``"300MB"``."""
-    if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
-        return int(value)
-    if isinstance(value, str):
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?i?B?)\s*", value, flags=re.IGNORECASE)
-        if m and m.group(2).upper() in _UNITS:
-            return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
-    raise ConfigError(field_name, value, "a positive number of bytes or a string such as '80GiB' or '300MB'")
 
 
 def check_world_size(world_size: Any) -> int:

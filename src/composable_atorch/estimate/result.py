@@ -75,9 +75,9 @@ class Estimate:
     def fits(self, limit_bytes: int | float | str, margin: float = 0.1) -> bool:
         """True when the peak plus ``margin`` (a fraction, default 10%) stays within ``limit_bytes``
         (a number or a string such as "80GiB")."""
-        from composable_atorch.estimate.inputs import parse_bytes
+        from composable_atorch.units import parse_bytes
 
-        return self.peak * (1.0 + margin) <= parse_bytes(limit_bytes)
+        return self.peak * (1.0 + margin) <= parse_bytes(limit_bytes, "limit_bytes", required=True)
 
     def distinct_ranks(self) -> list[tuple[list[int], RankCost]]:
         """Ranks grouped by equal cost (one row per group in the table)."""

@@ -1,12 +1,12 @@
-"""The parallel context: the seed's ``parallel_mode`` layout, its device mesh, and its process groups.
+"""The parallel context: ATorch's ``parallel_mode`` layout, its device mesh, and its process groups.
 
-The seed writes a layout as ``[(name, size), ...]`` with the *first* name varying fastest over the
+ATorch writes a layout as ``[(name, size), ...]`` with the *first* name varying fastest over the
 ranks: ``[("tensor", 4), ("pipeline", 2), ("data", 2)]`` at world 16 gives tensor groups
 ``[0..3], [4..7], ...``, pipeline groups ``[0, 4], [1, 5], ...`` and data groups ``[0, 8], [1, 9], ...``.
 A torch :class:`~torch.distributed.device_mesh.DeviceMesh` varies its *last* dimension fastest, so
-the mesh's dimensions are the seed's list reversed (``("data", "pipeline", "tensor")``).
+the mesh's dimensions are ATorch's list reversed (``("data", "pipeline", "tensor")``).
 
-:func:`plan_layout` is the pure part (world size -> groups of ranks per dimension, with the seed's
+:func:`plan_layout` is the pure part (world size -> groups of ranks per dimension, with ATorch's
 data-size adjustment), testable without processes. :func:`make_context` adds the device mesh when a
 process group exists. Nothing here is global: the context travels in ``TrainState.parallel``.
 """
@@ -19,7 +19,7 @@ from typing import Any
 
 from composable_atorch.errors import ConfigError
 
-#: The dimension names the seed supports. ``zero`` is a ZeRO sharding subgroup of data parallelism.
+#: The dimension names ATorch supports. ``zero`` is a ZeRO sharding subgroup of data parallelism.
 DIM_NAMES = ("data", "zero", "tensor", "pipeline")
 #: Dimensions over which different ranks see different samples (the batch is split over them).
 BATCH_DIMS = ("data", "zero")
@@ -38,7 +38,7 @@ DIM_NOT_BUILT = {
 
 @dataclass(frozen=True)
 class Layout:
-    """Sizes per named dimension (seed order, fastest first) and the rank order, for one world size."""
+    """Sizes per named dimension (ATorch's order, fastest first) and the rank order, for one world size."""
 
     dims: tuple[tuple[str, int], ...]
     world_size: int
@@ -57,7 +57,7 @@ class Layout:
         """How many ways the global batch is split (the product of the data-like dimensions)."""
         return math.prod(self.size(n) for n in BATCH_DIMS)
 
-    # torch's mesh order: the seed's list reversed (the last mesh dimension varies fastest)
+    # torch's mesh order: ATorch's list reversed (the last mesh dimension varies fastest)
     @property
     def mesh_dim_names(self) -> tuple[str, ...]:
         return tuple(reversed(self.names))
@@ -72,7 +72,7 @@ class Layout:
         return torch.tensor(self.rank_order, dtype=torch.int).reshape(self.mesh_shape)
 
     def groups(self, name: str) -> list[list[int]]:
-        """The groups of ranks along one dimension, ordered as the seed's 16-rank example lists them."""
+        """The groups of ranks along one dimension, ordered as ATorch's 16-rank example lists them."""
         if name not in self.names:
             raise ConfigError("parallel dimension", name, f"one of the layout's dimensions {self.names}")
         mesh = self.mesh_tensor()
@@ -104,7 +104,7 @@ def _arith(dims) -> str:
 
 
 def normalize_groups(groups: Any, field_name: str = "parallel_mode.groups") -> tuple[tuple[str, int], ...]:
-    """Validate the seed's ``[(name, size), ...]`` and return it as a tuple of pairs."""
+    """Validate ATorch's ``[(name, size), ...]`` and return it as a tuple of pairs."""
     if isinstance(groups, str) or not isinstance(groups, list | tuple) or not groups:
         raise ConfigError(field_name, groups, "a non-empty list of (name, size) pairs, e.g. [('data', 2)]")
     out: list[tuple[str, int]] = []
@@ -127,9 +127,9 @@ def normalize_groups(groups: Any, field_name: str = "parallel_mode.groups") -> t
 
 
 def plan_layout(groups: Any, world_size: int, rank_order: Any = None, instances: bool = False) -> Layout:
-    """The layout for ``world_size``: data size adjusted as the seed describes, or a ConfigError.
+    """The layout for ``world_size``: data size adjusted as ATorch describes, or a ConfigError.
 
-    With a ``data`` dimension its size becomes ``world / (product of the others)`` (the seed's
+    With a ``data`` dimension its size becomes ``world / (product of the others)`` (ATorch's
     ``[("data", 8)]`` at world 16 -> 16). Without one the sizes must multiply to the world size.
     ``instances`` (ATorch's multiple parallel instances): the sizes are kept as given and
     ``world / product`` independent copies of the layout fill the world, as an outermost

@@ -1,4 +1,4 @@
-"""The seed's ``init_distributed(backend)`` and ``create_parallel_group(groups)`` on the same layout.
+"""ATorch's ``init_distributed(backend)`` and ``create_parallel_group(groups)`` on the same layout.
 
     init_distributed("gloo")                                   # from torchrun's environment
     pc = create_parallel_group(([("tensor", 2), ("data", 2)], None))
@@ -56,7 +56,7 @@ def init_distributed(
 
 
 def create_parallel_group(groups, device: str = "cpu") -> ParallelContext:
-    """The seed's ``(groups, rank_order)`` (or just ``groups``) -> the context with its device mesh."""
+    """ATorch's ``(groups, rank_order)`` (or just ``groups``) -> the context with its device mesh."""
     import torch.distributed as dist
 
     rank_order = None

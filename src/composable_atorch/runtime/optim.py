@@ -292,7 +292,7 @@ class PlanOptimizer(torch.optim.Optimizer):
         return (self.micro_step + 1) % self.accumulation_steps == 0
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
-        """Seed compatibility: force (True/False) or clear (None) the boundary decision."""
+        """ATorch compatibility: force (True/False) or clear (None) the boundary decision."""
         self._forced_boundary = is_boundary
 
     @property

@@ -14,7 +14,7 @@ subclass's arguments win over its parent's ``super().__init__`` call) and to mov
 Weights are not recorded: a built module is initialised again (its constructor's
 ``reset_parameters``, then Hugging Face's ``_init_weights`` of the root model when there is one).
 
-Every class patched is restored on exit, also when the body raises. Unlike the seed's version this
+Every class patched is restored on exit, also when the body raises. Unlike ATorch's version this
 keeps the exact original ``__init__`` of each class that defines one (classes that inherit
 ``__init__`` are not touched), so a class defined inside the body is restored to its own
 ``__init__`` too, not to its parent's.

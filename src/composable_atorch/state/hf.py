@@ -14,7 +14,7 @@ alike. Then
   ``adapter_model.safetensors``) - the frozen base is the one you started from;
 * any other module writes ``model.safetensors`` (shared tensors stored once).
 
-This is seed 004's "save" step (``accelerator.unwrap_model(model).save_pretrained(...)``) with the
+This is Accelerate's "save" step (``accelerator.unwrap_model(model).save_pretrained(...)``) with the
 config and the adapter-only case handled. For resuming a run use :func:`save_state` (sharded,
 with the optimizer); this is the artefact you ship.
 """

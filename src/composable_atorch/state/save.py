@@ -203,7 +203,8 @@ def save_state(
         raise ConfigError(
             "save_state during an accumulation window",
             f"micro-step {micro_step} of {optim.accumulation_steps}",
-            "a save right after optim.step() completed a window: FSDP keeps unsynchronised gradients inside its own buffers",
+            "a save right after optim.step() completed a window: FSDP keeps unsynchronised gradients inside its own "
+            "buffers",
         )
 
     rank, world = _rank_world()

@@ -1,4 +1,4 @@
-"""Experiment trackers (seed 004, section VI: "Logging"), through each tracker's own client.
+"""Experiment trackers (Accelerate's "Logging" guide), through each tracker's own client.
 
     tracking = init_trackers("runs", log_with=["tensorboard", "jsonl"], project_dir="out",
                              config={"lr": 3e-4}, plan=plan)      # VI.A + VI.B

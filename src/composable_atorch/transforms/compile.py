@@ -64,7 +64,8 @@ class Compile(Transform):
             raise ConfigError(
                 "compile.backend",
                 self.backend,
-                f"a registered torch.compile backend name, e.g. 'inductor' or 'aot_eager' (one of {', '.join(backends)})",
+                "a registered torch.compile backend name, e.g. 'inductor' or 'aot_eager' (one of "
+                f"{', '.join(backends)})",
             )
         if self.mode not in MODES:
             raise ConfigError("compile.mode", self.mode, ", ".join(repr(m) for m in MODES))
@@ -138,7 +139,8 @@ class Compile(Transform):
             kinds = sorted({type(m).__name__ for _, m in found})
             state.note(
                 self.name,
-                f"{len(found)} block(s) compiled in place ({', '.join(kinds)}; backend {self.backend}); parameter names unchanged",
+                f"{len(found)} block(s) compiled in place ({', '.join(kinds)}; backend {self.backend}); parameter "
+                "names unchanged",
             )
         else:
             model.compile(**kwargs)
@@ -157,5 +159,8 @@ def compile_(
     fullgraph: bool = False,
     dynamic: bool | None = None,
 ) -> Compile:
-    """``torch.compile`` in place: ``compile(per_block=(Block,))``, ``compile(backend="aot_eager", per_block=False)``."""
+    """``torch.compile`` in place.
+
+    ``compile(per_block=(Block,))``, ``compile(backend="aot_eager", per_block=False)``.
+    """
     return Compile(backend=backend, mode=mode, per_block=per_block, fullgraph=fullgraph, dynamic=dynamic)

@@ -1,6 +1,6 @@
 """fp8: train chosen ``nn.Linear`` layers in float8, through transformer-engine or torchao.
 
-Which Linear layers (seed 000's rules): weight dims both multiples of 16 (the fp8 GEMM and its
+Which Linear layers (ATorch's documented rules): weight dims both multiples of 16 (the fp8 GEMM and its
 transpose in the backward need it), and the qualified name passes ``include`` (at least one
 substring present, when given) and ``exclude`` (no substring present). The Llama example:
 ``exclude=("lm_head",)`` keeps the output head in high precision, which fp8 hurts.
@@ -8,7 +8,7 @@ substring present, when given) and ``exclude`` (no substring present). The Llama
 Backends, chosen in ``resolve(env)``:
 
 * ``transformer_engine`` on CUDA with compute capability >= 8.9 where it imports: ``te.Linear``
-  with the weights copied, and ``fp8_autocast`` with the seed's ``DelayedScaling`` recipe around
+  with the weights copied, and ``fp8_autocast`` with ATorch's ``DelayedScaling`` recipe around
   the outer forward;
 * ``torchao`` otherwise: ``convert_to_float8_training`` (dynamic per-tensor scaling). It runs on
   the CPU too (emulated: fp8 numerics, no speed-up), so the fp8 path trains in tests here. The
@@ -46,7 +46,7 @@ from composable_atorch.errors import ConfigError
 BACKENDS = ("auto", "transformer_engine", "torchao")
 FORMATS = ("HYBRID", "E4M3")
 AMAX_ALGOS = ("max", "most_recent")
-#: The seed's recipe.DelayedScaling fields and their defaults.
+#: ATorch's recipe.DelayedScaling fields and their defaults.
 RECIPE_DEFAULTS = {
     "margin": 0,
     "interval": 1,
@@ -184,20 +184,25 @@ class Fp8(Transform):
         if not isinstance(self.reduce_amax, bool):
             raise ConfigError("fp8.reduce_amax", self.reduce_amax, "True or False")
 
-    # -- search / seed ------------------------------------------------------------------------
+    # -- search / ATorch ------------------------------------------------------------------------
     @classmethod
     def candidates(cls, search):
-        """One candidate where a backend can run: TE on sm89+, else torchao where installed."""
+        """One candidate where fp8 can be faster: TE on sm89+, else torchao on fp8 hardware.
+
+        Without fp8 tensor cores torchao only emulates (fp8 numerics at bf16 speed or worse: on this
+        project's CPU one Linear's step was ~5x slower than fp32), so such a plan cannot win a
+        speed search; a user who wants fp8 numerics there passes ``fp8(...)`` in the space's
+        ``extra`` or in the plan itself."""
         env = search.env
         if te_usable(env) is None:
             return (cls(backend="transformer_engine", exclude=("lm_head",)),)
-        if TORCHAO.unmet(env, None) is None:
+        if TORCHAO.unmet(env, None) is None and FP8_HARDWARE.unmet(env, None) is None:
             return (cls(backend="torchao", exclude=("lm_head",)),)
         return ()
 
     @classmethod
     def from_seed(cls, config=None):
-        """The seed's dict: include, exclude, verbose (explain() always lists) and the recipe fields."""
+        """ATorch's dict: include, exclude, verbose (explain() always lists) and the recipe fields."""
         config = dict(config or {})
         config.pop("verbose", None)
         return fp8(**config)
@@ -251,7 +256,10 @@ class Fp8(Transform):
     def _apply_torchao(self, state: TrainState, chosen: list[str], env: Environment) -> str:
         from torchao.float8 import CastConfig, Float8LinearConfig, convert_to_float8_training
 
-        emulate = env.device == "cuda" and FP8_HARDWARE.unmet(env, self) is not None
+        # Without fp8 tensor cores, torchao's emulation (fp8 rounding, matmul in the high precision)
+        # is the fast path: torch's own fp8 matmul on the CPU took 7.2 s for one 64 x 11008 Linear's
+        # step against 50 ms emulated.
+        emulate = FP8_HARDWARE.unmet(env, self) is not None
         kwargs = {"emulate": emulate}
         if self.fp8_format == "E4M3":  # torchao's default is HYBRID: e5m2 for gradients
             kwargs["cast_config_grad_output"] = CastConfig(target_dtype=torch.float8_e4m3fn)
@@ -271,7 +279,7 @@ class Fp8(Transform):
         return "torchao Float8Linear (same parameters)"
 
     def recipe_kwargs(self, accepted: set[str], formats) -> dict:
-        """The seed's recipe as ``recipe.DelayedScaling`` keywords, limited to those it accepts.
+        """ATorch's recipe as ``recipe.DelayedScaling`` keywords, limited to those it accepts.
 
         transformer-engine >= 1.8 dropped ``interval`` (scales update every step); passing it
         would raise, so fields the installed version does not accept are left out.
@@ -324,7 +332,7 @@ class Fp8(Transform):
 
 
 def fp8(include=None, exclude=None, backend: str = "auto", **recipe) -> Fp8:
-    """Float8 Linear training: ``fp8(exclude=("lm_head",))``; recipe fields as in the seed (margin...)."""
+    """Float8 Linear training: ``fp8(exclude=("lm_head",))``; recipe fields as in ATorch (margin...)."""
     unknown = sorted(set(recipe) - set(RECIPE_DEFAULTS))
     if unknown:
         raise ConfigError(

@@ -3,13 +3,13 @@
 torch's ``checkpoint_wrapper`` renames parameters (``._checkpoint_wrapped_module.``), which would
 break optimizer rebinding and saved state dicts; the composable
 ``torch.distributed._composable.checkpoint`` works in place and keeps names, so it is the default.
-The reentrant variant (for models with ``@torch.jit.script`` parts, as the seed notes) wraps the
+The reentrant variant (for models with ``@torch.jit.script`` parts, as ATorch notes) wraps the
 block's forward in place, which also keeps names; keyword arguments (every Hugging Face decoder
 layer takes ``attention_mask=...``, ``position_embeddings=...``) are passed to torch's reentrant
 checkpoint positionally and rebuilt inside, as torch's ``checkpoint_wrapper`` packs them.
 
-ATorch's checkpoint config keys: ``wrap_class``, ``no_reentrant`` (default non-reentrant, as the
-seed documents), ``max_checkpoint_module_num`` (only the first N matching modules),
+ATorch's checkpoint config keys: ``wrap_class``, ``no_reentrant`` (default non-reentrant, as ATorch
+documents), ``max_checkpoint_module_num`` (only the first N matching modules),
 ``selective_offload`` (validated as ATorch does, no effect on a CPU: it moves saved activations
 from GPU memory to host memory, where they already are) and ``use_te_impl`` (no effect here:
 transformer-engine's checkpoint needs a CUDA GPU and its package).
@@ -152,7 +152,7 @@ class Checkpoint(Transform):
 
     @classmethod
     def from_seed(cls, config=None):
-        """Seed config: a tuple of classes/names, or ``{"wrap_class": ..., "no_reentrant": ...}``."""
+        """ATorch's config: a tuple of classes/names, or ``{"wrap_class": ..., "no_reentrant": ...}``."""
         if config is None:
             raise ConfigError("checkpoint config", None, "the block classes or names to checkpoint, e.g. (Block,)")
         return checkpoint(config)
@@ -189,7 +189,8 @@ class Checkpoint(Transform):
         if self.max_modules is not None:
             state.note(
                 self.name,
-                f"max_checkpoint_module_num={self.max_modules}: {len(found)} of {matched} matching modules checkpointed",
+                f"max_checkpoint_module_num={self.max_modules}: {len(found)} of {matched} matching modules "
+                "checkpointed",
             )
         for key in self.inert:
             state.note(self.name, f"{key}: {INERT_KEYS[key]}")
@@ -204,15 +205,18 @@ class Checkpoint(Transform):
         names = sorted({type(m).__name__ for _, m in found})
         state.note(
             self.name,
-            f"{len(found)} module(s) checkpointed ({', '.join(names)}): {', '.join(q or '<root>' for q, _ in found[:6])}{' ...' if len(found) > 6 else ''}",
+            f"{len(found)} module(s) checkpointed ({', '.join(names)}): "
+            f"{', '.join(q or '<root>' for q, _ in found[:6])}{' ...' if len(found) > 6 else ''}",
         )
         return state
 
 
 #: ATorch checkpoint keys accepted with no effect here, and why (shown in explain()).
 INERT_KEYS = {
-    "use_te_impl": "no effect: transformer-engine's checkpoint needs a CUDA GPU and the transformer-engine package; torch's is used",
-    "selective_offload": "no effect on a CPU: it offloads saved activations from GPU memory to host memory, where they already are",
+    "use_te_impl": "no effect: transformer-engine's checkpoint needs a CUDA GPU and the transformer-engine package; "
+    "torch's is used",
+    "selective_offload": "no effect on a CPU: it offloads saved activations from GPU memory to host memory, where they "
+    "already are",
 }
 SEED_KEYS = ("wrap_class", "no_reentrant", "max_checkpoint_module_num", "selective_offload", "use_te_impl")
 
@@ -262,7 +266,7 @@ def _from_seed_dict(cfg: dict) -> Checkpoint:
 
 
 def checkpoint(*targets, reentrant: bool = False, max_modules: int | None = None) -> Checkpoint:
-    """``checkpoint(Block)``, ``checkpoint("Block", "mlp")``, or the seed's dict form.
+    """``checkpoint(Block)``, ``checkpoint("Block", "mlp")``, or ATorch's dict form.
 
     The dict form is ATorch's ``{"wrap_class": (Block,), "no_reentrant": False,
     "max_checkpoint_module_num": 4, "selective_offload": {...}, "use_te_impl": False}``.

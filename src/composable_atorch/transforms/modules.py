@@ -1,6 +1,6 @@
 """module_replace: swap modules for fused implementations, keeping parameter names and weights.
 
-What it swaps, each as a named *replace pair* (the seed's ``register_replace_pair`` registry):
+What it swaps, each as a named *replace pair* (ATorch's ``register_replace_pair`` registry):
 
 * the library's own GPT attention (written out naive on purpose) for a subclass calling
   ``F.scaled_dot_product_attention`` — on this CPU a fused flash kernel, ~4x faster at seq 512 —
@@ -159,7 +159,7 @@ def register_replace_pair(
 ) -> ReplacePair:
     """Register a user pair: ``register_replace_pair("mine", Src, Tgt, supported_dtypes={torch.bfloat16})``.
 
-    The seed's keyword form ``register_replace_pair(name, supported_dtypes=..., pair_cls=(Src, Tgt))``
+    ATorch's keyword form ``register_replace_pair(name, supported_dtypes=..., pair_cls=(Src, Tgt))``
     works too. ``module_replace()`` then swaps every module of exactly class ``Src``.
     ``requires`` declares what the environment must provide (e.g. :data:`FLASH_ATTN`); where it
     does not, the pair is not used and explain() says why.
@@ -352,7 +352,8 @@ class ModuleReplace(Transform):
             elif dtype not in pair.supported_dtypes:
                 state.note(
                     self.name,
-                    f"{pair.name}: not used, it supports {_dtype_label(pair.supported_dtypes)} and this plan trains in {_dtype_label({dtype})}",
+                    f"{pair.name}: not used, it supports {_dtype_label(pair.supported_dtypes)} and this plan trains in "
+                    f"{_dtype_label({dtype})}",
                 )
             else:
                 usable.append(pair)
@@ -409,7 +410,8 @@ class ModuleReplace(Transform):
         names = ", ".join(q for q, _, _ in new_modules[:6]) + (" ..." if len(new_modules) > 6 else "")
         state.note(
             self.name,
-            f"{pair.name}: {len(new_modules)} x {source.__name__} -> {target.__name__} ({how}; parameter names unchanged): {names}",
+            f"{pair.name}: {len(new_modules)} x {source.__name__} -> {target.__name__} ({how}; parameter names "
+            f"unchanged): {names}",
         )
         return True
 
@@ -446,7 +448,8 @@ class ModuleReplace(Transform):
             module.set_attn_implementation(pair.switch)
             state.note(
                 self.name,
-                f"{pair.name}: {label} attention {before} -> {module.config._attn_implementation} via set_attn_implementation",
+                f"{pair.name}: {label} attention {before} -> {module.config._attn_implementation} via "
+                "set_attn_implementation",
             )
         return done
 

@@ -2,8 +2,8 @@
 
 Several transforms need to know the dtypes a plan trains in: sharding all-gathers parameters in
 them, module_replace filters kernels by them, DeepSpeed maps them onto its own bf16 / fp16 config.
-Each used to ask the plan for ``amp`` and ``half`` and repeat "half wins over amp" by hand; now
-they declare ``reads=PRECISION_READS`` in their contract and call :meth:`PrecisionPolicy.of`.
+So that "half wins over amp" is written once, they declare ``reads=PRECISION_READS`` in their
+contract and call :meth:`PrecisionPolicy.of` instead of asking the plan for ``amp`` and ``half``.
 
 Rules (written once, here):
 

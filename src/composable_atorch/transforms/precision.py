@@ -153,7 +153,10 @@ class Amp(Transform):
 
     @classmethod
     def from_seed(cls, config=None):
-        """Seed default is fp16; configs: ``"bf16"``, ``torch.bfloat16`` or ``{"dtype": ..., "skip_if_nonfinite": ..., "enabled": ...}``."""
+        """ATorch's default is fp16; configs: ``"bf16"``, ``torch.bfloat16``.
+
+        Or ``{"dtype": ..., "skip_if_nonfinite": ..., "enabled": ...}``.
+        """
         if config is None:
             return cls(dtype="fp16")
         if isinstance(config, dict):
@@ -304,7 +307,8 @@ class Half(Transform):
                 "optimizer_state_sharding",
                 "half's fp32 master weights swap the optimizer's parameters at each step, which a sharded "
                 "optimizer (zero1 / zero2 / fsdp / DeepSpeed) does not see: the update would be lost",
-                "drop master_weights and use amp(dtype) with the sharding transform (its fp32 shards are the master weights)",
+                "drop master_weights and use amp(dtype) with the sharding transform (its fp32 shards are the master "
+                "weights)",
                 when=_master_weights,
             ),
         ),
@@ -321,7 +325,7 @@ class Half(Transform):
 
     @classmethod
     def from_seed(cls, config=None):
-        """Seed default is fp16; config ``"bf16"``, ``"fp16"`` or ``{"dtype": ..., "master_weights": ...}``."""
+        """ATorch's default is fp16; config ``"bf16"``, ``"fp16"`` or ``{"dtype": ..., "master_weights": ...}``."""
         if isinstance(config, dict):
             return super().from_seed({"dtype": "fp16", **config})
         return cls(dtype="fp16" if config is None else config)

@@ -1,13 +1,13 @@
-"""``mixed_parallel``: the seed's tensor x pipeline x data parallelism in one step.
+"""``mixed_parallel``: ATorch's tensor x pipeline x data parallelism in one step.
 
 The degrees come from ``parallel_mode`` (``[("tensor", 2), ("pipeline", 2), ("data", 2)]``), as in
-the seed, or from ``mixed_parallel(tensor=2, pipeline=2)`` itself (the data size absorbs the rest of
+ATorch, or from ``mixed_parallel(tensor=2, pipeline=2)`` itself (the data size absorbs the rest of
 the world; the step then lays out the mesh and splits the loader itself, which is how the auto
 search proposes parallel degrees: one candidate per factorization of the world size).
 Either way:
 tensor parallelism where the tensor size is > 1 (:class:`TensorParallel` with ``tp_plan``),
 pipeline stages where the pipeline size is > 1 (:class:`PipelineParallel`), and gradients
-averaged over the data dimension (this step owns gradient sync, as the seed's mixed_parallel does).
+averaged over the data dimension (this step owns gradient sync, as ATorch's mixed_parallel does).
 Use ``tensor_parallel | pipeline_parallel | fsdp`` to choose each engine yourself.
 """
 
@@ -70,7 +70,10 @@ def _split_loader(loader, pc: ParallelContext):
 
 
 def _has_pipeline(mine, _accumulate) -> bool:
-    """With a pipeline degree given here (the search's candidates give it); one read from parallel_mode is refused when applied."""
+    """With a pipeline degree given here (the search's candidates give it).
+
+    One read from parallel_mode is refused when applied.
+    """
     return (mine.pipeline or 1) > 1
 
 
@@ -177,7 +180,8 @@ class MixedParallel(Transform):
             raise RequirementError(
                 self.name,
                 "parallel degrees",
-                "compose it with parallel_mode([('tensor', t), ('pipeline', p), ('data', d)]) or give mixed_parallel(tensor=t, pipeline=p)",
+                "compose it with parallel_mode([('tensor', t), ('pipeline', p), ('data', d)]) or give "
+                "mixed_parallel(tensor=t, pipeline=p)",
             )
         groups = [("tensor", self.tensor or 1), ("pipeline", self.pipeline or 1), ("data", 1)]
         pc = make_context(plan_layout(groups, ctx.env.world_size), ctx.env.device)
@@ -186,7 +190,8 @@ class MixedParallel(Transform):
             state.loader = _split_loader(state.loader, pc)
         state.note(
             self.name,
-            f"layout {pc.layout.describe()}; device mesh {pc.layout.mesh_dim_names}; loader split over the data dim of {pc.data_size}",
+            f"layout {pc.layout.describe()}; device mesh {pc.layout.mesh_dim_names}; loader split over the data dim of "
+            f"{pc.data_size}",
         )
         return pc
 
@@ -227,7 +232,11 @@ def mixed_parallel(
     tensor: int | None = None,
     pipeline: int | None = None,
 ) -> MixedParallel:
-    """``mixed_parallel()`` with ``parallel_mode([("tensor", 2), ("pipeline", 2), ("data", 2)])``, or ``mixed_parallel(tensor=2, pipeline=2)``."""
+    """Mixed tensor x pipeline x data parallelism.
+
+    ``mixed_parallel()`` with ``parallel_mode([("tensor", 2), ("pipeline", 2), ("data", 2)])``,
+    or ``mixed_parallel(tensor=2, pipeline=2)``.
+    """
     return MixedParallel(
         tp_plan=tp_plan,
         microbatches=microbatches,

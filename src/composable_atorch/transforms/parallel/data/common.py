@@ -57,6 +57,18 @@ IMPLIES_PARALLEL_MODE = Implication(
 )
 
 
+def implies_mesh_dim(dim: str, reason: str) -> Implication:
+    """parallel_mode with a ``(dim, 2)`` dimension, added when the plan has none.
+
+    Model-parallel families (tensor, pipeline, ds3d) all need a device mesh with their dimension in
+    it: compose adds ``parallel_mode([(dim, 2), ("data", 1)])`` (the data size then absorbs the rest
+    of the world), unless a step that lays out the mesh itself (role ``process_groups``) is present.
+    """
+    return Implication(
+        "parallel_mode", reason, config={"groups": ((dim, 2), ("data", 1))}, satisfied_by=("process_groups",)
+    )
+
+
 def parallel_context(state: TrainState, who: str) -> ParallelContext:
     """The context parallel_mode left in the state; RequirementError if the plan had none."""
     if not isinstance(state.parallel, ParallelContext):
@@ -227,17 +239,23 @@ _ZERO_OPTION_BACKENDS = {
 }
 _ZERO_OPTION_WHY = {
     "static_loss_scale": "only DeepSpeed's ZeRO optimizer scales the loss itself; use amp('fp16') for a loss scaler",
-    "dynamic_loss_args": "DeepSpeed's dynamic scaling keeps its defaults here; give static_loss_scale, or leave both out",
+    "dynamic_loss_args": "DeepSpeed's dynamic scaling keeps its defaults here; give static_loss_scale, or leave both "
+    "out",
     "clip_grad": "add clip_grad(max_norm) to the plan instead",
-    "cpu_offload": "this backend has no optimizer offload: use backend='deepspeed' (offload_optimizer) or zero2(backend='fsdp')",
+    "cpu_offload": "this backend has no optimizer offload: use backend='deepspeed' (offload_optimizer) or "
+    "zero2(backend='fsdp')",
     "allgather_bucket_size": "bucket sizes are DeepSpeed's; torch and fairscale pick their own",
     "reduce_bucket_size": "bucket sizes are DeepSpeed's; torch and fairscale pick their own",
-    "sync_models_at_startup": "this backend always broadcasts rank 0's weights at start (ddp / DeepSpeed do it themselves)",
+    "sync_models_at_startup": "this backend always broadcasts rank 0's weights at start (ddp / DeepSpeed do it "
+    "themselves)",
 }
 
 
 def zero_options(options, who: str, backend: str) -> tuple:
-    """ATorch's zero keys as a sorted ``((key, value), ...)``; ConfigError for unknown keys or values this backend cannot honour."""
+    """ATorch's zero keys as a sorted ``((key, value), ...)``.
+
+    ConfigError for unknown keys or values this backend cannot honour.
+    """
     items = dict(options or ())
     unknown = sorted(set(items) - set(ZERO_OPTION_DEFAULTS))
     if unknown:

@@ -69,7 +69,8 @@ def _distributed_loader(loader, pc: ParallelContext, sampler_cls):
         raise ConfigError(
             "loader batch_size",
             batch,
-            f"a multiple of the data-parallel size {parts} (the loader's batch is the global batch, split into {parts} per-rank batches)",
+            f"a multiple of the data-parallel size {parts} (the loader's batch is the global batch, split into {parts} "
+            "per-rank batches)",
         )
     sampler = (sampler_cls or DistributedSampler)(
         loader.dataset,
@@ -83,11 +84,11 @@ def _distributed_loader(loader, pc: ParallelContext, sampler_cls):
 
 @dataclass(frozen=True)
 class ParallelMode(Transform):
-    """Process groups and a device mesh from the seed's layout; the loader split over the data dimension.
+    """Process groups and a device mesh from ATorch's layout; the loader split over the data dimension.
 
-    ``groups`` is the seed's ``[(name, size), ...]`` (first name varies fastest over the ranks);
-    the data size is adjusted to the world size as the seed describes. Alone, it trains data-parallel
-    with ddp (as the seed's ``["parallel_mode", ...]`` does): some transform must own gradient sync.
+    ``groups`` is ATorch's ``[(name, size), ...]`` (first name varies fastest over the ranks);
+    the data size is adjusted to the world size as ATorch describes. Alone, it trains data-parallel
+    with ddp (as ATorch's ``["parallel_mode", ...]`` does): some transform must own gradient sync.
     Call ``loader.sampler.set_epoch(epoch)`` each epoch to reshuffle, as with any DistributedSampler.
     """
 
@@ -98,7 +99,8 @@ class ParallelMode(Transform):
         implies=(
             Implication(
                 "ddp",
-                "ranks see different samples, so some transform must synchronize gradients (the seed's parallel_mode means DDP)",
+                "ranks see different samples, so some transform must synchronize gradients (ATorch's parallel_mode "
+                "means DDP)",
                 satisfied_by=(GRAD_SYNC,),
             ),
         ),
@@ -127,7 +129,7 @@ class ParallelMode(Transform):
 
     @classmethod
     def from_seed(cls, config=None):
-        """Seed forms: None, ``(groups, rank_order)``, ``(groups, rank_order, multi_instance)`` or ``groups``."""
+        """ATorch's forms: None, ``(groups, rank_order)``, ``(groups, rank_order, multi_instance)`` or ``groups``."""
         if config is None:
             return cls()
         if isinstance(config, dict):
@@ -249,7 +251,7 @@ class Ddp(Transform):
                 self.name, "no process group: a single process has no gradients to synchronize, model left as it is"
             )
             return state
-        # -- model parallelism (issue 10): a data dimension of 1 has nothing to synchronize --
+        # -- model parallelism: a data dimension of 1 has nothing to synchronize --
         if pc.data_size == 1:
             state.note(
                 self.name,
@@ -262,7 +264,8 @@ class Ddp(Transform):
             state.hooks.append(DataGradSync(state.model, pc.data_group(), pc.data_size))
             state.note(
                 self.name,
-                f"tensor-parallel (DTensor) parameters: gradients all-reduced over the data group of {pc.data_size} before each step (DDP's replicate does not take DTensors)",
+                f"tensor-parallel (DTensor) parameters: gradients all-reduced over the data group of {pc.data_size} "
+                "before each step (DDP's replicate does not take DTensors)",
             )
             return state
         # -- end model parallelism --
@@ -281,7 +284,8 @@ class Ddp(Transform):
         state.hooks.append(GradSyncHook(state.model))
         state.note(
             self.name,
-            f"replicate (DDP) over the data group of {pc.data_size}; parameter names kept; sync skipped inside accumulation windows",
+            f"replicate (DDP) over the data group of {pc.data_size}; parameter names kept; sync skipped inside "
+            "accumulation windows",
         )
         return state
 
@@ -361,7 +365,8 @@ class Zero1(HasBackends, Transform):
         inner = type(state.optim.optim).__name__
         state.note(
             self.name,
-            f"{type(state.optim).__name__}({inner}): each of {pc.data_size} ranks keeps 1/{pc.data_size} of the optimizer state",
+            f"{type(state.optim).__name__}({inner}): each of {pc.data_size} ranks keeps 1/{pc.data_size} of the "
+            "optimizer state",
         )
         return state
 

@@ -101,7 +101,8 @@ def check_half_supported(half: str, who: str) -> None:
         other = "bf16" if half == "fp16" else "fp32"
         raise RequirementError(
             who,
-            f"a device on which DeepSpeed supports {half} (DeepSpeed's {accel.device_name()} accelerator here does not)",
+            f"a device on which DeepSpeed supports {half} (DeepSpeed's {accel.device_name()} accelerator here does "
+            "not)",
             f"use half('{other}') or a torch backend ({who}(backend='torch')), or run on a device with {half} kernels",
         )
 
@@ -159,7 +160,8 @@ def apply_options(config: dict, options: dict, clip_transform: float | None, who
             notes.append(f"static loss scale {float(options['static_loss_scale']):g} (fp16)")
         else:
             notes.append(
-                f"static_loss_scale={options['static_loss_scale']!r} read; DeepSpeed scales the loss only in fp16, so it has no effect here"
+                f"static_loss_scale={options['static_loss_scale']!r} read; DeepSpeed scales the loss only in fp16, so "
+                "it has no effect here"
             )
     return notes
 
@@ -199,12 +201,14 @@ def apply_engine(stage: int, who: str, state: TrainState, ctx: ApplyContext, opt
     state.hooks.append(DeepSpeedHook(engine, clips_gradients=bool(config["gradient_clipping"])))
     state.note(
         who,
-        f"DeepSpeed ZeRO-{stage} engine over {pc.data_size} ranks, micro-batch {per_rank}, {type(ds_optim).__name__} around the user's optimizer",
+        f"DeepSpeed ZeRO-{stage} engine over {pc.data_size} ranks, micro-batch {per_rank}, {type(ds_optim).__name__} "
+        "around the user's optimizer",
     )
     if half is not None:
         state.note(
             who,
-            f"half({half}) mapped onto DeepSpeed's {half} mode: the engine trains in {half} with fp32 master weights in its optimizer",
+            f"half({half}) mapped onto DeepSpeed's {half} mode: the engine trains in {half} with fp32 master weights "
+            "in its optimizer",
         )
     for line in option_notes:
         state.note(who, line)

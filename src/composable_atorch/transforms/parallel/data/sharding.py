@@ -6,7 +6,7 @@ children before parents, then to the root. Before sharding, parameters and buffe
 from the first data-parallel rank (what DDP does at start and FSDP1 calls ``sync_module_states``),
 so a model initialised differently per rank still trains as one.
 
-``zero2`` is the same engine with ``reshard_after_forward=False`` (the seed's default,
+``zero2`` is the same engine with ``reshard_after_forward=False`` (ATorch's default,
 SHARD_GRAD_OP), or fairscale's OSS + ShardedDataParallel with ``backend="fairscale"``.
 """
 
@@ -50,16 +50,19 @@ from composable_atorch.transforms.policy import PRECISION_READS, PrecisionPolicy
 
 #: fully_shard keywords the transform sets itself; the rest may pass through ``fsdp_kwargs``.
 _OWN_KWARGS = {"module", "mesh", "reshard_after_forward", "mp_policy", "offload_policy", "ignored_params"}
-#: The seed's FSDP1 options that FSDP2 makes moot (always original params, rate-limited all-gathers,
-#: module states synced here before sharding). Accepted from seed configs and shown in explain().
+#: ATorch's FSDP1 options that FSDP2 makes moot (always original params, rate-limited all-gathers,
+#: module states synced here before sharding). Accepted from ATorch configs and shown in explain().
 FSDP1_OPTIONS = ("forward_prefetch", "limit_all_gathers", "sync_module_states", "use_orig_params", "backward_prefetch")
 
 
 #: FSDP1 arguments ATorch forwards that have no FSDP2 meaning: refused, each with why.
 FSDP1_REFUSED = {
-    "mixed_precision": "FSDP1's MixedPrecision is amp / half here: add amp('bf16') (FSDP2 all-gathers in its dtype) or half('bf16')",
-    "param_init_fn": "FSDP2 has no param_init_fn: materialize the model (e.g. from the meta device) before applying the plan",
-    "ignored_states": "pass atorch_ignored_cls (module classes) instead: parameters are not known when the plan is built",
+    "mixed_precision": "FSDP1's MixedPrecision is amp / half here: add amp('bf16') (FSDP2 all-gathers in its dtype) or "
+    "half('bf16')",
+    "param_init_fn": "FSDP2 has no param_init_fn: materialize the model (e.g. from the meta device) before applying "
+    "the plan",
+    "ignored_states": "pass atorch_ignored_cls (module classes) instead: parameters are not known when the plan is "
+    "built",
     "ignored_modules": "pass atorch_ignored_cls (module classes or names) instead of module instances",
     "process_group": "parallel_mode makes the process groups and the device mesh fsdp shards over",
     "device_mesh": "parallel_mode makes the process groups and the device mesh fsdp shards over",
@@ -197,27 +200,17 @@ def broadcast_module_states(model: nn.Module, group) -> None:
     """Make every rank start from data-rank 0's parameters and buffers."""
     with torch.no_grad():
         for t in [*model.parameters(), *model.buffers()]:
-            # model parallelism (issue 10): a tensor-parallel DTensor broadcasts its local shard
+            # model parallelism: a tensor-parallel DTensor broadcasts its local shard
             local = t._local_tensor if hasattr(t, "_local_tensor") else t.data
             dist.broadcast(local, group=group, group_src=0)
 
 
-@dataclass(frozen=True)
-class ShardSpec:
-    """How to shard: what fsdp and zero2 (fsdp backend) share."""
+def shard(spec: Fsdp, who: str, state: TrainState, ctx: ApplyContext, *, sync_at_start: bool = True) -> TrainState:
+    """Apply FSDP2 as the fsdp config ``spec`` says; the shared body of fsdp and zero2(backend="fsdp").
 
-    wrap: tuple = ()
-    min_params: int = 0
-    ignored: tuple = ()
-    reshard_after_forward: bool = True
-    cpu_offload: bool = False
-    wrap_trainable_outmost: bool = False
-    fsdp_kwargs: tuple = ()
-    wrap_policy: Any = None
-
-
-def shard(spec: ShardSpec, who: str, state: TrainState, ctx: ApplyContext, *, sync_at_start: bool = True) -> TrainState:
-    """Apply FSDP2 as ``spec`` says; the shared body of fsdp and zero2(backend="fsdp")."""
+    zero2 passes ``Fsdp(wrap=..., reshard_after_forward=False)``: it is this engine keeping the
+    parameters whole after forward, so the sharding fields are fsdp's own, defined once.
+    """
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     pc = parallel_context(state, who)
@@ -246,7 +239,8 @@ def shard(spec: ShardSpec, who: str, state: TrainState, ctx: ApplyContext, *, sy
     else:
         state.note(
             who,
-            "sync_models_at_startup=False: rank 0's weights are not broadcast (every rank must start from the same weights)",
+            "sync_models_at_startup=False: rank 0's weights are not broadcast (every rank must start from the same "
+            "weights)",
         )
     targets = wrap_targets(
         model, spec.wrap, spec.min_params, ignored_modules, spec.wrap_trainable_outmost, spec.wrap_policy
@@ -259,8 +253,9 @@ def shard(spec: ShardSpec, who: str, state: TrainState, ctx: ApplyContext, *, sy
     kinds = sorted({type(m).__name__ for m in targets})
     state.note(
         who,
-        f"fully_shard on {len(targets)} module(s) ({', '.join(kinds) or 'none'}) then the root, over {pc.data_size} ranks; "
-        f"reshard_after_forward={spec.reshard_after_forward}{', parameters offloaded to CPU' if spec.cpu_offload else ''}",
+        f"fully_shard on {len(targets)} module(s) ({', '.join(kinds) or 'none'}) then the root, "
+        f"over {pc.data_size} ranks; reshard_after_forward={spec.reshard_after_forward}"
+        f"{', parameters offloaded to CPU' if spec.cpu_offload else ''}",
     )
     if ignored_params:
         trainable = [p for p in ignored_params if p.requires_grad]
@@ -268,7 +263,8 @@ def shard(spec: ShardSpec, who: str, state: TrainState, ctx: ApplyContext, *, sy
             state.hooks.append(IgnoredGradSyncHook(trainable, group, pc.data_size))
         state.note(
             who,
-            f"{len(ignored_params)} parameter(s) of ignored modules kept whole; their gradients averaged before the step",
+            f"{len(ignored_params)} parameter(s) of ignored modules kept whole; their gradients averaged before the "
+            "step",
         )
     return state
 
@@ -327,7 +323,7 @@ class Fsdp(HasBackends, Transform):
     wrap_trainable_outmost: bool = False
     backend: str = "torch"
     fsdp_kwargs: tuple = ()
-    #: seed FSDP1 options with no FSDP2 meaning, kept so explain() shows they were read
+    #: ATorch's FSDP1 options with no FSDP2 meaning, kept so explain() shows they were read
     fsdp1_options: tuple = ()
     #: an FSDP1-style auto_wrap_policy(module, recurse, nonwrapped_numel) choosing the modules to shard
     wrap_policy: Any = None
@@ -352,21 +348,9 @@ class Fsdp(HasBackends, Transform):
         object.__setattr__(self, "fsdp_kwargs", _fsdp_kwargs(self.fsdp_kwargs))
         object.__setattr__(self, "fsdp1_options", tuple(sorted(tuple(kv) for kv in self.fsdp1_options)))
 
-    def spec(self) -> ShardSpec:
-        return ShardSpec(
-            self.wrap,
-            self.min_params,
-            self.ignored,
-            self.reshard_after_forward,
-            self.cpu_offload,
-            self.wrap_trainable_outmost,
-            self.fsdp_kwargs,
-            self.wrap_policy,
-        )
-
     @classmethod
     def from_seed(cls, config=None):
-        """The seed's dict: atorch_wrap_cls / atorch_size_based_min_num_params / atorch_ignored_cls, FSDP options."""
+        """ATorch's dict: atorch_wrap_cls / atorch_size_based_min_num_params / atorch_ignored_cls, FSDP options."""
         if config is None:
             return cls()
         if not isinstance(config, dict):
@@ -456,7 +440,7 @@ class Fsdp(HasBackends, Transform):
         return f"fsdp({'; '.join(parts)})"
 
     def apply(self, state: TrainState, ctx: ApplyContext) -> TrainState:
-        return shard(self.spec(), self.name, state, ctx)
+        return shard(self, self.name, state, ctx)
 
 
 def fsdp(
@@ -565,9 +549,7 @@ class Zero2(HasBackends, Transform):
     def apply(self, state: TrainState, ctx: ApplyContext) -> TrainState:
         opts = dict(self.options)
         if self.backend == "fsdp":
-            spec = ShardSpec(
-                wrap=self.wrap, reshard_after_forward=False, cpu_offload=bool(opts.get("cpu_offload", False))
-            )
+            spec = Fsdp(wrap=self.wrap, reshard_after_forward=False, cpu_offload=bool(opts.get("cpu_offload", False)))
             return shard(spec, self.name, state, ctx, sync_at_start=opts.get("sync_models_at_startup", True))
         return self._fairscale(state)
 
@@ -591,7 +573,8 @@ class Zero2(HasBackends, Transform):
         state.hooks.append(KeepGradBuffersHook())
         state.note(
             self.name,
-            f"fairscale OSS + ShardedDataParallel over {pc.data_size} ranks; names prefixed 'module.' by the wrapper, mapped back for the optimizer",
+            f"fairscale OSS + ShardedDataParallel over {pc.data_size} ranks; names prefixed 'module.' by the wrapper, "
+            "mapped back for the optimizer",
         )
         return state
 

@@ -138,7 +138,10 @@ def vocab_parallel_logit_helper(embed: nn.Module, lm_output):
 
 
 def _contiguous(forward):
-    """Tensors leave each layer contiguous: DeepSpeed sends a stage's output as it is, and gloo refuses strided tensors."""
+    """Tensors leave each layer contiguous.
+
+    DeepSpeed sends a stage's output as it is, and gloo refuses strided tensors.
+    """
 
     @functools.wraps(forward)
     def contiguous(inputs):

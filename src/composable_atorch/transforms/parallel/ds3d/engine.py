@@ -62,7 +62,10 @@ def _contradiction(key: str, value, plan_value, why: str):
 def engine_config(
     user: dict, *, data_size: int, stages: int, per_rank_batch: int | None, clip: float | None, half: str | None
 ) -> dict:
-    """The engine's config: the plan's facts, then the user's keys; ConfigError naming a key that contradicts the plan."""
+    """The engine's config: the plan's facts, then the user's keys.
+
+    ConfigError naming a key that contradicts the plan.
+    """
     config = dict(user)
     m, g = user.get("train_micro_batch_size_per_gpu"), user.get("gradient_accumulation_steps")
     for key, v in (("train_micro_batch_size_per_gpu", m), ("gradient_accumulation_steps", g)):
@@ -141,7 +144,10 @@ def topology(layout):
 
 
 def original_name(stage_name: str, entries, tie_first: bool) -> str:
-    """The user's parameter name of a stage parameter (``"3.mlp.up_proj.weight"`` -> ``"model.layers.2.mlp.up_proj.weight"``)."""
+    """The user's parameter name of a stage parameter.
+
+    ``"3.mlp.up_proj.weight"`` -> ``"model.layers.2.mlp.up_proj.weight"``.
+    """
     head, _, rest = stage_name.partition(".")
     if head == "tied_modules":
         _, _, rest = rest.partition(".")

@@ -1,4 +1,6 @@
-"""``ds_3d_parallel`` (``deepspeed_3d_parallel``): DeepSpeed pipeline x tensor x data parallelism from an unmodified model.
+"""``ds_3d_parallel`` (``deepspeed_3d_parallel``).
+
+DeepSpeed pipeline x tensor x data parallelism from an unmodified model.
 
     with record_module_init():
         meta_model = LlamaForCausalLM(LlamaConfig(...))            # nothing allocated
@@ -35,12 +37,17 @@ import zlib
 from dataclasses import dataclass
 from typing import Any
 
-from composable_atorch.core.contract import Conflict, Contract, Implication, Package, Stage
+from composable_atorch.core.contract import Conflict, Contract, Package, Stage
 from composable_atorch.core.transform import ApplyContext, TrainState, Transform
 from composable_atorch.errors import ConfigError, RequirementError
 from composable_atorch.runtime.optim import NAME_PREFIX_ATTR, named_parameters
 from composable_atorch.runtime.train_step import PIPELINE_ATTR
-from composable_atorch.transforms.parallel.data.common import GRAD_SYNC, OPTIMIZER_STATE_SHARDING, parallel_context
+from composable_atorch.transforms.parallel.data.common import (
+    GRAD_SYNC,
+    OPTIMIZER_STATE_SHARDING,
+    implies_mesh_dim,
+    parallel_context,
+)
 from composable_atorch.transforms.parallel.data.deepspeed import check_half_supported
 from composable_atorch.transforms.parallel.ds3d.build import (
     StageBuilder,
@@ -83,7 +90,7 @@ def _layer_rewrite(ctx: ApplyContext):
 
 
 class DeepSpeed3DParallelConfig:
-    """The seed's configuration (names and defaults verbatim).
+    """ATorch's configuration (names and defaults verbatim).
 
     * ``base_seed``: seeds each layer's initialisation (``base_seed + layer index``, the same on every
       rank that builds it) and the dropout streams named in the TPInfo;
@@ -126,6 +133,14 @@ def _no_zero_dim(_mine, pm) -> bool:
     return any(n == "zero" and s > 1 for n, s in pm.groups) or pm.rank_order is not None
 
 
+def _engine_dtype(config: dict) -> str:
+    """The dtype DeepSpeed's engine trains in, read back from its config (for the plan's note)."""
+    for half in ("bf16", "fp16"):
+        if config.get(half, {}).get("enabled"):
+            return half
+    return "fp32"
+
+
 @dataclass(frozen=True)
 class DeepSpeed3DParallel(Transform):
     """DeepSpeed pipeline x tensor x data parallelism; degrees from ``parallel_mode`` (see the module doc)."""
@@ -140,14 +155,7 @@ class DeepSpeed3DParallel(Transform):
         reads=("clip_grad", "module_replace", *PRECISION_READS),
         renames=True,  # a stage holds its layers only, named by DeepSpeed's layer index
         requires=(Package(name="deepspeed", extra="deepspeed"),),
-        implies=(
-            Implication(
-                "parallel_mode",
-                "the pipeline, tensor and data degrees are parallel_mode's groups",
-                config={"groups": (("pipeline", 2), ("data", 1))},
-                satisfied_by=("process_groups",),
-            ),
-        ),
+        implies=(implies_mesh_dim("pipeline", "the pipeline, tensor and data degrees are parallel_mode's groups"),),
         conflicts=(
             Conflict("ddp", f"{_ENGINE}; DDP would all-reduce a second time", "drop ddp"),
             Conflict("fsdp", f"{_ENGINE}; FSDP would shard and reduce the same parameters again", "drop fsdp"),
@@ -163,7 +171,8 @@ class DeepSpeed3DParallel(Transform):
             ),
             Conflict(
                 "tensor_parallel",
-                "ds_3d_parallel shards the stage layers itself (Megatron-style, for DeepSpeed's engine); DTensor layers would be sharded twice",
+                "ds_3d_parallel shards the stage layers itself (Megatron-style, for DeepSpeed's engine); DTensor "
+                "layers would be sharded twice",
                 "drop tensor_parallel; pass DeepSpeed3DParallelConfig(tpinfo=...)",
             ),
             Conflict(
@@ -183,7 +192,8 @@ class DeepSpeed3DParallel(Transform):
             ),
             Conflict(
                 "amp",
-                "DeepSpeed trains in its own precision (its bf16 / fp16 modes); autocast around the engine is not applied by train_batch",
+                "DeepSpeed trains in its own precision (its bf16 / fp16 modes); autocast around the engine is not "
+                "applied by train_batch",
                 "use half('bf16') in the plan, or bf16 / fp16 in ds_config",
             ),
             Conflict(
@@ -218,7 +228,7 @@ class DeepSpeed3DParallel(Transform):
         else:
             tp = normalize_plan(tp)
             if tp == "auto":
-                raise ConfigError("DeepSpeed3DParallelConfig.tpinfo", "auto", "a TPInfo (the seed's manual form)")
+                raise ConfigError("DeepSpeed3DParallelConfig.tpinfo", "auto", "a TPInfo (ATorch's manual form)")
         object.__setattr__(self, "tpinfo", tp)
         patchers = self.custom_patcher
         if patchers is None:
@@ -272,7 +282,10 @@ class DeepSpeed3DParallel(Transform):
 
     # -- checks (every one before any work) --------------------------------------------------
     def _tp_placements(self, model, degree: int):
-        """``(shard, shrink, drops)`` over the meta model's qualified names; TensorParallelPlanError if the TPInfo names no module."""
+        """``(shard, shrink, drops)`` over the meta model's qualified names.
+
+        TensorParallelPlanError if the TPInfo names no module.
+        """
         if not self.tpinfo:
             if degree > 1:
                 raise ConfigError(
@@ -408,17 +421,20 @@ class DeepSpeed3DParallel(Transform):
         lo, hi = pipe.parts[stage], pipe.parts[stage + 1]
         state.note(
             self.name,
-            f"DeepSpeed pipeline {sizes['pipeline']} x tensor {sizes['tensor']} x data {sizes['data']}; this rank is stage {stage}: "
+            f"DeepSpeed pipeline {sizes['pipeline']} x tensor {sizes['tensor']} x data {sizes['data']}; this rank is "
+            f"stage {stage}: "
             f"layers {lo}..{hi - 1} of {len(specs)} ({', '.join(repr(s) for s in specs[lo:hi])})",
         )
         state.note(
             self.name,
-            f"{patch_note}; {n_blocks} {block} blocks balanced over the stages; layers built from recorded init args, seeded base_seed + layer index",
+            f"{patch_note}; {n_blocks} {block} blocks balanced over the stages; layers built from recorded init args, "
+            "seeded base_seed + layer index",
         )
         if dropped_head:
             state.note(
                 self.name,
-                f"{dropped_head} is tied to {entries[0][0]}: computed by the tied embedding's logit helper on the last stage",
+                f"{dropped_head} is tied to {entries[0][0]}: computed by the tied embedding's logit helper on the last "
+                "stage",
             )
         if builder.rewrite is not None:
             done = sorted(set(builder.rewrite_notes)) or ["no layer built on this rank"]
@@ -426,13 +442,15 @@ class DeepSpeed3DParallel(Transform):
         if shard:
             state.note(
                 self.name,
-                f"Megatron-style tensor sharding of {len(shard)} layers over the tensor dim of {sizes['tensor']} ({len(shrink)} shrunk, {len(drops)} dropouts in seeded streams)",
+                f"Megatron-style tensor sharding of {len(shard)} layers over the tensor dim of {sizes['tensor']} "
+                f"({len(shrink)} shrunk, {len(drops)} dropouts in seeded streams)",
             )
         state.note(
             self.name,
-            f"engine config: micro-batch {config['train_micro_batch_size_per_gpu']}, {config['gradient_accumulation_steps']} micro-batches per train_batch, "
+            f"engine config: micro-batch {config['train_micro_batch_size_per_gpu']}, "
+            f"{config['gradient_accumulation_steps']} micro-batches per train_batch, "
             f"ZeRO-{config['zero_optimization']['stage']}, clipping {config.get('gradient_clipping', 0)}, "
-            f"{'bf16' if config.get('bf16', {}).get('enabled') else 'fp16' if config.get('fp16', {}).get('enabled') else 'fp32'}",
+            f"{_engine_dtype(config)}",
         )
         return state
 

@@ -48,7 +48,10 @@ def _hf_decoder(model):
     return None
 
 
-KNOWN_MODELS = "composable_atorch's GPT (tok, pos, blocks, ln_f, head) or an HF causal LM of the Llama family (model.embed_tokens, model.layers, model.norm, lm_head)"
+KNOWN_MODELS = (
+    "composable_atorch's GPT (tok, pos, blocks, ln_f, head) or an HF causal LM of the Llama family "
+    "(model.embed_tokens, model.layers, model.norm, lm_head)"
+)
 
 
 def anatomy(model: nn.Module) -> tuple[list[nn.Module], int, int]:

@@ -35,11 +35,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from composable_atorch.core.contract import Conflict, Contract, Implication, MinWorldSize, Stage
+from composable_atorch.core.contract import Conflict, Contract, MinWorldSize, Stage
 from composable_atorch.core.transform import ApplyContext, TrainState, Transform
 from composable_atorch.errors import ConfigError, ParameterMappingError
 from composable_atorch.runtime.train_step import PIPELINE_ATTR, mark_loss_group
-from composable_atorch.transforms.parallel.data.common import GRAD_SYNC, DataGradSync, broadcast_local, parallel_context
+from composable_atorch.transforms.parallel.data.common import (
+    GRAD_SYNC,
+    DataGradSync,
+    broadcast_local,
+    implies_mesh_dim,
+    parallel_context,
+)
 from composable_atorch.transforms.parallel.pipeline.stages import (  # noqa: F401 - re-exported
     KNOWN_MODELS,
     PipelineLoopError,
@@ -161,11 +167,8 @@ class PipelineParallel(Transform):
         roles=("pipeline", "model_parallel"),
         renames=True,  # each rank keeps the parameters of its stage only (names unchanged)
         implies=(
-            Implication(
-                "parallel_mode",
-                "pipeline stages live on the 'pipeline' dimension of parallel_mode's device mesh",
-                config={"groups": (("pipeline", 2), ("data", 1))},
-                satisfied_by=("process_groups",),
+            implies_mesh_dim(
+                "pipeline", "pipeline stages live on the 'pipeline' dimension of parallel_mode's device mesh"
             ),
         ),
         conflicts=(
@@ -178,7 +181,8 @@ class PipelineParallel(Transform):
             ),
             Conflict(
                 "compile",
-                "torch's zero-bubble schedules split each backward into input and weight passes, which a compiled stage cannot do "
+                "torch's zero-bubble schedules split each backward into input and weight passes, which a compiled "
+                "stage cannot do "
                 "(torch.distributed.pipelining refuses compiled stages for them)",
                 "drop compile, or use schedule='Interleaved1F1B' / '1F1B'",
                 when=_zero_bubble,
@@ -329,8 +333,10 @@ class PipelineParallel(Transform):
         state.model = kept
         state.note(
             self.name,
-            f"{n_stages} stages over blocks {[f'{bounds[s]}..{bounds[s + 1] - 1}' for s in range(n_stages)]} (block params {sizes}); "
-            f"this rank holds stage(s) {local}; {self.schedule}, {self.microbatches} microbatches; train with composable_atorch.train_step"
+            f"{n_stages} stages over blocks {[f'{bounds[s]}..{bounds[s + 1] - 1}' for s in range(n_stages)]} (block "
+            f"params {sizes}); "
+            f"this rank holds stage(s) {local}; {self.schedule}, {self.microbatches} microbatches; train with "
+            "composable_atorch.train_step"
             + (f"; stage gradients averaged over the data dim of {pc.data_size}" if data_group is not None else ""),
         )
         return state
@@ -359,5 +365,8 @@ def _stage_optimizer(optim: torch.optim.Optimizer, names: dict[int, str], stage:
 def pipeline_parallel(
     *, microbatches: int = 2, schedule: str = "1F1B", split: Any = "auto", stages_per_rank: int | None = None
 ) -> PipelineParallel:
-    """``pipeline_parallel(microbatches=4, schedule="Interleaved1F1B", stages_per_rank=2)``; train with :func:`composable_atorch.train_step`."""
+    """``pipeline_parallel(microbatches=4, schedule="Interleaved1F1B", stages_per_rank=2)``.
+
+    Train with :func:`composable_atorch.train_step`.
+    """
     return PipelineParallel(microbatches=microbatches, schedule=schedule, split=split, stages_per_rank=stages_per_rank)

@@ -1,4 +1,4 @@
-"""Dropout random streams under tensor parallelism: the seed's ``replic_drop`` / ``parallel_drop``.
+"""Dropout random streams under tensor parallelism: ATorch's ``replic_drop`` / ``parallel_drop``.
 
 torch's own answer for DTensor random ops, ``torch.distributed.tensor._random.OffsetBasedRNGTracker``,
 moves a Philox offset so each shard draws its part of one global random tensor; it refuses the
@@ -74,8 +74,10 @@ def per_rank(module: nn.Module, parent: nn.Module | None, rank: int) -> None:
         if parent.training and _drops(module) and not seen["called"] and not seen["warned"]:
             seen["warned"] = True
             warnings.warn(
-                f"parallel_drop module {type(module).__name__}(p={getattr(module, 'p', '?')}) was not called by its parent "
-                f"{type(parent).__name__}: the parent drops inside its attention kernel from the shared stream, so every "
+                f"parallel_drop module {type(module).__name__}(p={getattr(module, 'p', '?')}) was not called by its "
+                "parent "
+                f"{type(parent).__name__}: the parent drops inside its attention kernel from the shared stream, so "
+                "every "
                 "tensor rank draws the same mask for its own heads. Use an attention that calls the module (HF GPT-2: "
                 "reorder_and_upcast_attn=True with attn_implementation='eager') or set the attention dropout to 0.",
                 stacklevel=2,

@@ -1,4 +1,4 @@
-"""What tensor parallelism shards: the seed's :class:`TPInfo`, plan normalisation and the auto planner.
+"""What tensor parallelism shards: ATorch's :class:`TPInfo`, plan normalisation and the auto planner.
 
 Pure functions of a model's module tree (nothing is sharded here); :mod:`.tensor` applies a plan
 with DTensor's ``parallelize_module``. See :mod:`.tensor` for the three plan forms.
@@ -35,13 +35,14 @@ class TensorParallelPlanError(ConfigError):
 
 
 MANUAL_FORM = (
-    "tensor_parallel(TPInfo().shard_col({'attn.c_attn': {'stride': 3}}, 'mlp.c_fc').shard_row('attn.c_proj', 'mlp.c_proj')"
+    "tensor_parallel(TPInfo().shard_col({'attn.c_attn': {'stride': 3}}, 'mlp.c_fc').shard_row('attn.c_proj', "
+    "'mlp.c_proj')"
     ".shrink({'.attn': {'embed_dim', 'split_size', 'num_heads'}}))"
 )
 
 
 class TPInfo:
-    """The seed's manual tensor-parallel description; every method returns ``self`` (chainable).
+    """ATorch's manual tensor-parallel description; every method returns ``self`` (chainable).
 
     Arguments are module-name suffixes (``"mlp.c_fc"``, ``fnmatch`` wildcards allowed) or
     ``{suffix: {init kwargs}}``; the one kwarg read is ``stride`` (a fused projection such as
@@ -213,7 +214,8 @@ def auto_plan(model: nn.Module) -> tuple:
     if not placed:
         linears = [n for n, m in model.named_modules() if is_linear(m)]
         raise TensorParallelPlanError(
-            f"the auto planner found no projection pair it knows ({', '.join('/'.join(c) + '+' + r for c, r in _GROUPS)}) "
+            "the auto planner found no projection pair it knows "
+            f"({', '.join('/'.join(c) + '+' + r for c, r in _GROUPS)}) "
             f"and could not place these {len(linears)} Linear layer(s)",
             linears or ["(no Linear layers)"],
             MANUAL_FORM,

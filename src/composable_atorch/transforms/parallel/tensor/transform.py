@@ -12,10 +12,10 @@ The plan is one of
   built-in GPT and models with the usual projection names (q/k/v/o, q_proj..., fc1/fc2,
   gate/up/down_proj) are planned by name; anything else is a :class:`TensorParallelPlanError`
   naming the Linear layers it could not place and showing the manual form;
-* a :class:`TPInfo` (the seed's manual form);
+* a :class:`TPInfo` (ATorch's manual form);
 * a mapping ``{"blocks.*.attn.q": "colwise", ...}`` (HF's form).
 
-The seed name ``sequence_parallel`` is :class:`SequenceParallel`: this transform with
+ATorch's name ``sequence_parallel`` is :class:`SequenceParallel`: this transform with
 ``sequence_parallel=True``. Dropout streams follow the plan's ``replic_drop`` / ``parallel_drop``
 (see :mod:`.tp_dropout`); fused (strided) layers are checkpointed in the user's unpermuted layout
 (see :mod:`.tp_checkpoint`). ``train_step`` averages the loss over the plan's data dimension.
@@ -33,11 +33,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from composable_atorch.core.contract import Conflict, Contract, Implication, MinWorldSize, Stage
+from composable_atorch.core.contract import Conflict, Contract, MinWorldSize, Stage
 from composable_atorch.core.transform import ApplyContext, TrainState, Transform
 from composable_atorch.errors import ConfigError
 from composable_atorch.runtime.train_step import mark_loss_group
-from composable_atorch.transforms.parallel.data.common import parallel_context
+from composable_atorch.transforms.parallel.data.common import implies_mesh_dim, parallel_context
 from composable_atorch.transforms.parallel.tensor.dropout import per_rank, sequence_sliced, sync_rng
 from composable_atorch.transforms.parallel.tensor.planner import (
     MANUAL_FORM,
@@ -172,11 +172,8 @@ class TensorParallel(Transform):
         # ATorch drops distributed methods in one process (remove_distributed_method): skipped, with the reason
         requires=(MinWorldSize(minimum=2, on_unmet="skip"),),
         implies=(
-            Implication(
-                "parallel_mode",
-                "tensor parallelism shards over the 'tensor' dimension of parallel_mode's device mesh",
-                config={"groups": (("tensor", 2), ("data", 1))},
-                satisfied_by=("process_groups",),
+            implies_mesh_dim(
+                "tensor", "tensor parallelism shards over the 'tensor' dimension of parallel_mode's device mesh"
             ),
         ),
         conflicts=(
@@ -255,7 +252,8 @@ class TensorParallel(Transform):
             stride = int(kw.get("stride", 1))
             if size % (degree * stride):
                 bad.append(
-                    f"{n}: {'output' if kind == 'col' else 'input'} features {size} not divisible by degree {degree} x stride {stride}"
+                    f"{n}: {'output' if kind == 'col' else 'input'} features {size} not divisible by degree {degree} x "
+                    f"stride {stride}"
                 )
         for n, attrs in shrink.items():
             for a in attrs:
@@ -267,7 +265,8 @@ class TensorParallel(Transform):
         for n, kind in drops.items():
             if kind == "replic_drop" and self.sequence_parallel and not isinstance(modules[n], nn.Dropout):
                 bad.append(
-                    f"{n}: replic_drop under sequence_parallel needs an nn.Dropout (it draws the full mask and keeps its sequence slice)"
+                    f"{n}: replic_drop under sequence_parallel needs an nn.Dropout (it draws the full mask and keeps "
+                    "its sequence slice)"
                 )
         if bad:
             raise TensorParallelPlanError("cannot split these layers evenly", bad)
@@ -281,7 +280,8 @@ class TensorParallel(Transform):
         if not pc.distributed or degree == 1:
             state.note(
                 self.name,
-                f"tensor degree {degree}{'' if pc.distributed else ', no process group'}: model left whole ({len(shard)} layers would shard)",
+                f"tensor degree {degree}{'' if pc.distributed else ', no process group'}: model left whole "
+                f"({len(shard)} layers would shard)",
             )
             return state
         from torch.distributed.tensor import Replicate, Shard
@@ -344,7 +344,8 @@ class TensorParallel(Transform):
         vocab = sum(1 for k, _ in shard.values() if k == "vocab")
         state.note(
             self.name,
-            f"DTensor parallelize_module over the tensor dim of {degree}: {cols} colwise, {rows} rowwise, {vocab} vocab-parallel layer(s); "
+            f"DTensor parallelize_module over the tensor dim of {degree}: {cols} colwise, {rows} rowwise, {vocab} "
+            "vocab-parallel layer(s); "
             f"{len(shrink)} attention module(s) shrunk to heads/{degree}"
             + (", LayerNorms sequence-parallel" if sp else ""),
         )
@@ -352,7 +353,8 @@ class TensorParallel(Transform):
         mark_loss_group(model, pc.data_group() if pc.data_size > 1 else None, pc.data_size)
         state.note(
             self.name,
-            f"CPU RNG state synchronized over the tensor dim (replicated dropouts draw one process's masks){_drop_note(drops)}",
+            "CPU RNG state synchronized over the tensor dim (replicated dropouts draw one process's "
+            f"masks){_drop_note(drops)}",
         )
         return state
 
@@ -440,7 +442,7 @@ def _sp_size_differs(mine, pm) -> bool:
 
 @dataclass(frozen=True)
 class SequenceParallel(TensorParallel):
-    """The seed name ``sequence_parallel``: :class:`TensorParallel` with ``sequence_parallel=True``.
+    """ATorch's name ``sequence_parallel``: :class:`TensorParallel` with ``sequence_parallel=True``.
 
     Megatron's sequence parallelism on the tensor dimension (the norms and dropouts between the
     sharded layers run on a sequence shard), not ATorch's Ulysses all-to-all, which has no
@@ -508,7 +510,8 @@ class SequenceParallel(TensorParallel):
             raise ConfigError(
                 "sequence_parallel.sp_size",
                 sp,
-                f"parallel_mode's tensor size {tensor} (sequence parallelism runs over the tensor dimension), or no sp_size",
+                f"parallel_mode's tensor size {tensor} (sequence parallelism runs over the tensor dimension), "
+                "or no sp_size",
             )
         if tensor is None:
             pm2 = dataclasses.replace(pm, groups=(("tensor", sp), *pm.groups))

@@ -1,0 +1,79 @@
+"""What every trial trains: the :class:`Workload` (factories, dataset, loss) the search is given.
+
+It lives apart from the per-rank worker (:mod:`.worker`) because the search, the preflight, the
+predictor, the CLI and ATorch's facade all hold one without running a rank.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from composable_atorch.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What every trial trains. Everything here crosses a process boundary: module-level functions,
+    classes or picklable objects only (no lambdas).
+
+    ``model_fn()`` builds a fresh model; ``optim_fn(model)`` its optimizer (an optimizer class is
+    called with ``model.parameters()``); ``loss_fn(model, batch)`` runs the forward and returns the
+    loss of one batch; ``batch_size`` is the global batch (strong scaling).
+
+    ``criterion(output, targets)``, when given, is the same loss in the shape of
+    :func:`composable_atorch.train_step` for loaders that yield ``(inputs, targets)``: with it every
+    plan trains through ``train_step(model, optim, inputs, targets, criterion)``, pipeline plans
+    included (a pipeline runs the loss inside its schedule, on the last stage's output, so
+    ``loss_fn(model, batch)`` cannot train one). Without it plans train through the same call on
+    an adapter (:class:`WholeBatch`), and the search proposes no pipeline plan.
+    """
+
+    model_fn: Callable[[], Any]
+    optim_fn: Callable[..., Any]
+    dataset: Any
+    loss_fn: Callable[[Any, Any], Any]
+    batch_size: int
+    loader_kwargs: dict = field(default_factory=dict)
+    seed: int = 0
+    criterion: Callable[[Any, Any], Any] | None = None
+
+    def build(self):
+        import torch
+        from torch.utils.data import DataLoader
+
+        torch.manual_seed(self.seed)
+        model = self.model_fn()
+        optim = make_optimizer(self.optim_fn, model)
+        kwargs = {"shuffle": True, "drop_last": True, **self.loader_kwargs}
+        if kwargs.get("shuffle"):
+            kwargs.setdefault("generator", torch.Generator().manual_seed(self.seed))
+        loader = DataLoader(self.dataset, batch_size=self.batch_size, **kwargs)
+        return model, optim, loader
+
+    def check_picklable(self) -> None:
+        """ConfigError naming the field that cannot reach a worker process (before any work).
+
+        Called where a workload enters worker processes (:class:`~.study.ProcessRunner`, which both the
+        search and ATorch's dry run use), so a lambda fails here with its field's name, not inside spawn.
+        """
+        for name in ("model_fn", "optim_fn", "dataset", "loss_fn", "loader_kwargs", "criterion"):
+            try:
+                pickle.dumps(getattr(self, name))
+            except Exception as exc:  # noqa: BLE001 - pickling can fail in many ways
+                raise ConfigError(
+                    name,
+                    getattr(self, name),
+                    f"a module-level function, class or picklable object: trials run in fresh processes ({exc})",
+                ) from None
+
+
+def make_optimizer(optim_fn, model):
+    """``optim_fn(model)``, or an optimizer class called with ``model.parameters()``."""
+    import torch
+
+    if isinstance(optim_fn, type) and issubclass(optim_fn, torch.optim.Optimizer):
+        return optim_fn(model.parameters())
+    return optim_fn(model)
