@@ -9,7 +9,7 @@ Measured: groups of spawned processes (gloo, 16 plans per group) measure every p
 trial does (``auto.worker``): build the workload (``cli.demo.TASK``), apply the plan, two warm-up
 steps, then ``worker.peak_bytes_of_step`` (torch MemTracker over one step), each step through
 ``train_step`` with the workload's ``criterion`` (as the worker trains this workload; a pipeline
-plan trains no other way). Predicted: ``composable_atorch.estimate(plan, TASK.model, batch shapes,
+plan trains no other way). Predicted: ``composable_atorch.estimate_plan(plan, TASK.model, batch shapes,
 world_size=..., device="cpu", criterion=...)`` in this process — meta model, fake tensors, fake
 process group; nothing real allocated. One row per (plan, stage): the measured peak is the largest
 over the ranks holding that stage (all ranks without a pipeline).

@@ -38,12 +38,12 @@ import time
 from pathlib import Path
 
 import composable_atorch as ca
-from composable_atorch.auto.builtin import GPTTask
 from composable_atorch.auto.policy import TrialSettings
 from composable_atorch.auto.predict import Predictor, default_estimator
 from composable_atorch.auto.space import plan_key
 from composable_atorch.auto.study import ProcessRunner, search
 from composable_atorch.auto.trial import TrialResult
+from composable_atorch.auto.workload import GPTTask
 from composable_atorch.environment import Environment
 
 TASK = GPTTask(seq_len=64, d_model=96, n_layer=2, n_head=4, batch_size=16)

@@ -1,7 +1,7 @@
 # ruff: noqa
 # ATorch's auto_accelerate example (dlrover atorch/examples/auto_accelerate/train.py), ported: the
 # `atorch` import prefix is `composable_atorch.compat.atorch`; nothing else changed.
-# Run tiny at world 2 from this folder, as ATorch's entry scripts do (tests/test_examples.py):
+# Run tiny at world 2 from this folder, as ATorch's entry scripts do (tests/cli/test_examples.py):
 #   python -m composable_atorch launch --nproc 2 train.py --model_type toy --distributed
 #   python -m composable_atorch launch --nproc 2 train.py --model_type gpt2 --distributed \
 #       --hidden_size 64 --head_num 4 --layer_num 4 --seq_length 32 --load_strategy --use_fsdp

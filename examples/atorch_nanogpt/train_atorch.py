@@ -2,7 +2,7 @@
 # ATorch's nanoGPT FSDP script (dlrover atorch/examples/nanoGPTATorch/train_atorch.py), ported:
 # the `atorch` import prefix is `composable_atorch.compat.atorch`, and the model goes to `device`
 # rather than the literal "cuda" (devices ported). Nothing else changed; run it tiny on a CPU as
-# tests/test_examples.py does (cwd = this folder, configurator.py overrides from the command line):
+# tests/cli/test_examples.py does (cwd = this folder, configurator.py overrides from the command line):
 #   python -m composable_atorch launch --nproc 2 train_atorch.py --device=cpu --dtype=bfloat16 \
 #       --dataset=DIR/ --tb_path=DIR --n_layer=2 --n_head=2 --n_embd=32 --block_size=32 --batch_size=4 \
 #       --max_iters=8 --decay_lr=False --learning_rate=0.003 --eval_interval=100

@@ -17,7 +17,8 @@ from composable_atorch.runtime.mesh import create_parallel_group, init_distribut
 from composable_atorch.runtime.record_init import record_module_init
 from composable_atorch.runtime.resumable import resumable
 from composable_atorch.runtime.train_step import train_step
-from composable_atorch.state.save import load_state, save_state
+from composable_atorch.state.load import load_state
+from composable_atorch.state.save import save_state
 from composable_atorch.transforms.compile import compile_ as compile  # noqa: A004 - the package's own name, not the builtin
 from composable_atorch.transforms.fp8 import fp8
 from composable_atorch.transforms.loop import accumulate, clip_grad

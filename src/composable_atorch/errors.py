@@ -79,3 +79,25 @@ class WorkloadError(CompositionError):
         self.part, self.hint = part, hint
         self.error = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
         super().__init__(f"{part} fails with no plan applied ({self.error}); no plan can fix that. Fix: {hint}.")
+
+
+class UntrustedInputError(ConfigError):
+    """A plan, checkpoint or data file asks for something that is never done on a file's say-so:
+    importing a module, naming a class or function outside the allow-list, reading a non-regular
+    or oversized file, nesting deeper than the bound. Names the field and the fix."""
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint directory that is damaged, incomplete or not what ``save_state`` wrote (a
+    checksum that differs, a truncated shard, a malformed ``checkpoint.json``, DCP failing to read
+    it). Names the file; the live model and optimizer are left as they were."""
+
+    def __init__(
+        self,
+        path: object,
+        problem: str,
+        fix: str = "load an intact checkpoint (save it again, or pick an older step-* directory)",
+    ):
+        self.path, self.problem, self.fix = str(path), problem, fix
+        CompositionError.__init__(self, f"checkpoint file {self.path}: {problem}. Fix: {fix}.")
+        self.field, self.value, self.allowed = f"checkpoint file {self.path}", problem, fix

@@ -5,6 +5,6 @@ The code lives in :mod:`composable_atorch.core.strategy`; this module is its pub
 functions.
 """
 
-from composable_atorch.core.strategy import dump, load
+from composable_atorch.core.strategy import allow, dump, load
 
-__all__ = ["dump", "load"]
+__all__ = ["allow", "dump", "load"]

@@ -1,4 +1,4 @@
-"""Launched by tests/test_checkpointing.py: save step 2, then die by SIGKILL in the middle of saving step 3.
+"""Launched by tests/state/test_checkpointing.py: save step 2, then die by SIGKILL in the middle of saving step 3.
 
     crash_during_save.py CKPT_DIR OUT_DIR KILL_POINT
 

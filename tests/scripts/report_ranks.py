@@ -1,4 +1,4 @@
-"""Launched by tests/test_launch.py: each rank joins the group, all-reduces, and reports as JSON.
+"""Launched by tests/cli/test_launch.py: each rank joins the group, all-reduces, and reports as JSON.
 
     report_ranks.py OUT_DIR [--exit-code N] [anything else, echoed back]
 

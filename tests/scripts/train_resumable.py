@@ -1,4 +1,4 @@
-"""Launched by tests/test_checkpointing.py: train a tiny GPT with fsdp, checkpointing and resuming.
+"""Launched by tests/state/test_checkpointing.py: train a tiny GPT with fsdp, checkpointing and resuming.
 
     train_resumable.py --ckpt DIR --out DIR --steps N --save-every K [--pause-after S] [--full-state]
 

@@ -1,4 +1,5 @@
-"""What every trial trains: the :class:`Workload` (factories, dataset, loss) the search is given.
+"""What every trial trains: the :class:`Workload` (factories, dataset, loss) the search is given,
+and the built-in one (:class:`GPTTask`).
 
 It lives apart from the per-rank worker (:mod:`.worker`) because the search, the preflight, the
 predictor, the CLI and ATorch's facade all hold one without running a rank.
@@ -11,7 +12,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
+from composable_atorch.data import TextDataset
 from composable_atorch.errors import ConfigError
+from composable_atorch.models import GPT, GPTConfig
+from composable_atorch.models.gpt import lm_loss
 
 
 @dataclass(frozen=True)
@@ -41,7 +47,6 @@ class Workload:
     criterion: Callable[[Any, Any], Any] | None = None
 
     def build(self):
-        import torch
         from torch.utils.data import DataLoader
 
         torch.manual_seed(self.seed)
@@ -72,8 +77,44 @@ class Workload:
 
 def make_optimizer(optim_fn, model):
     """``optim_fn(model)``, or an optimizer class called with ``model.parameters()``."""
-    import torch
-
     if isinstance(optim_fn, type) and issubclass(optim_fn, torch.optim.Optimizer):
         return optim_fn(model.parameters())
     return optim_fn(model)
+
+
+@dataclass(frozen=True)
+class GPTTask:
+    """The built-in workload: the tiny GPT on the built-in corpus, as picklable factories.
+
+    Used by the demo, the CLI's default task, the benchmark and the tests. A frozen dataclass whose
+    bound methods pickle by reference, so trials in fresh processes rebuild exactly the same thing.
+    """
+
+    seq_len: int = 64
+    d_model: int = 64
+    n_layer: int = 2
+    n_head: int = 4
+    lr: float = 3e-3
+    batch_size: int = 16
+    #: windows of the corpus to use (None: all of it)
+    limit: int | None = None
+
+    def model(self) -> GPT:
+        return GPT(GPTConfig(seq_len=self.seq_len, d_model=self.d_model, n_layer=self.n_layer, n_head=self.n_head))
+
+    def optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(model.parameters(), lr=self.lr, weight_decay=0.01)
+
+    def dataset(self) -> TextDataset:
+        return TextDataset(self.seq_len, limit=self.limit)
+
+    @staticmethod
+    def loss(model: torch.nn.Module, batch) -> torch.Tensor:
+        tokens, targets = batch
+        return lm_loss(model(tokens), targets)
+
+    def workload(self, seed: int = 0) -> Workload:
+        # criterion: the same loss on (output, targets), so pipeline plans train too (see Workload)
+        return Workload(
+            self.model, self.optimizer, self.dataset(), GPTTask.loss, self.batch_size, seed=seed, criterion=lm_loss
+        )

@@ -20,10 +20,10 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from composable_atorch.auto import report
-from composable_atorch.auto.builtin import GPTTask
 from composable_atorch.auto.policy import Budget, SpaceOptions, StudyOptions, TrialSettings
 from composable_atorch.auto.study import search
 from composable_atorch.auto.trial import train_plan
+from composable_atorch.auto.workload import GPTTask
 from composable_atorch.core import strategy
 from composable_atorch.environment import Environment
 from composable_atorch.errors import CompositionError

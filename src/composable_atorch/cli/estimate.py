@@ -42,6 +42,9 @@ def build_model(spec: str, seq: int):
         from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
         config = LlamaConfig(**LLAMA_7B) if spec == "llama-7b" else AutoConfig.from_pretrained(spec[3:])
+        # the model named on the command line: its modeling module is imported here, so a plan may
+        # name its block class (a plan never imports a module itself)
+        AutoModelForCausalLM._model_mapping[type(config)]
         return lambda: AutoModelForCausalLM.from_config(config)
     from composable_atorch.errors import ConfigError
 

@@ -14,10 +14,9 @@ import importlib
 import sys
 
 from composable_atorch.auto import report
-from composable_atorch.auto.builtin import GPTTask
 from composable_atorch.auto.policy import Budget, SpaceOptions, StudyOptions, TrialSettings
 from composable_atorch.auto.study import search
-from composable_atorch.auto.workload import Workload
+from composable_atorch.auto.workload import GPTTask, Workload
 from composable_atorch.errors import CompositionError, ConfigError
 
 

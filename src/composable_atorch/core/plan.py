@@ -12,8 +12,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from composable_atorch.core import codec
-from composable_atorch.core.transform import ApplyContext, TrainState, Transform, build, composer
+from composable_atorch.core import codec, passes, untrusted
+from composable_atorch.core.context import ApplyContext, TrainState
+from composable_atorch.core.registry import build
 from composable_atorch.environment import Environment
 from composable_atorch.errors import ConfigError, ParameterMappingError, RequirementError
 from composable_atorch.runtime.optim import PlanOptimizer, named_parameters, parameter_names, rebuild_optimizer
@@ -25,7 +26,7 @@ VERSION = 1
 
 @dataclass(frozen=True)
 class Step:
-    transform: Transform
+    transform: Any  # a Transform (the base class sits above the plan: it composes with |)
     reasons: tuple[str, ...]
     implied_by: str | None = None
 
@@ -39,14 +40,14 @@ class Plan:
     """
 
     steps: tuple[Step, ...]
-    requested: tuple[Transform, ...]
+    requested: tuple[Any, ...]  # Transforms, as asked for
     notes: tuple[str, ...] = ()
     env: Environment = field(default_factory=Environment)
     strict: bool = False
 
     # -- data -------------------------------------------------------------------------------
     @property
-    def transforms(self) -> tuple[Transform, ...]:
+    def transforms(self) -> tuple[Any, ...]:
         return tuple(s.transform for s in self.steps)
 
     @property
@@ -65,10 +66,19 @@ class Plan:
         return len(self.steps)
 
     def __or__(self, other):
-        return composer()(self, other, strict=self.strict, env=self.env)
+        return Plan.composed((self, other), strict=self.strict, env=self.env)
 
     def __ror__(self, other):
-        return composer()(other, self, strict=self.strict, env=self.env)
+        return Plan.composed((other, self), strict=self.strict, env=self.env)
+
+    @classmethod
+    def composed(cls, items, *, strict: bool = False, env: Environment | None = None) -> Plan:
+        """What :func:`~composable_atorch.core.compose.compose` returns: ``items`` run through the
+        passes (:mod:`.passes`) in ``env`` (detected when None). ``|`` and :meth:`from_dict` call it
+        here, so nothing has to find compose() at run time."""
+        env = Environment.detect() if env is None else env
+        requested, steps, notes = passes.run(items, strict=strict, env=env)
+        return cls(steps=tuple(Step(*s) for s in steps), requested=requested, notes=notes, env=env, strict=strict)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -86,15 +96,20 @@ class Plan:
         return json.dumps(self.to_dict(), indent=indent)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], *, env: Environment | None = None, strict: bool | None = None) -> Plan:
-        compose = composer()
-
+    def from_dict(
+        cls, data: dict[str, Any], *, env: Environment | None = None, strict: bool | None = None, allow=()
+    ) -> Plan:
+        """The plan ``data`` describes, composed for ``env``. Classes and functions it names resolve
+        only against ``allow`` and what this process has imported (see :mod:`.codec`): never imported."""
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise ConfigError(
                 "plan format", data.get("format") if isinstance(data, dict) else type(data).__name__, repr(FORMAT)
             )
         if data.get("version") != VERSION:
             raise ConfigError("plan version", data.get("version"), str(VERSION))
+        if not isinstance(data.get("strict", False), bool):
+            raise ConfigError("plan strict", data.get("strict"), "true or false")
+        untrusted.check_depth(data, "plan")
         entries = data.get("transforms")
         if not isinstance(entries, list):
             raise ConfigError("plan transforms", entries, "a list of {'name': ..., 'config': {...}}")
@@ -102,19 +117,19 @@ class Plan:
         for i, entry in enumerate(entries):
             if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
                 raise ConfigError(f"plan transforms[{i}]", entry, "{'name': str, 'config': {...}}")
-            config = codec.decode(entry.get("config", {}))
+            config = codec.decode(entry.get("config", {}), allow)
             transforms.append(build(entry["name"], config))
-        return compose(*transforms, strict=data.get("strict", False) if strict is None else strict, env=env)
+        return Plan.composed(transforms, strict=data.get("strict", False) if strict is None else strict, env=env)
 
     @classmethod
-    def from_json(cls, text: str, *, env: Environment | None = None, strict: bool | None = None) -> Plan:
+    def from_json(cls, text: str, *, env: Environment | None = None, strict: bool | None = None, allow=()) -> Plan:
         try:
-            data = json.loads(text)
+            data = untrusted.loads(text, "plan JSON")
         except json.JSONDecodeError as exc:
             raise ConfigError(
                 "plan JSON", text[:60], f"valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})"
             ) from None
-        return cls.from_dict(data, env=env, strict=strict)
+        return cls.from_dict(data, env=env, strict=strict, allow=allow)
 
     # -- people -----------------------------------------------------------------------------
     def explain(self, applied: Applied | TrainState | None = None) -> str:

@@ -16,6 +16,7 @@ import json
 import os
 from typing import Any
 
+from composable_atorch.core import untrusted
 from composable_atorch.core.compose import compose
 from composable_atorch.core.plan import Plan
 from composable_atorch.core.transform import Transform
@@ -51,10 +52,9 @@ def as_plan_dict(plan: Any) -> dict:
     if isinstance(plan, str | os.PathLike):
         text = str(plan)
         if not text.lstrip().startswith("{") and os.path.exists(text):
-            with open(text) as f:
-                text = f.read()
+            text = untrusted.read_regular_file(text, "plan file").decode("utf-8", errors="replace")
         try:
-            return json.loads(text)
+            return untrusted.loads(text, "plan JSON")
         except json.JSONDecodeError as exc:
             raise ConfigError(
                 "plan", str(plan)[:60], f"a Plan, a transform, or plan JSON (text or a file path): {exc.msg}"

@@ -4,6 +4,7 @@
       latest.json              {"checkpoint": "step-00000100", ...}: the newest complete one
       step-00000100/           DCP's files, rank-N.json per rank, checkpoint.json
       .step-00000104.partial/  a save in progress (or one a crash interrupted)
+      step-00000100.resaved/   a complete re-save of step 100 while it replaces the old copy
 
 A save writes everything into the ``.partial`` directory and fsyncs it; :func:`publish` then
 renames it into place and only after that moves ``latest.json`` (written to a temporary name,
@@ -15,16 +16,23 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
 
-from composable_atorch.errors import ConfigError
+from composable_atorch.core import untrusted
+from composable_atorch.errors import CompositionError, ConfigError
+from composable_atorch.state import verify
 
 FORMAT = "composable_atorch.checkpoint"
-VERSION = 1
+#: 2: checkpoint.json lists every file with its size and blake2b digest and carries its own digest
+VERSION = 2
 LATEST = "latest.json"
 META = "checkpoint.json"
+#: the suffix of a re-saved step while it replaces the old copy
+RESAVED = ".resaved"
+_STEP = re.compile(r"step-\d{8}")
 
 
 def checkpoint_name(step: int) -> str:
@@ -53,13 +61,6 @@ def write_json(path: Path, data: Any) -> None:
     os.replace(tmp, path)
 
 
-def read_json(path: Path, what: str) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ConfigError(what, str(path), f"a readable JSON file written by save_state ({exc})") from None
-
-
 def check_jsonable(value: Any, where: str) -> Any:
     """``value`` itself if JSON can hold it; ConfigError naming ``where`` otherwise."""
     try:
@@ -71,42 +72,106 @@ def check_jsonable(value: Any, where: str) -> Any:
     return value
 
 
+def _pointer_target(root: Path) -> Path | None:
+    """The directory latest.json names, or None when the pointer is absent or unreadable."""
+    try:
+        data = json.loads(untrusted.read_regular_file(root / LATEST, "latest checkpoint pointer", limit=1 << 16))
+    except (CompositionError, ValueError, UnicodeDecodeError):
+        return None
+    name = data.get("checkpoint") if isinstance(data, dict) else None
+    if not isinstance(name, str) or not name.startswith("step-") or "/" in name or os.sep in name:
+        return None
+    return root / name
+
+
+def complete(path: Path) -> dict[str, Any] | None:
+    """checkpoint.json of ``path`` if it is valid and every file it lists is present at its size."""
+    return verify.looks_complete(path, META, FORMAT, VERSION)
+
+
 def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
     """The newest complete checkpoint under ``directory`` (what load_state would load), or None.
 
-    ``directory`` may also be one ``step-*`` checkpoint itself.
+    ``directory`` may also be one ``step-*`` checkpoint itself. When latest.json is missing,
+    damaged, or names a checkpoint that is gone or incomplete (a crash between two renames of a
+    re-save, a deleted directory), the newest complete ``step-*`` checkpoint is returned instead.
+    Completeness is checked by size, cheaply; load_state verifies every checksum.
     """
     root = Path(directory)
     if (root / META).is_file():
         return root
-    pointer = root / LATEST
-    if not pointer.is_file():
+    if not root.is_dir():
         return None
-    name = read_json(pointer, "latest checkpoint pointer").get("checkpoint")
-    path = root / str(name)
-    return path if (path / META).is_file() else None
+    target = _pointer_target(root)
+    if target is not None and complete(target) is not None:
+        return target
+    found = []
+    for entry in os.scandir(root):
+        if entry.name.startswith("step-") and entry.is_dir(follow_symlinks=False):
+            meta = complete(Path(entry.path))
+            if meta is not None:
+                found.append((meta["step"], entry.name.endswith(RESAVED), Path(entry.path)))
+    return max(found, key=lambda f: f[:2])[2] if found else None
+
+
+def _point_at(root: Path, path: Path, step: int) -> None:
+    write_json(root / LATEST, {"format": FORMAT, "checkpoint": path.name, "step": step})
+    fsync_dir(root)
+
+
+def _swap_in(root: Path, staged: Path, final: Path, step: int) -> None:
+    """Replace ``final`` by the complete ``staged`` copy; a crash at any line leaves a complete copy
+    of the step that latest.json names or latest_checkpoint's fallback finds."""
+    old = root / f".{final.name}.old"
+    shutil.rmtree(old, ignore_errors=True)
+    _point_at(root, staged, step)  # the new copy is the one named while the old one moves
+    if final.exists():
+        os.replace(final, old)
+    os.replace(staged, final)  # a crash right after: latest names a gone directory; the fallback finds final
+    fsync_dir(root)
+    _point_at(root, final, step)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def publish(root: Path, partial: Path, step: int) -> Path:
-    """Make a fully written checkpoint visible: rename into place, then move the latest pointer."""
+    """Make a fully written checkpoint visible: rename into place, then move the latest pointer.
+
+    A re-save of an existing step never moves the old copy away before the new one is complete
+    under its own name and named by latest.json (see :func:`_swap_in`)."""
     final = root / checkpoint_name(step)
     fsync_dir(partial)
-    old = root / f".{final.name}.old"
-    if final.exists():  # the same step saved again: keep the old one until the new one is in place
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(final, old)
-    os.replace(partial, final)
+    if not final.exists():
+        os.replace(partial, final)
+        fsync_dir(root)
+        _point_at(root, final, step)
+        return final
+    staged = root / f"{final.name}{RESAVED}"
+    shutil.rmtree(staged, ignore_errors=True)
+    os.replace(partial, staged)
     fsync_dir(root)
-    write_json(root / LATEST, {"format": FORMAT, "checkpoint": final.name, "step": step})
-    fsync_dir(root)
-    shutil.rmtree(old, ignore_errors=True)
+    _swap_in(root, staged, final, step)
     return final
+
+
+def recover(root: Path) -> None:
+    """Finish what a crashed re-save left (a ``.resaved`` copy not yet in place, an ``.old`` one)."""
+    if not root.is_dir():
+        return
+    for staged in sorted(root.glob(f"step-*{RESAVED}")):
+        final = root / staged.name.removesuffix(RESAVED)
+        meta = complete(staged)
+        if meta is None:
+            shutil.rmtree(staged, ignore_errors=True)
+        else:
+            _swap_in(root, staged, final, meta["step"])
+    for stale in (*root.glob(".step-*.old"), *root.glob(".step-*.partial")):  # saves run one at a time
+        shutil.rmtree(stale, ignore_errors=True)
 
 
 def prune(root: Path, keep: int) -> None:
     """Delete all but the newest ``keep`` complete checkpoints (never the one latest.json names)."""
     newest = latest_checkpoint(root)
-    done = sorted(p for p in root.glob("step-*") if (p / META).is_file())
+    done = sorted(p for p in root.glob("step-*") if _STEP.fullmatch(p.name) and (p / META).is_file())
     for path in done[:-keep]:
         if path != newest:
             shutil.rmtree(path, ignore_errors=True)

@@ -32,6 +32,13 @@ Why it resumes bitwise
     and batch count carry over (exact for a DistributedSampler at the same global batch), the
     per-rank RNG states cannot and are left alone.
 
+Why a damaged or crafted checkpoint is refused
+    ``checkpoint.json`` lists every file with its size and blake2b digest and carries its own;
+    ``load_state`` (load.py) verifies them all, reads DCP's pickled ``.metadata`` through an
+    allow-list unpickler, and loads into fresh tensors copied into the model only once every shard
+    was read (verify.py). A re-save of a step swaps the new copy in without a moment when neither is
+    complete (files.py).
+
 Nothing here pickles: metadata is JSON; tensors go through DCP's own format.
 """
 
@@ -50,6 +57,7 @@ import torch.distributed as dist
 from composable_atorch.errors import ConfigError
 from composable_atorch.runtime import resumable as _resumable
 from composable_atorch.runtime.optim import PlanOptimizer
+from composable_atorch.state import verify
 from composable_atorch.state.files import (
     FORMAT,
     META,
@@ -60,12 +68,12 @@ from composable_atorch.state.files import (
     partial_dir,
     prune,
     publish,
-    read_json,
+    recover,
     write_json,
 )
-from composable_atorch.transforms.parallel.tensor import load_layout, save_layout
+from composable_atorch.transforms.parallel.tensor import save_layout
 
-__all__ = ["Resumed", "latest_checkpoint", "load_state", "save_state"]
+__all__ = ["Resumed", "latest_checkpoint", "save_state"]
 
 
 class Resumed(NamedTuple):
@@ -212,6 +220,7 @@ def save_state(
     partial = partial_dir(root, step)
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
+        recover(root)  # finish a re-save a crash interrupted, before this save adds its own
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir()
     _barrier()
@@ -253,194 +262,13 @@ def save_state(
             "loader": position is not None,
             "scheduler": scheduler_state,
         }
-        write_json(partial / META, meta)
+        meta[verify.FILES] = verify.manifest(partial, skip=(META, f"{META}.tmp"))
+        write_json(partial / META, verify.seal(meta))
         publish(root, partial, step)
         if keep is not None:
             prune(root, keep)
     _barrier()
     return root / checkpoint_name(step)
-
-
-# -- load ------------------------------------------------------------------------------------------
-def _check_model(model: torch.nn.Module, metadata, path: Path) -> dict[str, Any]:
-    """The model's state dict; ConfigError when its names or shapes differ from the checkpoint's."""
-    _, sd, options = _dcp()
-    model_sd = sd.get_model_state_dict(model, options=options)
-    saved = {k[len("model.") :]: v for k, v in metadata.state_dict_metadata.items() if k.startswith("model.")}
-    missing = sorted(set(model_sd) - set(saved))
-    unexpected = sorted(set(saved) - set(model_sd))
-    shapes = [
-        f"{k} {tuple(getattr(saved[k], 'size', ()))} vs {tuple(v.shape)}"
-        for k, v in model_sd.items()
-        if k in saved and isinstance(v, torch.Tensor) and tuple(getattr(saved[k], "size", v.shape)) != tuple(v.shape)
-    ]
-    problems = [f"missing from the checkpoint: {', '.join(missing[:5])}"] if missing else []
-    problems += [f"not in the model: {', '.join(unexpected[:5])}"] if unexpected else []
-    problems += [f"shape (checkpoint vs model): {', '.join(shapes[:5])}"] if shapes else []
-    if problems:
-        raise ConfigError(
-            f"checkpoint {path}",
-            type(model).__name__,
-            "a model with the same parameter names and shapes as the saved one (" + "; ".join(problems) + ")",
-        )
-    return model_sd
-
-
-def _check_optimizer(inner, hooks: list, saved: dict | None, hook_states: list, path: Path) -> None:
-    if inner is None:
-        return
-    if saved is None:
-        raise ConfigError(
-            f"checkpoint {path}", "no optimizer state", "load_state(..., optim=None) for a checkpoint saved without one"
-        )
-    mine = _optimizer_shape(inner, hooks)
-    for key in ("class", "group_sizes"):
-        if mine[key] != saved[key]:
-            raise ConfigError(f"checkpoint {path} optimizer {key}", mine[key], f"{saved[key]!r}, as saved")
-    unmatched = _match_hooks(hooks, saved["hooks"], hook_states)[1]
-    if unmatched:
-        raise ConfigError(
-            f"checkpoint {path} optimizer hooks",
-            mine["hooks"],
-            f"a plan whose optimizer has the saved hooks {saved['hooks']} (state of {unmatched} would be lost)",
-        )
-
-
-def _match_hooks(hooks: list, saved_names: list[str], saved_states: list) -> tuple[list, list[str]]:
-    """Pair this optimizer's hooks with saved states by class name (n-th of a kind to n-th).
-
-    Returns (pairs, names of saved hooks with state and no counterpart).
-    """
-    pool: dict[str, list] = {}
-    for name, state in zip(saved_names, saved_states):
-        pool.setdefault(name, []).append(state)
-    pairs = [(h, pool[type(h).__name__].pop(0)) for h in hooks if pool.get(type(h).__name__)]
-    lost = [name for name, states in pool.items() for s in states if s]
-    return pairs, lost
-
-
-def load_state(
-    directory: str | os.PathLike,
-    model: torch.nn.Module,
-    optim=None,
-    loader=None,
-    *,
-    scheduler=None,
-    verbose: bool = True,
-) -> Resumed:
-    """Load what save_state wrote into ``model``, ``optim`` and ``loader``, in place.
-
-    ``directory`` is the one given to save_state (its latest checkpoint is loaded) or one
-    ``step-*`` checkpoint inside it. Call it on every rank, after applying the same plan as the
-    saving run (any world size). Everything is checked before anything is modified. ``scheduler``
-    gets the LR scheduler state saved with ``save_state(..., scheduler=)``. With ``verbose`` rank 0
-    prints the step it resumes at and how many batches of the pass the loader skips.
-    """
-    if not isinstance(model, torch.nn.Module):
-        raise ConfigError("model", type(model).__name__, "a torch.nn.Module")
-    path = latest_checkpoint(directory)
-    if path is None:
-        raise ConfigError(
-            "load_state directory",
-            str(directory),
-            "a directory written by save_state (holding latest.json) or one of its step-* checkpoints",
-        )
-    meta = read_json(path / META, "checkpoint metadata")
-    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
-        raise ConfigError(
-            f"checkpoint {path} format", (meta.get("format"), meta.get("version")), f"({FORMAT!r}, {VERSION})"
-        )
-    inner, hooks, _ = _split_optimizer(optim)
-    rank, world = _rank_world()
-    same_world = meta["world_size"] == world
-    rank_state = read_json(path / f"rank-{rank if same_world else 0}.json", "checkpoint rank state")
-    dcp, sd, options = _dcp()
-    reader = dcp.FileSystemReader(path)
-    model_sd = _check_model(model, reader.read_metadata(), path)
-    _check_optimizer(inner, hooks, meta["optimizer"], rank_state["hooks"], path)
-    if meta["micro_step"] and not same_world:
-        raise ConfigError(
-            f"checkpoint {path}",
-            f"saved mid accumulation window at world {meta['world_size']}",
-            f"world {meta['world_size']}: unsynchronised per-rank gradients cannot be resharded",
-        )
-    if loader is not None and not (_resumable.is_resumable(loader) or _resumable.can_resume(loader)):
-        _resumable.resumable(loader)  # raises the ConfigError naming what is allowed
-    if scheduler is not None:
-        _scheduler_state(scheduler)  # the type check
-        if meta.get("scheduler") is None:
-            raise ConfigError(
-                f"checkpoint {path}",
-                "no LR scheduler state",
-                "load_state(..., scheduler=None) for a checkpoint saved without one",
-            )
-    if loader is not None and not meta["loader"]:
-        raise ConfigError(
-            f"checkpoint {path}",
-            "no data position",
-            "load_state(..., loader=None) for a checkpoint saved without a loader",
-        )
-
-    # -- checked: from here on, state is modified ------------------------------------------------
-    saved_optim = inner is not None and meta["optimizer"]["has_state"]
-    local = None if inner is None else _state_optimizer(inner)
-    if saved_optim:
-        model_sd, optim_sd = sd.get_state_dict(model, [local], options=options)  # creates the state DCP loads into
-        state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
-    else:
-        state = {"model": model_sd}
-    if meta["micro_step"]:
-        params = dict(model.named_parameters())
-        state["grads"] = {
-            f"rank{rank}.{name}": torch.zeros_like(p.to_local() if hasattr(p, "to_local") else p)
-            for name, p in params.items()
-        }
-        saved_keys = reader.read_metadata().state_dict_metadata
-        state["grads"] = {k: v for k, v in state["grads"].items() if f"grads.{k}" in saved_keys}
-    loading, finish_layout = load_layout(model, state)  # fused (strided) tensor-parallel layers
-    with _single_process_is_intended():
-        dcp.load(loading, storage_reader=reader, no_dist=not _distributed())
-    finish_layout()
-    if saved_optim:
-        sd.set_state_dict(
-            model, [local], model_state_dict=state["model"], optim_state_dict=state["optim"], options=options
-        )
-        _sync_hyperparameters(inner, local)
-    else:
-        sd.set_model_state_dict(model, state["model"], options=options)
-        if local is not None:
-            local.state.clear()
-    if meta["micro_step"]:
-        _restore_grads(model, state["grads"], rank)
-    for hook, hook_state in _match_hooks(
-        hooks, meta["optimizer"]["hooks"] if meta["optimizer"] else [], rank_state["hooks"]
-    )[0]:
-        hook.load_state_dict(hook_state)
-    if isinstance(optim, PlanOptimizer):
-        optim.micro_step = rank_state["micro_step"]
-    if scheduler is not None:
-        scheduler.load_state_dict(meta["scheduler"])
-    if verbose and rank == 0:
-        _say_resumed(path, meta, rank_state["loader"] if loader is not None else None)
-    if loader is not None:
-        rng = rank_state["rng"] if same_world else None
-        _resumable.resumable(loader).resume_at(rank_state["loader"], rng=rng, replay=same_world)
-    elif same_world:
-        _resumable.restore_rng(rank_state["rng"])
-    return Resumed(meta["step"], meta["extra"])
-
-
-def _restore_grads(model: torch.nn.Module, grads: dict[str, torch.Tensor], rank: int) -> None:
-    for name, p in model.named_parameters():
-        grad = grads.get(f"rank{rank}.{name}")
-        if grad is None:
-            p.grad = None
-        elif hasattr(p, "to_local"):
-            from torch.distributed.tensor import DTensor
-
-            p.grad = DTensor.from_local(grad, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
-        else:
-            p.grad = grad
 
 
 def _scheduler_state(scheduler) -> dict[str, Any] | None:

@@ -30,6 +30,17 @@ def dtype_name(value: Any, field: str) -> str:
         raise ConfigError(field, value, "'bf16', 'fp16', torch.bfloat16 or torch.float16") from None
 
 
+def is_function(value: Any) -> bool:
+    """A function (or other callable object) where one is expected: a class is not one, since a
+    plan naming, say, ``subprocess.Popen`` as a batch function would start a process when called."""
+    return callable(value) and not isinstance(value, type)
+
+
+def is_block_target(value: Any) -> bool:
+    """What module matching accepts: an ``nn.Module`` subclass, or a class or module name."""
+    return isinstance(value, str) or (isinstance(value, type) and issubclass(value, nn.Module))
+
+
 def matches(module: nn.Module, qualname: str, targets: tuple) -> bool:
     """A module matches a target class, a class name, or its own qualified name."""
     for t in targets:

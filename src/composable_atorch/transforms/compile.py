@@ -24,7 +24,7 @@ from torch import nn
 from composable_atorch.core.contract import Contract, Stage
 from composable_atorch.core.transform import ApplyContext, TrainState, Transform
 from composable_atorch.errors import ConfigError
-from composable_atorch.transforms._util import outermost_matches
+from composable_atorch.transforms._util import is_block_target, outermost_matches
 
 MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
@@ -80,7 +80,7 @@ class Compile(Transform):
                 raise ConfigError(
                     "compile.per_block", self.per_block, "True, False, or block classes / class names / module names"
                 ) from None
-            if not per_block or not all(isinstance(t, type | str) for t in per_block):
+            if not per_block or not all(is_block_target(t) for t in per_block):
                 raise ConfigError(
                     "compile.per_block", self.per_block, "True, False, or block classes / class names / module names"
                 )

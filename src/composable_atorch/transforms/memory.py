@@ -27,7 +27,7 @@ from torch.distributed._composable import checkpoint as composable_checkpoint
 from composable_atorch.core.contract import Contract, Stage
 from composable_atorch.core.transform import ApplyContext, TrainState, Transform
 from composable_atorch.errors import ConfigError
-from composable_atorch.transforms._util import outermost_matches
+from composable_atorch.transforms._util import is_block_target, outermost_matches
 
 
 def _target_name(t) -> str:
@@ -127,9 +127,11 @@ class Checkpoint(Transform):
         targets = tuple(targets)
         if not targets:
             raise ConfigError("checkpoint targets", targets, "at least one block class, class name or module name")
-        bad = [t for t in targets if not isinstance(t, type | str)]
+        bad = [t for t in targets if not is_block_target(t)]
         if bad:
-            raise ConfigError("checkpoint target", bad[0], "a module class, a class name or a module's qualified name")
+            raise ConfigError(
+                "checkpoint target", bad[0], "an nn.Module subclass, a class name or a module's qualified name"
+            )
         object.__setattr__(self, "targets", targets)
         object.__setattr__(self, "reentrant", bool(self.reentrant))
         if self.max_modules is not None and (

@@ -205,14 +205,13 @@ class MixedParallel(Transform):
         # every check before any change
         if sizes["tensor"] > 1:
             tp.placements(state.model, sizes["tensor"])
-        if sizes["pipeline"] > 1:
-            pp.cuts(state.model, sizes["pipeline"])
+        cut_plan = pp.cut_plan(state.model, sizes["pipeline"]) if sizes["pipeline"] > 1 else None
         if sizes["tensor"] > 1:
             state = tp.apply(state, ctx)
             if state.optim is not None:  # over the DTensor parameters, before the pipeline picks its stage's
                 state.optim = rebuild_optimizer(state.optim, state.param_names, state.model)
         if sizes["pipeline"] > 1:
-            state = pp.apply(state, ctx)  # averages its stage's gradients over the data dim
+            state = pp.apply(state, ctx, cut_plan)  # averages its stage's gradients over the data dim
         elif pc.distributed and pc.data_size > 1:
             group = pc.data_group()
             broadcast_local(state.model, group)

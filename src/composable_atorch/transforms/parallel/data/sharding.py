@@ -24,7 +24,7 @@ from composable_atorch.core.contract import Conflict, Contract, Stage
 from composable_atorch.core.transform import ApplyContext, TrainState, Transform
 from composable_atorch.errors import ConfigError
 from composable_atorch.runtime.optim import NAME_PREFIX_ATTR
-from composable_atorch.transforms._util import matches
+from composable_atorch.transforms._util import is_block_target, matches
 from composable_atorch.transforms.parallel.data.common import (
     DDP_VS_FSDP,
     DDP_VS_ZERO2,
@@ -121,9 +121,9 @@ def _targets(value, field: str) -> tuple:
     if isinstance(value, type | str):
         value = (value,)
     value = tuple(value or ())
-    bad = [t for t in value if not isinstance(t, type | str)]
+    bad = [t for t in value if not is_block_target(t)]
     if bad:
-        raise ConfigError(field, bad[0], "module classes, class names or qualified module names")
+        raise ConfigError(field, bad[0], "nn.Module subclasses, class names or qualified module names")
     return value
 
 

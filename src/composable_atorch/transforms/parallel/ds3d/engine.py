@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 
-from composable_atorch.errors import ConfigError
+from composable_atorch.core import untrusted
+from composable_atorch.errors import ConfigError, UntrustedInputError
 from composable_atorch.runtime.optim import OptimizerHook
 
 
@@ -30,20 +32,36 @@ def _thawed(value):
     return value
 
 
+_FIELD = "DeepSpeed3DParallelConfig.ds_config"
+
+
+def check_ds_config_path(value) -> None:
+    """A ``ds_config`` path names an existing regular file: checked by ``stat`` alone when the plan
+    is built or loaded (a plan is data: the file is read only when the plan is applied, and a FIFO
+    would block the reader)."""
+    if isinstance(value, str | os.PathLike):
+        try:
+            kind = os.stat(value).st_mode
+        except OSError as exc:
+            raise ConfigError(_FIELD, str(value), f"an existing DeepSpeed JSON file ({exc.strerror})") from None
+        if not stat.S_ISREG(kind):
+            raise UntrustedInputError(_FIELD, str(value), "a regular JSON file (not a FIFO, device or directory)")
+    elif value is not None and not isinstance(value, dict):
+        raise ConfigError(_FIELD, type(value).__name__, "None, a dict or a JSON file path")
+
+
 def read_ds_config(value) -> dict:
-    """The user's DeepSpeed config as a dict (a JSON file read); ConfigError if unreadable."""
+    """The user's DeepSpeed config as a dict (a regular JSON file of at most 16 MiB read); typed error if not."""
     if value is None:
         return {}
     if isinstance(value, dict):
         return _thawed(value)
     if isinstance(value, str | os.PathLike):
+        raw = untrusted.read_regular_file(value, _FIELD)
         try:
-            with open(value) as f:
-                data = json.load(f)
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ConfigError(
-                "DeepSpeed3DParallelConfig.ds_config", str(value), f"a readable DeepSpeed JSON file ({exc})"
-            ) from None
+            data = untrusted.loads(raw.decode("utf-8"), _FIELD)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ConfigError(_FIELD, str(value), f"a readable DeepSpeed JSON file ({exc})") from None
         if not isinstance(data, dict):
             raise ConfigError("DeepSpeed3DParallelConfig.ds_config", str(value), "a JSON object")
         return data

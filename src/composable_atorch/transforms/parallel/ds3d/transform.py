@@ -42,6 +42,7 @@ from composable_atorch.core.transform import ApplyContext, TrainState, Transform
 from composable_atorch.errors import ConfigError, RequirementError
 from composable_atorch.runtime.optim import NAME_PREFIX_ATTR, named_parameters
 from composable_atorch.runtime.train_step import PIPELINE_ATTR
+from composable_atorch.transforms._util import is_function as _is_function
 from composable_atorch.transforms.parallel.data.common import (
     GRAD_SYNC,
     OPTIMIZER_STATE_SHARDING,
@@ -63,6 +64,7 @@ from composable_atorch.transforms.parallel.ds3d.build import (
 from composable_atorch.transforms.parallel.ds3d.engine import (
     Ds3dHook,
     Ds3dRunner,
+    check_ds_config_path,
     engine_config,
     exact_clipping,
     frozen,
@@ -236,7 +238,7 @@ class DeepSpeed3DParallel(Transform):
         elif isinstance(patchers, dict):
             patchers = tuple(sorted(patchers.items()))
         if not isinstance(patchers, tuple) or not all(
-            isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) and callable(p[1]) for p in patchers
+            isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) and _is_function(p[1]) for p in patchers
         ):
             raise ConfigError(
                 "DeepSpeed3DParallelConfig.custom_patcher",
@@ -247,12 +249,14 @@ class DeepSpeed3DParallel(Transform):
         if not isinstance(self.tie_first, bool):
             raise ConfigError("DeepSpeed3DParallelConfig.tie_first", self.tie_first, "True or False")
         for field in ("logit_helper", "batch_fn"):
-            if getattr(self, field) is not None and not callable(getattr(self, field)):
-                raise ConfigError(f"DeepSpeed3DParallelConfig.{field}", getattr(self, field), "None or a function")
+            if getattr(self, field) is not None and not _is_function(getattr(self, field)):
+                raise ConfigError(
+                    f"DeepSpeed3DParallelConfig.{field}", getattr(self, field), "None or a function (not a class)"
+                )
         if isinstance(self.ds_config, dict):
             object.__setattr__(self, "ds_config", frozen(self.ds_config))
         else:
-            read_ds_config(self.ds_config)  # a bad path fails here, before any work
+            check_ds_config_path(self.ds_config)  # a bad path fails here, before any work; read when applied
 
     @classmethod
     def from_seed(cls, config=None):

@@ -1,7 +1,9 @@
 """Pipeline parallelism on ``torch.distributed.pipelining``: the transform and its schedules
-(``transform``) and the cutting of a model into stages (``stages``: pure module surgery).
+(``transform``) and the cutting of a model into stages (``stages``: the built-in GPT and the
+dispatch; ``anatomy``: reading any block-list model; ``cutter``: cutting one stage of it).
 """
 
+from composable_atorch.transforms.parallel.pipeline.anatomy import UncuttableModelError
 from composable_atorch.transforms.parallel.pipeline.stages import PipelineLoopError, anatomy, balanced_cuts
 from composable_atorch.transforms.parallel.pipeline.transform import (
     SCHEDULES,
@@ -9,4 +11,12 @@ from composable_atorch.transforms.parallel.pipeline.transform import (
     pipeline_parallel,
 )
 
-__all__ = ["SCHEDULES", "PipelineLoopError", "PipelineParallel", "anatomy", "balanced_cuts", "pipeline_parallel"]
+__all__ = [
+    "SCHEDULES",
+    "PipelineLoopError",
+    "PipelineParallel",
+    "UncuttableModelError",
+    "anatomy",
+    "balanced_cuts",
+    "pipeline_parallel",
+]

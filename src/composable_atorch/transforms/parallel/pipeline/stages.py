@@ -1,10 +1,11 @@
 """Cutting a model into pipeline stages at block boundaries (pure module surgery, no processes).
 
-The cutter knows the built-in GPT and HF causal LMs of the Llama family (rotary positions: a
-stage reruns the model's own forward on ``inputs_embeds`` with only its layers). A rank holds one
-stage, or several ("virtual" stages of an interleaved / V schedule); then the module the user
-gets holds all of them under their original parameter names and each stage is a separate view
-sharing its parameters, so torch's schedule scales and steps each stage's own parameters once.
+The built-in GPT is cut into stage modules of its own (:class:`_GPTStage`); any other model with a
+block list by :mod:`.cutter` (the model itself, cut in place, its own forward running on each
+stage). A rank holds one stage, or for the built-in GPT several ("virtual" stages of an
+interleaved / V schedule); then the module the user gets holds all of them under their original
+parameter names and each stage is a separate view sharing its parameters, so torch's schedule
+scales and steps each stage's own parameters once.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from torch import nn
 
 from composable_atorch.errors import CompositionError, ConfigError
 from composable_atorch.runtime.train_step import PIPELINE_ATTR
+from composable_atorch.transforms.parallel.pipeline.anatomy import Anatomy, anatomy_of
+from composable_atorch.transforms.parallel.pipeline.cutter import cut_stage
 
 
 class PipelineLoopError(CompositionError, RuntimeError):
@@ -38,70 +41,32 @@ def _is_builtin_gpt(model) -> bool:
     )
 
 
-def _hf_decoder(model):
-    """The base model of an HF causal LM of the Llama family (embed_tokens, layers, norm; rotary positions)."""
-    base = getattr(model, "base_model", None)
-    if base is None or base is model or not hasattr(model, "lm_head"):
-        return None
-    if all(hasattr(base, a) for a in ("embed_tokens", "layers", "norm")) and isinstance(base.layers, nn.ModuleList):
-        return base
-    return None
-
-
 KNOWN_MODELS = (
-    "composable_atorch's GPT (tok, pos, blocks, ln_f, head) or an HF causal LM of the Llama family "
-    "(model.embed_tokens, model.layers, model.norm, lm_head)"
+    "composable_atorch's GPT, any HF causal LM, or a model holding its repeated blocks in an nn.ModuleList / "
+    "nn.Sequential (see pipeline.cutter)"
 )
 
 
-def anatomy(model: nn.Module) -> tuple[list[nn.Module], int, int]:
-    """(blocks, parameters outside blocks on the first stage, on the last stage); ConfigError if unknown."""
-    if _is_builtin_gpt(model):
+def anatomy_full(model: nn.Module, split_paths: tuple[str, ...] = ()) -> Anatomy | None:
+    """The generic cutter's view of ``model``; None for the built-in GPT (cut by :class:`_GPTStage`)."""
+    if _is_builtin_gpt(model) and not split_paths:
+        return None
+    return anatomy_of(model, split_paths)
+
+
+def anatomy(model: nn.Module, split_paths: tuple[str, ...] = ()) -> tuple[list[nn.Module], int, int]:
+    """(blocks, parameters outside blocks on the first stage, on the last stage); typed errors for what
+    cannot be cut."""
+    an = anatomy_full(model, split_paths)
+    if an is None:
         return list(model.blocks), numel(model.tok) + numel(model.pos), numel(model.ln_f) + numel(model.head)
-    base = _hf_decoder(model)
-    if base is not None:
-        return list(base.layers), numel(base.embed_tokens), numel(base.norm) + numel(model.lm_head)
-    raise ConfigError(
-        "pipeline_parallel model", type(model).__name__, f"a model the stage cutter knows: {KNOWN_MODELS}"
-    )
+    return (an.blocks, *an.weights(model))
 
 
-def _hf_stage(model: nn.Module, first: bool, last: bool, blocks: range) -> nn.Module:
-    """The HF model itself cut to one stage, in place; names kept (layers keep their indices)."""
-    import types
-
-    base = _hf_decoder(model)
-    if base.embed_tokens.weight is model.lm_head.weight and not (first and last):
-        raise ConfigError(
-            "pipeline_parallel model",
-            "tied input and output embeddings",
-            "tie_word_embeddings=False (the first and last stages would train two copies)",
-        )
-    layers = base.layers
-    kept = nn.ModuleList()
-    for i in blocks:
-        kept._modules[str(i)] = layers[i]  # original indices: parameter names unchanged
-    base.layers = kept
-    if not first:
-        base.embed_tokens = None
-    if not last:
-        base.norm = nn.Identity()
-        model.lm_head = nn.Identity()
-    forward_of_class = type(model).forward
-
-    def forward(self, x):
-        runner = getattr(self, PIPELINE_ATTR, None)
-        if runner is not None and not runner.running:
-            raise PipelineLoopError()
-        out = (
-            forward_of_class(self, input_ids=x, use_cache=False)
-            if first
-            else forward_of_class(self, inputs_embeds=x, use_cache=False)
-        )
-        return out.logits
-
-    model.forward = types.MethodType(forward, model)
-    return model
+def _guard(stage: nn.Module) -> None:
+    runner = getattr(stage, PIPELINE_ATTR, None)
+    if runner is not None and not runner.running:
+        raise PipelineLoopError()
 
 
 def numel(m: nn.Module) -> int:
@@ -151,9 +116,7 @@ class _GPTStage(nn.Module):
         self.first, self.last = first, last
 
     def forward(self, x):
-        runner = getattr(self, PIPELINE_ATTR, None)
-        if runner is not None and not runner.running:
-            raise PipelineLoopError()
+        _guard(self)
         if self.first:
             x = self.tok(x) + self.pos(torch.arange(x.size(1), device=x.device))
         for block in self.blocks.values():
@@ -163,7 +126,9 @@ class _GPTStage(nn.Module):
         return x
 
 
-def rank_modules(model: nn.Module, bounds: tuple[int, ...], local: list[int]) -> tuple[nn.Module, list[nn.Module]]:
+def rank_modules(
+    model: nn.Module, bounds: tuple[int, ...], local: list[int], an: Anatomy | None = None
+) -> tuple[nn.Module, list[nn.Module]]:
     """(the module this rank keeps, one module per local stage) for stages ``local`` of ``bounds``.
 
     One stage per rank: the kept module is the stage. Several: the kept module holds all of this
@@ -173,14 +138,16 @@ def rank_modules(model: nn.Module, bounds: tuple[int, ...], local: list[int]) ->
     ranges = {s: range(bounds[s], bounds[s + 1]) for s in local}
     if len(local) == 1:
         s = local[0]
-        make = _GPTStage if _is_builtin_gpt(model) else _hf_stage
-        stage = make(model, s == 0, s == n - 1, ranges[s])
+        if an is None:
+            stage = _GPTStage(model, s == 0, s == n - 1, ranges[s])
+        else:
+            stage = cut_stage(model, an, s == 0, s == n - 1, ranges[s], _guard)
         return stage, [stage]
-    if not _is_builtin_gpt(model):
+    if an is not None:
         raise ConfigError(
             "pipeline_parallel.stages_per_rank",
             len(local),
-            "1 for HF models: several stages per rank are cut for the built-in GPT only",
+            "1 for models other than the built-in GPT: the generic cutter makes the model itself one stage",
         )
     union = [i for s in local for i in ranges[s]]
     kept = _GPTStage(model, 0 in local, n - 1 in local, sorted(union))

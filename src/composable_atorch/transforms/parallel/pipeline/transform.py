@@ -1,8 +1,10 @@
 """Pipeline parallelism on ``torch.distributed.pipelining``: ``pipeline_parallel``.
 
-The model is cut at block boundaries (balanced by parameter count, or at the block indices given
-in ``split``) into ``pipeline size x stages_per_rank`` stages (see :mod:`.stages`), the
-first also holding the embeddings, the last the final norm and the head. Each stage is a manual
+The model is cut at block boundaries (balanced by parameter count, or where ``split`` says: block
+indices or the blocks' qualified names) into ``pipeline size x stages_per_rank`` stages (see
+:mod:`.stages`; any HF causal LM or model holding its blocks in a list, :mod:`.anatomy`), the
+first also holding the embeddings, the last the final norm and the head (a weight tied between
+them is held by both and kept equal). Each stage is a manual
 :class:`~torch.distributed.pipelining.PipelineStage` driven by one of torch's schedules:
 
 * one stage per rank: ``"GPipe"``, ``"1F1B"``;
@@ -12,7 +14,7 @@ first also holding the embeddings, the last the final norm and the head. Each st
 * exactly two stages per rank in a V (rank r holds r and 2P-1-r, so rank 0 holds the first and
   the last): zero-bubble ``"ZBVZeroBubble"`` and ``"DualPipeV"``.
 
-All of them ran on CPU / gloo in torch 2.13 and match one process (tests/test_pipeline_parallel).
+All of them ran on CPU / gloo in torch 2.13 and match one process (tests/parallel/test_pipeline_parallel.py).
 The zero-bubble ones refuse compiled stages (torch cannot split a compiled backward into input
 and weight passes), so they conflict with ``compile`` in the contract.
 
@@ -46,10 +48,12 @@ from composable_atorch.transforms.parallel.data.common import (
     implies_mesh_dim,
     parallel_context,
 )
+from composable_atorch.transforms.parallel.pipeline.cutter import tied_sync
 from composable_atorch.transforms.parallel.pipeline.stages import (  # noqa: F401 - re-exported
     KNOWN_MODELS,
     PipelineLoopError,
     anatomy,
+    anatomy_full,
     balanced_cuts,
     numel,
     rank_modules,
@@ -153,7 +157,8 @@ class PipelineParallel(Transform):
     """Cut the model into ``pipeline x stages_per_rank`` stages trained by one of torch's schedules.
 
     ``microbatches``: how many pieces each (per data rank) batch is cut into. ``split``: ``"auto"``
-    (balance parameters over block boundaries) or the block indices where stages 1.. begin.
+    (balance parameters over block boundaries), the block indices where stages 1.. begin, or
+    those blocks' qualified names (``["model.layers.4"]``; a suffix such as ``"layers.4"`` will do).
     ``schedule``: one of :data:`SCHEDULES`. ``stages_per_rank``: virtual stages per rank (None:
     1 for GPipe / 1F1B, 2 for the interleaved and V schedules; the V ones need exactly 2).
     """
@@ -181,9 +186,8 @@ class PipelineParallel(Transform):
             ),
             Conflict(
                 "compile",
-                "torch's zero-bubble schedules split each backward into input and weight passes, which a compiled "
-                "stage cannot do "
-                "(torch.distributed.pipelining refuses compiled stages for them)",
+                "torch's zero-bubble schedules split each backward into input and weight passes, "
+                "which a compiled stage cannot do (torch.distributed.pipelining refuses compiled stages for them)",
                 "drop compile, or use schedule='Interleaved1F1B' / '1F1B'",
                 when=_zero_bubble,
             ),
@@ -221,29 +225,50 @@ class PipelineParallel(Transform):
         if k is None:
             object.__setattr__(self, "stages_per_rank", 1 if placement == "single" else 2)
         if self.split != "auto":
-            if (
-                isinstance(self.split, str)
-                or not isinstance(self.split, list | tuple)
-                or not all(isinstance(i, int) and not isinstance(i, bool) and i > 0 for i in self.split)
-            ):
+            items = list(self.split) if isinstance(self.split, list | tuple) else None
+            ints = items is not None and all(isinstance(i, int) and not isinstance(i, bool) and i > 0 for i in items)
+            paths = items is not None and all(isinstance(i, str) and i for i in items)
+            if not items or not (ints or paths):
                 raise ConfigError(
                     "pipeline_parallel.split",
                     self.split,
-                    "'auto' or increasing block indices > 0 where stages 1.. begin",
+                    "'auto', increasing block indices > 0 where stages 1.. begin, or the qualified names of those "
+                    "blocks (e.g. ['model.layers.4'])",
                 )
-            if list(self.split) != sorted(set(self.split)):
+            if ints and items != sorted(set(items)):
                 raise ConfigError("pipeline_parallel.split", self.split, "strictly increasing block indices")
-            object.__setattr__(self, "split", tuple(self.split))
+            object.__setattr__(self, "split", tuple(items))
 
     def describe(self):
         split = "balanced by parameters" if self.split == "auto" else f"stages begin at blocks {list(self.split)}"
         per = f", {self.stages_per_rank} stages per rank" if self.stages_per_rank > 1 else ""
         return f"pipeline_parallel({self.schedule}{per}, {self.microbatches} microbatches, {split})"
 
+    def _paths(self) -> tuple[str, ...]:
+        return tuple(self.split) if self.split != "auto" and isinstance(self.split[0], str) else ()
+
     def cuts(self, model: nn.Module, pp: int) -> tuple[int, ...]:
         """Start blocks of stages 1.. for ``pp`` ranks (``pp x stages_per_rank`` stages); typed errors first."""
+        return self.cut_plan(model, pp)[1]
+
+    def cut_plan(self, model: nn.Module, pp: int):
+        """(the generic cutter's Anatomy or None for the built-in GPT, start blocks of stages 1..).
+
+        Read it before tensor parallelism shards the weights (mixed_parallel does): the anatomy's
+        probe forward runs on plain weights only."""
         stages = pp * self.stages_per_rank
-        blocks, head, tail = anatomy(model)
+        an = anatomy_full(model, self._paths())
+        if an is None:
+            blocks, head, tail = anatomy(model)
+        else:
+            blocks, (head, tail) = an.blocks, an.weights(model)
+            if self.stages_per_rank > 1:
+                raise ConfigError(
+                    "pipeline_parallel.stages_per_rank",
+                    self.stages_per_rank,
+                    f"1 for {type(model).__name__}: several stages per rank are cut for the built-in GPT only "
+                    "(use schedule='1F1B' or 'GPipe')",
+                )
         n = len(blocks)
         if n < stages:
             raise ConfigError(
@@ -271,20 +296,25 @@ class PipelineParallel(Transform):
                 f"a multiple of max(1, microbatches // pipeline size) = {rounds} for {self.schedule}",
             )
         if self.split == "auto":
-            return balanced_cuts([numel(b) for b in blocks], stages, head, tail)
-        if len(self.split) != stages - 1 or self.split[-1] >= n:
+            return an, balanced_cuts([numel(b) for b in blocks], stages, head, tail)
+        split = self.split
+        if self._paths():
+            split = tuple(int(p.rpartition(".")[2]) for p in split)
+        if len(split) != stages - 1 or split[-1] >= n or list(split) != sorted(set(split)) or split[0] < 1:
             raise ConfigError(
-                "pipeline_parallel.split", list(self.split), f"{stages - 1} increasing block indices below {n}"
+                "pipeline_parallel.split",
+                list(self.split),
+                f"{stages - 1} increasing blocks after the first, below {n}",
             )
-        return self.split
+        return an, split
 
-    def apply(self, state: TrainState, ctx: ApplyContext) -> TrainState:
+    def apply(self, state: TrainState, ctx: ApplyContext, cut_plan=None) -> TrainState:
         from torch.distributed.pipelining import PipelineStage
 
         pc = parallel_context(state, self.name)
         pp = pc.layout.size("pipeline")
         model = state.model
-        cuts = self.cuts(model, pp)  # checks before any change
+        an, cuts = cut_plan or self.cut_plan(model, pp)  # checks before any change
         if (
             state.loader is not None
             and getattr(state.loader, "batch_size", None)
@@ -302,15 +332,20 @@ class PipelineParallel(Transform):
         n_stages = pp * self.stages_per_rank
         placement = stage_ranks(self.schedule, pp, self.stages_per_rank)
         local = sorted(s for s, r in placement.items() if r == index)
-        blocks = anatomy(model)[0]
+        blocks = anatomy(model)[0] if an is None else an.blocks
         bounds = (0, *cuts, len(blocks))
         sizes = [sum(numel(blocks[i]) for i in range(lo, hi)) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
-        kept, stage_mods = rank_modules(model, bounds, local)
+        kept, stage_mods = rank_modules(model, bounds, local, an)
+        # a tied weight the last stage holds through its head only goes by the head's name there
+        state.param_names.update({id(p): n for n, p in kept.named_parameters()})
         pp_group = pc.mesh["pipeline"].get_group()
         data_group = pc.data_group() if pc.data_size > 1 else None
         if data_group is not None:
             broadcast_local(kept, data_group)
             state.hooks.append(DataGradSync(kept, data_group, pc.data_size))
+        tie = tied_sync(an, kept, local, n_stages, placement, pp_group)
+        if tie is not None:  # a sum over the two stages; the data average above commutes with it
+            state.hooks.append(tie)
         device = torch.device(ctx.env.device)
         pstages = [
             PipelineStage(m, s, n_stages, device, group=pp_group) for s, m in zip(local, stage_mods, strict=True)
@@ -331,14 +366,18 @@ class PipelineParallel(Transform):
         if state.optim is not None:
             state.optim = _stage_optimizer(state.optim, state.param_names, kept)
         state.model = kept
-        state.note(
-            self.name,
-            f"{n_stages} stages over blocks {[f'{bounds[s]}..{bounds[s + 1] - 1}' for s in range(n_stages)]} (block "
-            f"params {sizes}); "
-            f"this rank holds stage(s) {local}; {self.schedule}, {self.microbatches} microbatches; train with "
-            "composable_atorch.train_step"
-            + (f"; stage gradients averaged over the data dim of {pc.data_size}" if data_group is not None else ""),
+        ranges = [f"{bounds[s]}..{bounds[s + 1] - 1}" for s in range(n_stages)]
+        line = (
+            f"{n_stages} stages over blocks {ranges} (block params {sizes}); this rank holds stage(s) {local}; "
+            f"{self.schedule}, {self.microbatches} microbatches; train with composable_atorch.train_step"
         )
+        if data_group is not None:
+            line += f"; stage gradients averaged over the data dim of {pc.data_size}"
+        if an is not None:
+            line += f"; cut {type(model).__name__} at {an.path!r}, embeddings / head told apart by {an.source}"
+            if an.tied:
+                line += f"; tied {an.tied} kept equal (the first and last stage add their gradients)"
+        state.note(self.name, line)
         return state
 
 
@@ -365,8 +404,6 @@ def _stage_optimizer(optim: torch.optim.Optimizer, names: dict[int, str], stage:
 def pipeline_parallel(
     *, microbatches: int = 2, schedule: str = "1F1B", split: Any = "auto", stages_per_rank: int | None = None
 ) -> PipelineParallel:
-    """``pipeline_parallel(microbatches=4, schedule="Interleaved1F1B", stages_per_rank=2)``.
-
-    Train with :func:`composable_atorch.train_step`.
-    """
+    """``pipeline_parallel(microbatches=4, schedule="Interleaved1F1B", stages_per_rank=2)``;
+    train with :func:`composable_atorch.train_step`."""
     return PipelineParallel(microbatches=microbatches, schedule=schedule, split=split, stages_per_rank=stages_per_rank)

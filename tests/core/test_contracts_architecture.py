@@ -30,7 +30,7 @@ from composable_atorch.transforms.policy import PrecisionPolicy
 
 from _dist import run_world
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CPU = Environment()
 H100 = Environment(device="cuda", compute_capability=(9, 0), packages={"transformer_engine", "torchao"})
 

@@ -211,7 +211,7 @@ def test_estimate_plan_reads_the_agreed_interface():
 def test_pipeline_plans_are_predicted_per_stage_with_the_workloads_criterion():
     """The real estimator on a pipeline plan: the workload's criterion reaches it (a pipeline's
     loss runs inside the schedule), so the plan gets a prediction per stage instead of none."""
-    from composable_atorch.auto.builtin import GPTTask
+    from composable_atorch.auto.workload import GPTTask
     from composable_atorch.estimate import estimate
 
     env = Environment.detect().with_(world_size=2)

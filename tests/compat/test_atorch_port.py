@@ -350,7 +350,7 @@ def test_parallel_mode_names_not_built_say_so(name, words):
 
 def test_multiple_parallel_instances_flag_keeps_the_sizes():
     """semi_auto_acc_test.test_gpt2_strategy_multi_instance (4 GPUs): ``([("data", 2)], None, True)``
-    trains world / 2 independent instances (tests/test_atorch_compat.py runs it at world 4)."""
+    trains world / 2 independent instances (tests/compat/test_atorch_compat.py runs it at world 4)."""
     env4 = ca.Environment.detect().with_(world_size=4)
     plan = strategy.load([("parallel_mode", ([("data", 2)], None, True))], env=env4)
     pm = plan.transforms[0]
@@ -731,7 +731,7 @@ PORT = {
     "semi_auto_acc_test.test_ds_zero (no offload)": "ported (DeepSpeed's optimizer is result.optim.optimizer)",
     "semi_auto_acc_test.test_ds_zero (cpu_offload)": "ported (the user's optimizer steps the offloaded state)",
     "semi_auto_acc_test.test_gpt2_strategy_bf16": "ported",
-    "semi_auto_acc_test.test_gpt2_strategy_multi_instance": "ported (world 4, tests/test_atorch_compat.py)",
+    "semi_auto_acc_test.test_gpt2_strategy_multi_instance": "ported (world 4, tests/compat/test_atorch_compat.py)",
     "semi_auto_acc_test.test_gpt2_strategy_sp2": "ported (on the library's GPT; GPT-2 xfail until the generic planner)",
     "semi_auto_acc_test.test_fsdp_wraps": "ported (FSDP2 modules counted instead of FSDP1 wrappers)",
     "semi_auto_acc_test.test_gpt2_bf16_only": "ported (BF16Optimizer -> half's fp32 master weights, by default)",

@@ -13,7 +13,7 @@ from composable_atorch import strategy
 from composable_atorch.errors import ConfigError, UnknownTransformError
 from composable_atorch.models import Block
 
-HERE = os.path.dirname(__file__)
+HERE = os.path.dirname(os.path.dirname(__file__))  # tests/: its scripts and helpers
 sys.path.insert(0, os.path.join(HERE, "scripts"))
 import seed_task  # noqa: E402
 

@@ -12,7 +12,7 @@ from composable_atorch.cli import launch
 
 from _dist import free_port
 
-SCRIPT = Path(__file__).parent / "scripts" / "report_ranks.py"
+SCRIPT = Path(__file__).parent.parent / "scripts" / "report_ranks.py"
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ import torch
 
 import composable_atorch as ca
 import composable_atorch.estimate as estimate_pkg
-from composable_atorch.auto.builtin import GPTTask
+from composable_atorch.auto.workload import GPTTask
 from composable_atorch.errors import ConfigError
 from composable_atorch.estimate import EstimateError, estimate
 from composable_atorch.models import Block
@@ -155,7 +155,9 @@ def test_frozen_parameters_are_estimated_under_fsdp():
 
 def test_result_interface():
     shape = torch.Size([TASK.batch_size, TASK.seq_len])
-    est = estimate_pkg(ca.fsdp(wrap=Block), TASK.model, (shape, shape), world_size=4, device="cpu", loss_fn=TASK.loss)
+    est = estimate_pkg.estimate(
+        ca.fsdp(wrap=Block), TASK.model, (shape, shape), world_size=4, device="cpu", loss_fn=TASK.loss
+    )
     assert len(est.ranks) == 4 and est.peak == max(r.peak for r in est.ranks)
     r = est.ranks[0]
     assert r.parameters > 0 and r.optimizer > 0 and r.activations > 0

@@ -362,7 +362,7 @@ def test_example_ds_3d_llama2_through_the_launcher(model_parallel):
     import sys
     from pathlib import Path
 
-    script = Path(__file__).resolve().parent.parent / "examples" / "ds_3d_llama2.py"
+    script = Path(__file__).resolve().parents[2] / "examples" / "ds_3d_llama2.py"
     env = {**os.environ, "PIPELINE_PARALLEL_SIZE": "2", "MODEL_PARALLEL_SIZE": model_parallel, "DS_ACCELERATOR": "cpu"}
     env.pop("OMP_NUM_THREADS", None)  # the launcher sets 1 per rank
     cmd = [sys.executable, "-m", "composable_atorch", "launch", "--nproc", "4", str(script), "--max_steps", "8"]

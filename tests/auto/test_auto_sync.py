@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import composable_atorch as ca
-from composable_atorch.auto.builtin import GPTTask
 from composable_atorch.auto.space import SearchSpace, plan_key
 from composable_atorch.auto.worker import batches, trial_step
+from composable_atorch.auto.workload import GPTTask
 from composable_atorch.cli.demo import DEMO_EXCLUDED, TASK
 from composable_atorch.core.plan import Plan
 from composable_atorch.environment import Environment

@@ -28,7 +28,7 @@ from composable_atorch.transforms.precision import GradScalerHook
 
 from _dist import run_world
 
-SCRIPTS = Path(__file__).parent / "scripts"
+SCRIPTS = Path(__file__).parent.parent / "scripts"
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 

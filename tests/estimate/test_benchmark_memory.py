@@ -15,7 +15,7 @@ import composable_atorch as ca
 from composable_atorch.models import GPT, Block, GPTConfig
 
 _spec = importlib.util.spec_from_file_location(
-    "memory_benchmark", Path(__file__).parent.parent / "benchmarks" / "memory.py"
+    "memory_benchmark", Path(__file__).parents[2] / "benchmarks" / "memory.py"
 )
 memory = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = memory  # its dataclasses look their module up

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 import composable_atorch as ca
-from composable_atorch.auto.builtin import GPTTask
 from composable_atorch.auto.policy import Budget, SpaceOptions, StudyOptions, TrialSettings
 from composable_atorch.auto.study import search
 from composable_atorch.auto.worker import batches, trial_step
+from composable_atorch.auto.workload import GPTTask
 from composable_atorch.core.plan import Plan
 from composable_atorch.environment import Environment
 

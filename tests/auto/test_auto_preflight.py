@@ -190,7 +190,7 @@ def test_auto_accelerate_stops_at_once_when_the_model_cannot_take_the_dict_batch
     import os
     import sys
 
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "scripts"))
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts"))
     import seed_task
 
     start = time.monotonic()

@@ -1,0 +1,257 @@
+"""Resume a training run from what :func:`~composable_atorch.state.save.save_state` wrote.
+
+The order is the guarantee: the directory is verified (every file's size and checksum, the
+JSON files' schema, DCP's metadata through an allow-list unpickler; see verify.py), then checked
+against the model, optimizer, loader and scheduler, then read by DCP into *fresh* tensors, and
+only when every shard has been read is anything copied into the live model and optimizer. A
+failed load (a damaged file, a mismatch, DCP failing) therefore leaves the model's weights, the
+optimizer's state (not even created when it had none) and the loader as they were. Every failure
+is a typed error (ConfigError, or its CheckpointError naming the file).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from composable_atorch.errors import CheckpointError, ConfigError
+from composable_atorch.runtime import resumable as _resumable
+from composable_atorch.runtime.optim import PlanOptimizer
+from composable_atorch.state import verify
+from composable_atorch.state.files import FORMAT, META, VERSION, latest_checkpoint
+from composable_atorch.state.save import (
+    Resumed,
+    _dcp,
+    _distributed,
+    _optimizer_shape,
+    _rank_world,
+    _say_resumed,
+    _scheduler_state,
+    _single_process_is_intended,
+    _split_optimizer,
+    _state_optimizer,
+    _sync_hyperparameters,
+)
+from composable_atorch.transforms.parallel.tensor import load_layout
+
+__all__ = ["load_state"]
+
+DCP_METADATA = ".metadata"
+
+
+def _fresh(value: Any) -> Any:
+    """An uninitialised tensor like ``value`` (a DTensor stays sharded the same way) for DCP to fill."""
+    return torch.empty_like(value) if isinstance(value, torch.Tensor) else value
+
+
+def _check_model(model: torch.nn.Module, metadata, path: Path) -> dict[str, Any]:
+    """The model's state dict; ConfigError when its names or shapes differ from the checkpoint's."""
+    _, sd, options = _dcp()
+    model_sd = sd.get_model_state_dict(model, options=options)
+    saved = {k[len("model.") :]: v for k, v in metadata.state_dict_metadata.items() if k.startswith("model.")}
+    missing = sorted(set(model_sd) - set(saved))
+    unexpected = sorted(set(saved) - set(model_sd))
+    shapes = [
+        f"{k} {tuple(getattr(saved[k], 'size', ()))} vs {tuple(v.shape)}"
+        for k, v in model_sd.items()
+        if k in saved and isinstance(v, torch.Tensor) and tuple(getattr(saved[k], "size", v.shape)) != tuple(v.shape)
+    ]
+    problems = [f"missing from the checkpoint: {', '.join(missing[:5])}"] if missing else []
+    problems += [f"not in the model: {', '.join(unexpected[:5])}"] if unexpected else []
+    problems += [f"shape (checkpoint vs model): {', '.join(shapes[:5])}"] if shapes else []
+    if problems:
+        raise ConfigError(
+            f"checkpoint {path}",
+            type(model).__name__,
+            "a model with the same parameter names and shapes as the saved one (" + "; ".join(problems) + ")",
+        )
+    return model_sd
+
+
+def _check_optimizer(inner, hooks: list, saved: dict | None, hook_states: list, path: Path) -> None:
+    if inner is None:
+        return
+    if saved is None:
+        raise ConfigError(
+            f"checkpoint {path}", "no optimizer state", "load_state(..., optim=None) for a checkpoint saved without one"
+        )
+    mine = _optimizer_shape(inner, hooks)
+    for key in ("class", "group_sizes"):
+        if mine[key] != saved[key]:
+            raise ConfigError(f"checkpoint {path} optimizer {key}", mine[key], f"{saved[key]!r}, as saved")
+    unmatched = _match_hooks(hooks, saved["hooks"], hook_states)[1]
+    if unmatched:
+        raise ConfigError(
+            f"checkpoint {path} optimizer hooks",
+            mine["hooks"],
+            f"a plan whose optimizer has the saved hooks {saved['hooks']} (state of {unmatched} would be lost)",
+        )
+
+
+def _match_hooks(hooks: list, saved_names: list[str], saved_states: list) -> tuple[list, list[str]]:
+    """Pair this optimizer's hooks with saved states by class name (n-th of a kind to n-th).
+
+    Returns (pairs, names of saved hooks with state and no counterpart).
+    """
+    pool: dict[str, list] = {}
+    for name, state in zip(saved_names, saved_states):
+        pool.setdefault(name, []).append(state)
+    pairs = [(h, pool[type(h).__name__].pop(0)) for h in hooks if pool.get(type(h).__name__)]
+    lost = [name for name, states in pool.items() for s in states if s]
+    return pairs, lost
+
+
+def load_state(
+    directory: str | os.PathLike,
+    model: torch.nn.Module,
+    optim=None,
+    loader=None,
+    *,
+    scheduler=None,
+    verbose: bool = True,
+) -> Resumed:
+    """Load what save_state wrote into ``model``, ``optim`` and ``loader``, in place.
+
+    ``directory`` is the one given to save_state (its latest complete checkpoint is loaded) or
+    one ``step-*`` checkpoint inside it. Call it on every rank, after applying the same plan as
+    the saving run (any world size). Everything is verified and checked before anything is
+    modified; a failure leaves model, optimizer and loader as they were. ``scheduler`` gets the LR
+    scheduler state saved with ``save_state(..., scheduler=)``. With ``verbose`` rank 0 prints the
+    step it resumes at and how many batches of the pass the loader skips.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError("model", type(model).__name__, "a torch.nn.Module")
+    path = latest_checkpoint(directory)
+    if path is None:
+        raise ConfigError(
+            "load_state directory",
+            str(directory),
+            "a directory written by save_state (holding latest.json) or one of its step-* checkpoints",
+        )
+    meta = verify.read_meta(path / META, FORMAT, VERSION)
+    files = meta[verify.FILES]
+    verify.verify_files(path, files)  # every byte, before anything else is read
+    inner, hooks, _ = _split_optimizer(optim)
+    rank, world = _rank_world()
+    same_world = meta["world_size"] == world
+    for name in (f"rank-{rank if same_world else 0}.json", DCP_METADATA):
+        if name not in files:
+            raise CheckpointError(path / name, "not among the files checkpoint.json lists")
+    rank_state = verify.read_rank_state(path / f"rank-{rank if same_world else 0}.json")
+    dcp, sd, options = _dcp()
+    reader = verify.safe_reader(path, files)
+    metadata = reader.read_metadata()
+    model_sd = _check_model(model, metadata, path)
+    _check_optimizer(inner, hooks, meta["optimizer"], rank_state["hooks"], path)
+    if meta["micro_step"] and not same_world:
+        raise ConfigError(
+            f"checkpoint {path}",
+            f"saved mid accumulation window at world {meta['world_size']}",
+            f"world {meta['world_size']}: unsynchronised per-rank gradients cannot be resharded",
+        )
+    if loader is not None and not (_resumable.is_resumable(loader) or _resumable.can_resume(loader)):
+        _resumable.resumable(loader)  # raises the ConfigError naming what is allowed
+    if scheduler is not None:
+        _scheduler_state(scheduler)  # the type check
+        if meta.get("scheduler") is None:
+            raise ConfigError(
+                f"checkpoint {path}",
+                "no LR scheduler state",
+                "load_state(..., scheduler=None) for a checkpoint saved without one",
+            )
+    if loader is not None and not meta["loader"]:
+        raise ConfigError(
+            f"checkpoint {path}",
+            "no data position",
+            "load_state(..., loader=None) for a checkpoint saved without a loader",
+        )
+
+    # -- checked: read everything into fresh tensors ---------------------------------------------
+    saved_optim = inner is not None and meta["optimizer"]["has_state"]
+    local = None if inner is None else _state_optimizer(inner)
+    created = saved_optim and not local.state
+    try:
+        state = _read(path, model, model_sd, local if saved_optim else None, metadata, reader, meta, rank)
+    except BaseException:
+        if created:  # DCP's template needed the optimizer's state: the failed load leaves none behind
+            local.state.clear()
+        raise
+
+    # -- every shard read: copy into the live model and optimizer --------------------------------
+    if saved_optim:
+        sd.set_state_dict(
+            model, [local], model_state_dict=state["model"], optim_state_dict=state["optim"], options=options
+        )
+        _sync_hyperparameters(inner, local)
+    else:
+        sd.set_model_state_dict(model, state["model"], options=options)
+        if local is not None:
+            local.state.clear()
+    if meta["micro_step"]:
+        _restore_grads(model, state["grads"], rank)
+    for hook, hook_state in _match_hooks(
+        hooks, meta["optimizer"]["hooks"] if meta["optimizer"] else [], rank_state["hooks"]
+    )[0]:
+        hook.load_state_dict(hook_state)
+    if isinstance(optim, PlanOptimizer):
+        optim.micro_step = rank_state["micro_step"]
+    if scheduler is not None:
+        scheduler.load_state_dict(meta["scheduler"])
+    if verbose and rank == 0:
+        _say_resumed(path, meta, rank_state["loader"] if loader is not None else None)
+    if loader is not None:
+        rng = rank_state["rng"] if same_world else None
+        _resumable.resumable(loader).resume_at(rank_state["loader"], rng=rng, replay=same_world)
+    elif same_world:
+        _resumable.restore_rng(rank_state["rng"])
+    return Resumed(meta["step"], meta["extra"])
+
+
+def _read(path: Path, model, model_sd: dict, local, metadata, reader, meta: dict, rank: int) -> dict[str, Any]:
+    """The checkpoint's state in fresh tensors shaped like the live ones (the live ones untouched)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    dcp, sd, options = _dcp()
+    state: dict[str, Any] = {"model": {k: _fresh(v) for k, v in model_sd.items()}}
+    if local is not None:  # the template: the optimizer's state (created if it has none yet), copied
+        state["optim"] = {k: _fresh(v) for k, v in sd.get_optimizer_state_dict(model, [local], options=options).items()}
+    if meta["micro_step"]:
+        saved_keys = metadata.state_dict_metadata
+        state["grads"] = {
+            f"rank{rank}.{name}": torch.zeros_like(p.to_local() if hasattr(p, "to_local") else p)
+            for name, p in model.named_parameters()
+            if f"grads.rank{rank}.{name}" in saved_keys
+        }
+    loading, finish_layout = load_layout(model, state)  # fused (strided) tensor-parallel layers
+    try:
+        with _single_process_is_intended():
+            dcp.load(loading, storage_reader=reader, planner=verify.safe_planner(), no_dist=not _distributed())
+    except CheckpointException as exc:  # a BaseException: never let it pass `except Exception`
+        raise CheckpointError(path, f"DCP could not read it ({_first_failure(exc)})") from None
+    except (RuntimeError, ValueError, OSError, EOFError, KeyError) as exc:
+        raise CheckpointError(path, f"DCP could not read it ({type(exc).__name__}: {exc})") from None
+    finish_layout()
+    return state
+
+
+def _first_failure(exc) -> str:
+    failures = getattr(exc, "failures", None) or {}
+    for rank, failure in sorted(failures.items()):
+        return f"rank {rank}: {type(failure).__name__}: {str(failure)[:300]}"
+    return str(exc)[:300]
+
+
+def _restore_grads(model: torch.nn.Module, grads: dict[str, torch.Tensor], rank: int) -> None:
+    for name, p in model.named_parameters():
+        grad = grads.get(f"rank{rank}.{name}")
+        if grad is None:
+            p.grad = None
+        elif hasattr(p, "to_local"):
+            from torch.distributed.tensor import DTensor
+
+            p.grad = DTensor.from_local(grad, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+        else:
+            p.grad = grad

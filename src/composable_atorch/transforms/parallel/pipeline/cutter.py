@@ -1,0 +1,141 @@
+"""Cutting one pipeline stage out of a model read by :mod:`.anatomy` (in place), and keeping the
+tied weights that the first and the last stage both hold equal.
+
+The stage is the model itself: its block list keeps this stage's blocks, the pieces other stages
+hold are parameter-free stand-ins, hooks put the received activation in front of its first block
+and stop its forward after its last one (the module doc of :mod:`.anatomy` says why).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from composable_atorch.runtime.optim import OptimizerHook
+from composable_atorch.transforms.parallel.pipeline.anatomy import Anatomy, hidden_name, hidden_of
+
+
+class _Stop(Exception):
+    """Raised by a hook to end a probe or a non-last stage's forward at a block; carries its output."""
+
+    def __init__(self, hidden):
+        super().__init__("stage output")
+        self.hidden = hidden
+
+
+class Skipped(nn.Module):
+    """Stands in for a piece another stage holds, with no parameters. Whatever it returns the
+    stage's first block never sees (its input is put back to the received activation); it only has
+    to keep the code around it running: a further embedding (positions, added to the tokens') gives
+    a zero, anything else (the token embedding given the activation, an embedding norm, a dropout,
+    a projection) passes its first floating-point input on."""
+
+    def __init__(self, zero: bool = False):
+        super().__init__()
+        self.zero = zero
+
+    def forward(self, *args, **kwargs):
+        if not self.zero:
+            for a in (*args, *kwargs.values()):
+                if isinstance(a, torch.Tensor) and a.is_floating_point():
+                    return a
+        return torch.zeros(())
+
+
+def _replace(model: nn.Module, path: str, new: nn.Module) -> None:
+    parent, _, leaf = path.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, leaf, new)
+
+
+def cut_stage(model: nn.Module, an: Anatomy, first: bool, last: bool, kept: range, guard) -> nn.Module:
+    """The model cut to one stage in place (see the module doc); ``guard(model)`` runs first in its forward."""
+    import types
+
+    listed = model.get_submodule(an.path) if an.path else model
+    keep = {str(i) for i in kept}
+    for key in list(listed._modules):
+        if key not in keep:
+            del listed._modules[key]  # original indices stay as keys: parameter names unchanged
+    if not first:
+        for i, p in enumerate(an.pre):
+            _replace(model, p, Skipped(zero=i > 0 and isinstance(model.get_submodule(p), nn.Embedding)))
+    if not last:
+        for p in an.post:
+            _replace(model, p, Skipped())
+    box: list = [None]
+    if not first:
+
+        def put_back(module, args, kwargs):
+            if args:
+                return (box[0], *args[1:]), kwargs
+            return args, {**kwargs, hidden_name(module): box[0]}
+
+        an.blocks[kept.start].register_forward_pre_hook(put_back, with_kwargs=True)
+    if not last:
+
+        def stop(module, args, out):
+            raise _Stop(hidden_of(out))
+
+        an.blocks[kept.stop - 1].register_forward_hook(stop)
+    whole = model.forward
+    extra = {"use_cache": False} if "use_cache" in inspect.signature(whole).parameters else {}
+
+    def forward(self, x):
+        guard(self)
+        box[0] = x
+        try:
+            if an.hf:
+                out = whole(input_ids=x, **extra) if first else whole(inputs_embeds=x, **extra)
+            else:
+                out = whole(x)
+        except _Stop as stopped:
+            return stopped.hidden
+        finally:
+            box[0] = None
+        if hasattr(out, "logits"):
+            return out.logits
+        return out[0] if isinstance(out, tuple | list) else out
+
+    model.forward = types.MethodType(forward, model)
+    return model
+
+
+class TiedGradSync(OptimizerHook):
+    """Add the gradients of weights the first and the last stage both hold (tied embeddings).
+
+    One process sums the two uses' gradients in one tensor; here each stage holds a copy and sees
+    its own use only, so the two exchange gradients (point to point, only the two ranks take part)
+    and step the same sum: the copies stay equal, as DeepSpeed's tied layers do.
+    """
+
+    def __init__(self, params: list[nn.Parameter], peer: int, group):
+        self.params, self.peer, self.group = params, peer, group
+
+    def before_step(self, optimizer):
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            theirs = torch.empty_like(p.grad)
+            ops = [
+                dist.P2POp(dist.isend, p.grad, group=self.group, group_peer=self.peer),
+                dist.P2POp(dist.irecv, theirs, group=self.group, group_peer=self.peer),
+            ]
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+            p.grad.add_(theirs)
+
+
+def tied_sync(an, kept: nn.Module, local: list[int], n_stages: int, placement: dict, group):
+    """The hook that keeps tied copies equal on the first and last stage's ranks; None when not needed."""
+    if an is None or not an.tied or (0 in local and n_stages - 1 in local):
+        return None
+    if 0 in local:
+        names, peer = [a for a, _ in an.tied], placement[n_stages - 1]
+    elif n_stages - 1 in local:
+        names, peer = [b for _, b in an.tied], placement[0]
+    else:
+        return None
+    return TiedGradSync([kept.get_parameter(n) for n in names], peer, group)

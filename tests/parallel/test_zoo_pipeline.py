@@ -1,0 +1,192 @@
+"""pipeline_parallel on the model zoo: every decoder-only architecture and the plain user model cut
+into 2 stages at world 2 (real gloo), trained 3 steps with SGD and with AdamW, against one process
+on the same global batches; encoders and encoder-decoders are refused with the reason.
+
+The last stage outputs logits and the criterion computes the loss (HF causal LMs shift the labels
+inside their forward; here the criterion shifts, and the reference uses the same criterion, which
+is checked against the model's own ``labels=`` loss once).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import composable_atorch as ca
+import zoo
+from composable_atorch.errors import ConfigError
+from composable_atorch.transforms.parallel.pipeline import UncuttableModelError
+
+from _dist import run_world
+
+STEPS, TOL = 3, 1e-4
+CASES = [n for n in zoo.ZOO if zoo.KIND[n] in ("decoder", "plain")]
+OPTIMS = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.5),
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1),
+}
+
+
+def shifted_ce(logits, ids):
+    """Next-token cross-entropy, as an HF causal LM computes it from ``labels=ids``."""
+    return nn.functional.cross_entropy(logits[:, :-1].float().flatten(0, 1), ids[:, 1:].flatten())
+
+
+def plain_ce(logits, ids):
+    """The user model's loss (zoo.zoo_loss): every position against its own token."""
+    return nn.functional.cross_entropy(logits.float().flatten(0, 1), ids.flatten())
+
+
+def criterion(name):
+    return plain_ce if name == "user" else shifted_ce
+
+
+class _Logits(nn.Module):
+    """An HF model as tokens -> logits for the one-process reference (parameters shared)."""
+
+    def __init__(self, m):
+        super().__init__()
+        self.m = m
+
+    def forward(self, x):
+        return self.m(input_ids=x).logits
+
+
+def _model(name):
+    return zoo.build(name).eval()  # dropout off: both runs compute the same function
+
+
+def _data(name):
+    return [zoo.batch(name, seed=s) for s in range(STEPS)]
+
+
+def _reference(name, opt):
+    model = _model(name)
+    data = _data(name)
+    own = zoo_gap = 0.0
+    if name != "user":  # the criterion is the family's own loss
+        with torch.no_grad():
+            own = zoo.zoo_loss(name, model, data[0]).item()
+            zoo_gap = abs(own - shifted_ce(model(input_ids=data[0]).logits, data[0]).item())
+    wrapped = model if name == "user" else _Logits(model)
+    optim = OPTIMS[opt](model.parameters())
+    losses = [ca.train_step(wrapped, optim, x, x, criterion(name)) for x in data]
+    params = {n: p.detach().numpy().copy() for n, p in model.named_parameters(remove_duplicate=False)}
+    return {"losses": losses, "params": params, "zoo_gap": zoo_gap}
+
+
+def _pipelined(name, opt, split="auto"):
+    model = _model(name)
+    plan = ca.compose(ca.pipeline_parallel(microbatches=2, split=split), ca.parallel_mode([("pipeline", 2)]))
+    applied = plan(model, OPTIMS[opt](model.parameters()))
+    model, optim, _ = applied
+    losses = [ca.train_step(model, optim, x, x, criterion(name)) for x in _data(name)]
+    return {
+        "losses": losses,
+        # numpy: torch tensors would travel back to the test through shared memory, one descriptor each
+        "params": {n: p.detach().numpy().copy() for n, p in model.named_parameters()},
+        "explain": plan.explain(applied=applied),
+    }
+
+
+def _world(rank, world):
+    jobs = [(n, o) for n in CASES for o in OPTIMS]
+    mine = {f"{n}/{o}": _pipelined(n, o) for n, o in jobs}
+    mine["llama/sgd/split-path"] = _pipelined("llama", "sgd", split=["layers.1"])
+    # the one-process references, half on each rank
+    refs = {f"{n}/{o}": _reference(n, o) for i, (n, o) in enumerate(jobs) if i % world == rank}
+    return mine, refs
+
+
+@pytest.mark.dist
+def test_zoo_pipeline_matches_one_process():
+    (r0, refs0), (r1, refs1) = run_world(_world, 2, timeout=900)
+    refs = {**refs0, **refs1}
+    refs["llama/sgd/split-path"] = refs["llama/sgd"]
+    bad = {}
+    for case, ref in refs.items():
+        a, b = r0[case], r1[case]
+        problems = []
+        if ref["zoo_gap"] > 1e-5:
+            problems.append(f"criterion differs from the model's own loss by {ref['zoo_gap']}")
+        if a["losses"] != b["losses"]:
+            problems.append("stages report different losses")
+        gap = max(abs(x - y) for x, y in zip(a["losses"], ref["losses"], strict=True))
+        if gap > TOL:
+            problems.append(f"loss gap {gap}")
+        # the two stages together hold every parameter (a tied weight on both), each equal to one process's
+        names = set(a["params"]) | set(b["params"])
+        if names != set(ref["params"]) or set(a["params"]) & set(b["params"]):
+            problems.append(
+                f"stage names {sorted(names ^ set(ref['params']))} / shared {set(a['params']) & set(b['params'])}"
+            )
+        weight = max(
+            (
+                float(abs(p - ref["params"][n]).max())
+                for r in (a, b)
+                for n, p in r["params"].items()
+                if n in ref["params"]
+            ),
+            default=float("inf"),
+        )
+        if weight > TOL:
+            problems.append(f"weight gap {weight}")
+        start = _model(case.split("/")[0]).named_parameters()
+        moved = max(float(abs(ref["params"][n] - p.detach().numpy()).max()) for n, p in start)
+        if moved < 1e-3:
+            problems.append("the reference did not train (the comparison could not fail)")
+        if problems:
+            bad[case] = problems
+    assert not bad, bad
+    assert "tied" in r0["gpt2/sgd"]["explain"] and "probe forward" in r0["opt/sgd"]["explain"]
+    assert "base_model_pp_plan" in r0["phi/sgd"]["explain"]
+
+
+@pytest.mark.parametrize(
+    ("name", "reason"),
+    [("bert", "not a causal LM"), ("t5", "encoder-decoder has two block stacks")],
+)
+def test_encoders_and_seq2seq_are_refused_with_the_reason(name, reason):
+    with pytest.raises(UncuttableModelError, match=reason) as err:
+        ca.pipeline_parallel().cuts(zoo.build(name), 2)
+    assert "a decoder-only cut has no meaning" in str(err.value) and "Fix: train it with ddp" in str(err.value)
+
+
+class _Skip(nn.Module):
+    """A user model whose forward is no chain: every block reads the embeddings (a skip to each block)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(zoo.VOCAB, 16)
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+        self.head = nn.Linear(16, zoo.VOCAB)
+
+    def forward(self, x):
+        e = self.embed(x)
+        return self.head(sum(block(e) for block in self.blocks))
+
+
+def test_models_that_cannot_be_cut_name_the_fix():
+    with pytest.raises(UncuttableModelError, match="as a chain") as err:
+        ca.pipeline_parallel().cuts(_Skip(), 2)
+    assert "split=" in str(err.value)
+    with pytest.raises(UncuttableModelError, match="found none"):
+        ca.pipeline_parallel().cuts(nn.Linear(2, 2), 2)
+    with pytest.raises(ConfigError, match="names no module"):
+        ca.pipeline_parallel(split=["nowhere.1"]).cuts(zoo.build("user"), 2)
+    with pytest.raises(ConfigError, match="several stages per rank"):
+        ca.pipeline_parallel(schedule="Interleaved1F1B").cuts(zoo.build("user"), 2)
+
+
+def test_split_by_path_and_plain_sequential():
+    user = zoo.UserModel(layers=4)
+    assert ca.pipeline_parallel(split=["blocks.3"]).cuts(user, 2) == (3,)
+    assert ca.pipeline_parallel().cuts(user, 2) == (2,)  # balanced: head and tail weigh about the same
+    chain = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    assert ca.pipeline_parallel(split=[2]).cuts(chain, 2) == (2,)
+    assert ca.pipeline_parallel(split=["2"]).cuts(chain, 2) == (2,)
+    copy.deepcopy(chain)  # cutting decides only: the model is untouched
+    assert len(chain) == 5

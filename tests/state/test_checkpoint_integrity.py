@@ -1,0 +1,266 @@
+"""Checkpoints are verified: damaged or crafted files are typed errors naming the file, run no code,
+and leave the live model and optimizer exactly as they were; a re-save never leaves no loadable copy."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import composable_atorch as ca
+from composable_atorch.data import TextDataset
+from composable_atorch.errors import CheckpointError, ConfigError
+from composable_atorch.models import GPT, GPTConfig
+from composable_atorch.models.gpt import lm_loss
+from composable_atorch.state import files, verify
+from composable_atorch.state import save as save_module
+from composable_atorch.state.save import latest_checkpoint
+
+
+def build(seed: int):
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(seq_len=16, d_model=16, n_layer=1, n_head=2))
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    loader = DataLoader(TextDataset(16, limit=16), batch_size=4, shuffle=True)
+    return ca.compose()(model, optim, loader)
+
+
+def train_steps(model, optim, loader, n: int):
+    for _, (x, y) in zip(range(n), loader):
+        optim.backward(lm_loss(model(x), y))
+        optim.step()
+        optim.zero_grad()
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    model, optim, loader = build(0)
+    train_steps(model, optim, loader, 2)
+    ca.save_state(root, model, optim, loader, step=2)
+    return root, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def fresh():
+    """A model and optimizer to load into (other weights, no optimizer state yet) and their snapshot."""
+    model, optim, loader = build(1)
+    return model, optim, loader, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def assert_untouched(model, optim, loader, before):
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert not optim.state and optim.micro_step == 0 and loader.batches_consumed == 0
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_an_intact_checkpoint_loads(saved):
+    root, weights = saved
+    model, optim, loader, _ = fresh()
+    assert ca.load_state(root, model, optim, loader, verbose=False).step == 2
+    assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items())
+
+
+def _files(root: Path) -> list[Path]:
+    return sorted(p for p in latest_checkpoint(root).iterdir() if p.is_file())
+
+
+def test_flipped_bits_and_truncations_are_typed_errors_naming_the_file(saved, tmp_path):
+    root, _ = saved
+    model, optim, loader, before = fresh()
+    copy = tmp_path / "copy"
+    shutil.copytree(root, copy)
+    checked = 0
+    for path in _files(copy):
+        original = path.read_bytes()
+        size = len(original)
+        damages = [original[: size // 2], original[:-1], b""]
+        for offset in sorted({0, 1, size // 3, size // 2, size - 1}):
+            flipped = bytearray(original)
+            flipped[offset] ^= 0x10
+            damages.append(bytes(flipped))
+        for damaged in damages:
+            path.write_bytes(damaged)
+            with pytest.raises(CheckpointError) as err:
+                ca.load_state(path.parent, model, optim, loader, verbose=False)
+            assert path.name in str(err.value), str(err.value)
+            assert_untouched(model, optim, loader, before)
+            checked += 1
+        path.write_bytes(original)
+    assert checked >= 4 * 8
+    assert ca.load_state(copy, model, optim, loader, verbose=False).step == 2  # restored: loads again
+
+
+def _reseal(directory: Path, change) -> None:
+    """Rewrite checkpoint.json as an attacker would: contents changed, manifest and checksum recomputed."""
+    meta_path = directory / files.META
+    meta = json.loads(meta_path.read_text())
+    change(meta)
+    meta[verify.FILES] = verify.manifest(directory, skip=(files.META,))
+    meta_path.write_text(json.dumps(verify.seal(meta)))
+
+
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        (lambda m: m.update(step="3"), "step"),
+        (lambda m: m.update(step=-1), "step"),
+        (lambda m: m.update(world_size=0), "world_size"),
+        (lambda m: m.pop("extra"), "extra"),
+        (lambda m: m["optimizer"].update(group_sizes=["x"]), "optimizer.group_sizes"),
+        (lambda m: m.update(loader=1), "loader"),
+    ],
+)
+def test_checkpoint_json_fields_are_typed_and_ranged(saved, tmp_path, change, field):
+    root, _ = saved
+    copy = tmp_path / "copy"
+    shutil.copytree(latest_checkpoint(root), copy)
+    _reseal(copy, change)
+    model, optim, loader, before = fresh()
+    with pytest.raises(CheckpointError, match=f"checkpoint.json: field '{field}'"):
+        ca.load_state(copy, model, optim, loader, verbose=False)
+    assert_untouched(model, optim, loader, before)
+
+
+class RunsCode:
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_a_crafted_dcp_metadata_runs_no_code(saved, tmp_path):
+    root, _ = saved
+    copy = tmp_path / "copy"
+    shutil.copytree(latest_checkpoint(root), copy)
+    marker = tmp_path / "pwned"
+    (copy / ".metadata").write_bytes(pickle.dumps(RunsCode(marker)))
+    _reseal(copy, lambda m: None)  # the checksums match: only the unpickler stands in the way
+    model, optim, loader, before = fresh()
+    with pytest.raises(CheckpointError, match=r"\.metadata.*names (posix|os)\.system"):
+        ca.load_state(copy, model, optim, loader, verbose=False)
+    assert not marker.exists()
+    assert_untouched(model, optim, loader, before)
+    # DCP's own byte items (stored with torch.save) are read as plain data, not unpickled freely
+    buffer = io.BytesIO()
+    torch.save(RunsCode(marker), buffer)
+    buffer.seek(0)
+    with pytest.raises(pickle.UnpicklingError):
+        verify.safe_planner().load_bytes(None, buffer)
+    assert not marker.exists()
+
+
+def test_a_failing_dcp_read_leaves_model_and_optimizer_as_they_were(saved, monkeypatch):
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    root, _ = saved
+    real = FileSystemReader.read_data
+
+    def read_then_fail(self, plan, planner):
+        real(self, plan, planner).wait()  # every tensor read: only staged copies may have changed
+        raise CheckpointException("read_data", {0: RuntimeError("disk went away")})
+
+    monkeypatch.setattr(FileSystemReader, "read_data", read_then_fail)
+    model, optim, loader, before = fresh()
+    with pytest.raises(CheckpointError, match="step-00000002.*disk went away"):
+        ca.load_state(root, model, optim, loader, verbose=False)
+    assert_untouched(model, optim, loader, before)
+    # and with optimizer state already there, it stays exactly as it was
+    train_steps(model, optim, loader, 1)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    moments = {id(p): {k: v.clone() for k, v in s.items()} for p, s in optim.optimizer.state.items()}
+    with pytest.raises(CheckpointError):
+        ca.load_state(root, model, optim, None, verbose=False)
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    for p, s in optim.optimizer.state.items():
+        assert all(torch.equal(v, moments[id(p)][k]) for k, v in s.items())
+
+
+def test_latest_falls_back_to_the_newest_complete_checkpoint(tmp_path):
+    model, optim, loader = build(0)
+    for step in (1, 2, 3):
+        train_steps(model, optim, loader, 1)
+        ca.save_state(tmp_path, model, optim, loader, step=step)
+    assert latest_checkpoint(tmp_path).name == "step-00000003"
+    shutil.rmtree(tmp_path / "step-00000003")
+    assert latest_checkpoint(tmp_path).name == "step-00000002"
+    (tmp_path / "step-00000002" / "__0_0.distcp").write_bytes(b"short")  # incomplete: wrong size
+    assert latest_checkpoint(tmp_path).name == "step-00000001"
+    (tmp_path / files.LATEST).write_bytes(b"\x00garbage")
+    assert latest_checkpoint(tmp_path).name == "step-00000001"
+    m, o, ld, _ = fresh()
+    assert ca.load_state(tmp_path, m, o, ld, verbose=False).step == 1
+
+
+class Killed(BaseException):
+    """Stands for SIGKILL: nothing after it runs (no cleanup, no except Exception)."""
+
+
+def _resave_killed_at(kill_at: int, root: Path, model, optim, loader, monkeypatch) -> bool:
+    """Save step 1 again into ``root``, "killed" at the ``kill_at``-th rename, pointer write or
+    delete inside publishing; whether the save finished."""
+    calls = {"n": 0, "publishing": False}
+
+    def counting(fn):
+        def wrapped(*args, **kwargs):
+            calls["n"] += calls["publishing"]
+            if calls["n"] == kill_at:
+                raise Killed
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+    def publish(*args):
+        calls["publishing"] = True  # kill points inside publish only (DCP wraps what it raises)
+        return files.publish(*args)
+
+    with monkeypatch.context() as patch:
+        for name in ("replace", "rename"):
+            patch.setattr(files.os, name, counting(getattr(os, name)))
+        patch.setattr(files, "write_json", counting(files.write_json))
+        patch.setattr(files.shutil, "rmtree", counting(shutil.rmtree))
+        patch.setattr(save_module, "publish", publish)
+        try:
+            ca.save_state(root, model, optim, loader, step=1)  # the same step again
+        except Killed:
+            return False
+    return True
+
+
+def test_a_resave_killed_at_any_point_of_publishing_leaves_a_loadable_checkpoint(tmp_path, monkeypatch):
+    model, optim, loader = build(0)
+    train_steps(model, optim, loader, 1)
+    ca.save_state(tmp_path / "base", model, optim, loader, step=1)
+    old = {k: v.clone() for k, v in model.state_dict().items()}
+    train_steps(model, optim, loader, 1)
+    new = {k: v.clone() for k, v in model.state_dict().items()}
+    seen_new = False
+    for kill_at in range(1, 40):
+        root = tmp_path / f"kill{kill_at}"
+        shutil.copytree(tmp_path / "base", root)
+        finished = _resave_killed_at(kill_at, root, model, optim, loader, monkeypatch)
+        m, o, ld, _ = fresh()
+        assert ca.load_state(root, m, o, ld, verbose=False).step == 1, f"kill point {kill_at}"
+        loaded = m.state_dict()
+        is_new = all(torch.equal(v, new[k]) for k, v in loaded.items())
+        assert is_new or all(torch.equal(v, old[k]) for k, v in loaded.items())
+        seen_new |= is_new
+        # the next save finishes what the crash left
+        ca.save_state(root, model, optim, loader, step=2)
+        leftovers = [p.name for p in root.iterdir() if p.name.endswith((".resaved", ".old", ".partial"))]
+        assert not leftovers and latest_checkpoint(root).name == "step-00000002"
+        if finished:
+            break
+    assert finished and kill_at > 5 and seen_new
+
+
+def test_load_errors_are_config_errors_for_old_callers(saved):
+    assert issubclass(CheckpointError, ConfigError)  # `except ConfigError` keeps catching them
