@@ -138,6 +138,10 @@ def test_both_seed_names_and_the_seed_config():
         {},
     )
     assert isinstance(cfg.tpinfo, ca.TPInfo)
+    batch = object()
+    assert cfg.batch_fn(batch) is batch  # ATorch's default batch_fn: the identity, which ATorch code calls
+    default = ca.compose(ca.parallel_mode([("data", 2), ("pipeline", 2)]), ca.ds_3d_parallel(cfg), env=WORLD4)
+    assert ca.Plan.from_json(default.to_json(), env=WORLD4) == default  # the default keeps the plan JSON
     vocab = ca.DeepSpeed3DParallelConfig(tpinfo=ca.TPInfo().shard_vocab("wte"))
     assert vocab.logit_helper is vocab_parallel_logit_helper
     plan = ca.strategy.load(

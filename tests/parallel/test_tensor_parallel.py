@@ -246,8 +246,8 @@ def _world(rank, world, directory):
         "gpt2_vocab": _case(gpt2, gpt2_tpinfo(vocab=True), 128),
         "gpt2_sp": _case(gpt2, gpt2_tpinfo(), 128, sp=True),
         "gpt2_replic_dropout": _case(gpt2_dropout, gpt2_tpinfo(), 128),
-        # ATorch's name sequence_parallel (tensor_parallel with sequence_parallel=True);
-        # dropouts in the blocks see a sequence shard
+        # ATorch's name sequence_parallel (tensor_parallel with sequence_parallel=True); dropouts in the
+        # blocks see a sequence shard
         "gpt2_replic_dropout_seq_seed_name": _case(
             gpt2_dropout, None, 128, sp=True, transform=lookup("sequence_parallel").from_seed({"plan": gpt2_tpinfo()})
         ),
@@ -305,19 +305,30 @@ def test_auto_plan_gpt_and_llama():
     assert ("col", "layers.*.self_attn.q_proj", ()) in lplan  # transformers' own base_model_tp_plan
 
 
+def test_plain_linear_chain_pairs_col_then_row():
+    """ATorch's plan-free toy model: consecutive Linears pair column -> row, whatever their names."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 6), nn.Linear(6, 8), nn.Linear(8, 4))
+    assert auto_plan(model) == (("col", "0", ()), ("col", "3", ()), ("row", "2", ()), ("row", "4", ()))
+
+
 def test_unplaceable_model_names_layers_and_manual_form():
-    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU())
     with pytest.raises(TensorParallelPlanError) as err:
         auto_plan(model)
-    assert "0, 2" in str(err.value) and "TPInfo()" in str(err.value)
+    assert "0" in str(err.value) and "TPInfo()" in str(err.value)
 
 
-def test_heads_not_divisible_is_a_typed_error():
+def test_heads_not_divisible_keep_attention_whole():
+    """Auto: attention whose heads do not divide stays replicated (said in explain), the MLP shards;
+    a manual plan asking for it is a typed error."""
     from composable_atorch.models import GPT, GPTConfig
 
     m = GPT(GPTConfig(seq_len=8, d_model=24, n_layer=1, n_head=3))
+    shard, shrink, _ = ca.tensor_parallel().placements(m, 2)
+    assert sorted(shard) == ["blocks.0.mlp.fc1", "blocks.0.mlp.fc2"] and not shrink
+    assert any("heads not divisible" in n for n in ca.tensor_parallel().check(m, 2))
     with pytest.raises(TensorParallelPlanError, match="heads not divisible"):
-        ca.tensor_parallel().placements(m, 2)
+        ca.tensor_parallel(auto_plan(GPT(GPTConfig(seq_len=8, d_model=24, n_layer=1, n_head=4)))).placements(m, 2)
 
 
 def test_degree_not_dividing_world_fails_at_compose():

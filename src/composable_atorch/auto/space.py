@@ -84,6 +84,30 @@ def pipeline_degree(plan: Plan) -> int:
     return parallel_degree(plan, "pipeline")
 
 
+def planning_admit(model: torch.nn.Module, then: Callable[[Plan], str | None] | None = None):
+    """``admit(plan)`` for :class:`SearchSpace`: a plan with a step whose ``check(model, degree)``
+    (model-parallel planning, e.g. tensor_parallel's) refuses ``model`` is invalid at no trial cost;
+    ``then`` is the next rule. Checks are cached per (step, degree)."""
+    seen: dict = {}
+
+    def admit(plan: Plan) -> str | None:
+        for t in plan.transforms:
+            if not callable(getattr(t, "check", None)):
+                continue
+            key = (repr(t), parallel_degree(plan, "tensor"))
+            if key not in seen:
+                try:
+                    t.check(model, key[1])
+                    seen[key] = None
+                except ConfigError as exc:
+                    seen[key] = f"{type(exc).__name__}: {exc}"
+            if seen[key]:
+                return seen[key]
+        return then(plan) if then is not None else None
+
+    return admit
+
+
 @dataclass(frozen=True)
 class Point:
     """One assignment of the space and what compose() made of it."""

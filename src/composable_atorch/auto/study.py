@@ -26,7 +26,14 @@ from composable_atorch.auto.policy import Budget, SpaceOptions, StudyOptions, Tr
 from composable_atorch.auto.predict import Estimator, Predictor, default_estimator
 from composable_atorch.auto.preflight import preflight
 from composable_atorch.auto.records import SearchResult, TrialRecord
-from composable_atorch.auto.space import Enumeration, Point, SearchSpace, block_classes, pipeline_degree
+from composable_atorch.auto.space import (
+    Enumeration,
+    Point,
+    SearchSpace,
+    block_classes,
+    pipeline_degree,
+    planning_admit,
+)
 from composable_atorch.auto.trial import TrialResult, run_trial
 from composable_atorch.auto.workload import Workload
 from composable_atorch.core.plan import Plan
@@ -251,9 +258,10 @@ class _Loop:
 
         self.trial_settings, self.budget, self.runner, self.progress, self.env = trial, budget, runner, progress, env
         self.limit = budget.memory_bytes
+        example = _example_model(workload.model_fn)
         context = SearchContext(
             env=env,
-            block_classes=block_classes(_example_model(workload.model_fn)),
+            block_classes=block_classes(example),
             batch_size=workload.batch_size,
             allow_compile=space.allow_compile,
         )
@@ -264,7 +272,7 @@ class _Loop:
             included=space.included,
             extra=start_from.requested if start_from else (),
             customize=space.customize,
-            admit=None if workload.criterion is not None else plan_needs_criterion,
+            admit=planning_admit(example, None if workload.criterion is not None else plan_needs_criterion),
         )
         self.enumeration = self.space.enumerate()
         optuna.logging.set_verbosity(optuna.logging.WARNING)

@@ -195,6 +195,12 @@ class MixedParallel(Transform):
         )
         return pc
 
+    def check(self, model, degree: int = 1) -> list[str]:
+        """tensor_parallel's planning check at this step's tensor degree (the search rules out a
+        candidate whose model cannot be sharded before it costs a trial)."""
+        degree = self.tensor or degree
+        return TensorParallel(plan=self.tp_plan).check(model, degree) if degree > 1 else []
+
     def apply(self, state: TrainState, ctx: ApplyContext) -> TrainState:
         pc = self._context(state, ctx)
         sizes = {n: pc.layout.size(n) for n in ("tensor", "pipeline", "data")}

@@ -46,6 +46,7 @@ from composable_atorch.transforms.parallel.data.common import (
     sharded_optimizer,
     zero_options,
 )
+from composable_atorch.transforms.parallel.data.probe import unused_parameters
 
 # ---------------------------------------------------------------------------------------------
 # parallel_mode
@@ -280,6 +281,8 @@ class Ddp(Transform):
             kwargs["bucket_cap_mb"] = self.bucket_cap_mb
         if ctx.env.device == "cuda":
             kwargs["device_id"] = torch.cuda.current_device()
+        if not self.find_unused_parameters:
+            kwargs["find_unused_parameters"] = _probe_unused(state)
         replicate(state.model, **kwargs)
         state.hooks.append(GradSyncHook(state.model))
         state.note(
@@ -288,6 +291,28 @@ class Ddp(Transform):
             "accumulation windows",
         )
         return state
+
+
+#: parameters beyond which ddp does not probe (the probe holds a zero copy of the model in CPU memory)
+PROBE_LIMIT = 50_000_000
+
+
+def _probe_unused(state: TrainState) -> bool:
+    """True when a probe forward/backward (zero-weight replica, example input) leaves parameters
+    without a gradient: torch's reducer would otherwise stop at the second step with "Expected to
+    have finished reduction". ddp then finds unused parameters itself, and says so."""
+    if sum(p.numel() for p in state.model.parameters()) > PROBE_LIMIT:
+        return False
+    unused = unused_parameters(state.model)
+    if not unused:
+        return False
+    shown = ", ".join(unused[:3]) + (" ..." if len(unused) > 3 else "")
+    state.note(
+        "ddp",
+        f"{len(unused)} parameter(s) get no gradient in a probe step ({shown}): find_unused_parameters turned on "
+        "(ddp(find_unused_parameters=True) says so explicitly; it costs a graph walk per step)",
+    )
+    return True
 
 
 def ddp(

@@ -123,7 +123,13 @@ class DeepSpeed3DParallelConfig:
             logit_helper if logit_helper is not None else (vocab_parallel_logit_helper if vocab else None)
         )
         self.ds_config = ds_config
-        self.batch_fn = batch_fn
+        self.batch_fn = batch_fn if batch_fn is not None else identity_batch
+
+
+def identity_batch(batch):
+    """ATorch's default ``batch_fn`` (the batch as the loader gives it). A named function, not a
+    lambda, so a plan built from the config stays JSON-serialisable."""
+    return batch
 
 
 def _seed(*parts) -> int:
@@ -269,7 +275,7 @@ class DeepSpeed3DParallel(Transform):
                 tie_first=config.tie_first,
                 logit_helper=helper,
                 ds_config=config.ds_config,
-                batch_fn=config.batch_fn,
+                batch_fn=None if config.batch_fn is identity_batch else config.batch_fn,
             )
         return super().from_seed(config)
 

@@ -1,6 +1,7 @@
 """Tensor (and sequence) parallelism on DTensor: the transform (``transform``), what it shards
-(``planner``: ``TPInfo``, plan normalisation, the auto planner), dropout streams across tensor
-ranks (``dropout``) and checkpoints of fused projections in the user's layout (``layout``).
+(``planner``: ``TPInfo``, plan normalisation, the auto planner over ``graph``'s traced pairs),
+dropout streams across tensor ranks (``dropout``) and checkpoints of fused projections in the
+user's layout (``layout``).
 """
 
 from composable_atorch.transforms.parallel.tensor.layout import load_layout, save_layout

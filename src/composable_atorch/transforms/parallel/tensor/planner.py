@@ -12,8 +12,10 @@ from typing import Any
 from torch import nn
 
 from composable_atorch.errors import ConfigError
+from composable_atorch.transforms.parallel.tensor import graph
+from composable_atorch.transforms.parallel.tensor.graph import is_conv1d, is_linear
 
-KINDS = ("col", "row", "vocab", "replic_drop", "parallel_drop", "shrink")
+KINDS = ("col", "row", "vocab", "replic_drop", "parallel_drop", "shrink", "grad_sum")
 _HF_KINDS = {
     "colwise": "col",
     "rowwise": "row",
@@ -130,31 +132,10 @@ def name_matches(qualname: str, pattern: str) -> bool:
 # the auto planner
 # ---------------------------------------------------------------------------------------------
 
-#: (column-parallel names, row-parallel name) of the projection groups the planner knows.
-_GROUPS = (
-    (("q", "k", "v"), "o"),
-    (("q_proj", "k_proj", "v_proj"), "o_proj"),
-    (("fc1",), "fc2"),
-    (("gate_proj", "up_proj"), "down_proj"),
-    (("c_fc",), "c_proj"),
-    (("w1", "w3"), "w2"),
-)
-#: head-count attributes divided by the degree when present on an attention module
-_HEAD_ATTRS = ("n_head", "num_heads", "num_key_value_heads", "n_kv_head")
-
-
-def is_linear(m) -> bool:
-    return isinstance(m, nn.Linear) or is_conv1d(m)
-
-
-def is_conv1d(m) -> bool:
-    return (
-        type(m).__name__ == "Conv1D"
-        and hasattr(m, "nf")
-        and getattr(m, "weight", None) is not None
-        and m.weight.dim() == 2
-    )
-
+#: transformers' per-layer styles this transform applies as shipped; a plan with any other style
+#: (Phi-3's ``colwise_gather_output`` on fused projections, Mixtral's ``packed_colwise`` experts)
+#: is planned by the generic planner instead.
+_HF_PLAIN = {"colwise", "rowwise", "replicated_with_grad_allreduce", "embedding_rowwise"}
 
 #: transformers' model-level styles (``model.tp_plan``) as this planner's entries. Its
 #: ``embedding_rowwise`` is left out of the auto plan: torch's DTensor gives a vocabulary-sharded
@@ -181,43 +162,171 @@ def _hf_model_level(model: nn.Module, base: dict) -> list[tuple[str, str, tuple]
     return out
 
 
-def auto_plan(model: nn.Module) -> tuple:
-    """The plan for ``model``, or TensorParallelPlanError naming the Linear layers it could not place."""
-    entries: list[tuple[str, str, tuple]] = []
+def _hf_entries(model: nn.Module, generic: list, notes: list[str]) -> list | None:
+    """transformers' ``base_model_tp_plan`` as entries when it is plain colwise/rowwise and places the
+    same layers as the traced pairs (so head counts and summed gradients are known); None otherwise."""
     hf = getattr(getattr(model, "config", None), "base_model_tp_plan", None)
-    if hf:
-        for pattern, style in hf.items():
-            kind = _HF_KINDS.get(style)
-            if kind in ("col", "row"):
-                entries.append((kind, pattern, ()))
-        entries.extend(_hf_model_level(model, hf))
-        for name, m in model.named_modules():
-            if any(hasattr(m, a) for a in _HEAD_ATTRS) and any(isinstance(c, nn.Linear) for c in m.children()):
-                entries.append(("shrink", name, tuple(a for a in _HEAD_ATTRS if hasattr(m, a))))
-        return tuple(sorted(entries))
-    placed: set[str] = set()
+    if not hf:
+        return None
+    odd = sorted({s for s in hf.values() if s not in _HF_PLAIN})
+    if odd:
+        notes.append(f"transformers' base_model_tp_plan uses {', '.join(odd)}: planned from the module graph instead")
+        return None
+    entries = [(_HF_KINDS[s], p, ()) for p, s in hf.items() if s in ("colwise", "rowwise")]
+    names = [n for n, _ in model.named_modules() if n]
+    hf_set = {(k, n) for k, p, _ in entries for n in names if name_matches(n, p)}
+    mine = {(k, n) for k, n, a in generic if k in ("col", "row") and not dict(a).get("gather_output")}
+    if hf_set != mine:
+        notes.append("transformers' base_model_tp_plan differs from the traced pairs: the traced pairs are used")
+        return None
+    notes.append("layers placed by transformers' base_model_tp_plan")
+    keep = [e for e in generic if e[0] not in ("col", "row") or dict(e[2]).get("gather_output")]
+    return entries + keep + _hf_model_level(model, hf)
+
+
+def _by_name(model: nn.Module) -> list[tuple[str, str, tuple]]:
+    """Sibling projections with the usual names, for a model whose forward cannot be traced on an
+    example input (the generic planner's fallback)."""
+    groups = (
+        (("q", "k", "v"), "o"),
+        (("q_proj", "k_proj", "v_proj"), "o_proj"),
+        (("fc1",), "fc2"),
+        (("gate_proj", "up_proj"), "down_proj"),
+        (("c_fc",), "c_proj"),
+        (("w1", "w3"), "w2"),
+    )
+    entries: list[tuple[str, str, tuple]] = []
     for name, m in model.named_modules():
         children = dict(m.named_children())
-        for cols, row in _GROUPS:
-            if (
-                row in children
-                and all(c in children for c in cols)
-                and all(isinstance(children[c], nn.Linear) for c in (*cols, row))
-            ):
-                for c in cols:
-                    entries.append(("col", f"{name}.{c}" if name else c, ()))
+        for cols, row in groups:
+            if row in children and all(c in children for c in cols):
+                if not all(is_linear(children[c]) for c in (*cols, row)):
+                    continue
+                entries += [("col", f"{name}.{c}" if name else c, ()) for c in cols]
                 entries.append(("row", f"{name}.{row}" if name else row, ()))
-                placed.update(f"{name}.{c}" if name else c for c in (*cols, row))
-                heads = tuple(a for a in _HEAD_ATTRS if hasattr(m, a))
+                heads = tuple(sorted(graph.heads_of(m)))
                 if heads:
                     entries.append(("shrink", name, heads))
-    if not placed:
+    return entries
+
+
+def _placed(found: list) -> int:
+    return sum(len(p.cols) + 1 for p in found)
+
+
+def plan_with_notes(model: nn.Module, attention: bool = True) -> tuple[tuple, list[str]]:
+    """The auto plan for ``model`` and what explain() should say about it (see :mod:`.graph`).
+
+    ``attention=False`` keeps attention-like pairs whole (head counts on the module, or several or
+    fused projections feeding one): the MLPs alone shard."""
+    notes: list[str] = []
+    example = graph.example_input(model)
+    tr = None
+    if example is not None:
+        try:
+            tr = graph.trace(model, example)
+        except Exception as e:  # noqa: BLE001 - a model that cannot run the guessed input falls back to names
+            notes.append(f"forward on an example input failed ({type(e).__name__}): planned by layer names")
+    entries: list[tuple[str, str, tuple]] = []
+    if tr is not None:
+        # blocks write back to a residual stream; a plain chain (ATorch's toy models) has none:
+        # whichever reading places more layers is the model's
+        found = max(graph.pairs(model, tr), graph.pairs(model, tr, residual=False), key=_placed)
+        sharded: set[str] = set()
+        for p in found:
+            p = graph.fused_stride(model, p)
+            heads = graph.shrink_attrs(model, p)
+            if not attention and (heads or len(p.cols) > 1 or p.stride > 1 or p.reason):
+                continue  # attention-like: several or fused projections into one
+            if p.reason:
+                notes.append(f"kept whole (replicated): {p.reason}")
+                continue
+            args = (("stride", p.stride),) if p.stride > 1 else ()
+            entries += [("col", c, args) for c in p.cols]
+            entries.append(("row", p.row, ()))
+            entries += [("shrink", n, a) for n, a in heads.items()]
+            emb = graph.head_embeddings(model, p)
+            entries += [("col", e, ()) for e in emb]
+            sharded.update((*p.cols, p.row, *emb))
+            entries += [("grad_sum", n, ()) for n in graph.partial_grad_modules(tr, p, sharded)]
+        entries = _hf_entries(model, entries, notes) or entries
+    else:
+        entries = _by_name(model)
+    if any(type(m).__name__.endswith(("Experts", "SparseMoeBlock", "MoE")) for m in model.modules()):
+        notes.append(
+            "mixture-of-experts layers kept whole: every tensor rank holds every expert "
+            "(expert parallelism is not done here)"
+        )
+    if not any(k in ("col", "row") for k, _, _ in entries):
         linears = [n for n, m in model.named_modules() if is_linear(m)]
         raise TensorParallelPlanError(
-            "the auto planner found no projection pair it knows "
-            f"({', '.join('/'.join(c) + '+' + r for c, r in _GROUPS)}) "
-            f"and could not place these {len(linears)} Linear layer(s)",
+            "the auto planner found no column-then-row projection pair"
+            + (f" ({'; '.join(notes)})" if notes else "")
+            + f" and could not place these {len(linears)} Linear layer(s)",
             linears or ["(no Linear layers)"],
             MANUAL_FORM,
         )
-    return tuple(sorted(entries))
+    return tuple(sorted(set(entries))), notes
+
+
+def auto_plan(model: nn.Module) -> tuple:
+    """The plan for ``model``, or TensorParallelPlanError naming the Linear layers it could not place."""
+    return plan_with_notes(model)[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# verification before any weight moves
+# ---------------------------------------------------------------------------------------------
+
+
+def _localize(m: nn.Module, kind: str, kw: dict, degree: int) -> None:
+    """Give a replica module the shapes one rank holds under ``kind``."""
+    if kind == "vocab" or kw.get("gather_output"):
+        return  # the output is gathered: the shapes around it are the full ones
+    if isinstance(m, nn.Embedding):
+        m.weight = nn.Parameter(m.weight.new_zeros(m.num_embeddings, m.embedding_dim // degree), requires_grad=False)
+        m.embedding_dim //= degree
+        return
+    conv = is_conv1d(m)
+    in_f, out_f = graph.features(m)
+    if kind == "col":
+        out_f //= degree
+    else:
+        in_f //= degree
+    shape = (in_f, out_f) if conv else (out_f, in_f)
+    m.weight = nn.Parameter(m.weight.new_zeros(shape), requires_grad=False)
+    if m.bias is not None and kind == "col":
+        m.bias = nn.Parameter(m.bias.new_zeros(out_f), requires_grad=False)
+    if conv:
+        m.nf = out_f
+    else:
+        m.in_features, m.out_features = in_f, out_f
+
+
+def verify(model: nn.Module, shard: dict, shrink: dict, degree: int) -> str:
+    """Run one rank's shapes (a zero-weight replica) on an example input; TensorParallelPlanError when
+    the plan would fail mid-forward. Returns what was checked, for explain()."""
+    example = graph.example_input(model)
+    if example is None:
+        return "plan not verified (no example input could be guessed for this model)"
+    try:
+        graph.run(graph.replica(model), example)
+    except Exception as e:  # noqa: BLE001 - the model itself does not take the guessed input
+        return f"plan not verified (the model does not run on a guessed example input: {type(e).__name__})"
+    rep = graph.replica(model)
+    modules = dict(rep.named_modules())
+    for n, (kind, kw) in shard.items():
+        _localize(modules[n], kind, kw, degree)
+    for n, attrs in shrink.items():
+        for a in attrs:
+            setattr(modules[n], a, getattr(modules[n], a) // degree)
+    try:
+        graph.run(rep, example)
+    except Exception as e:  # noqa: BLE001 - any failure of the sharded shapes is the plan's fault
+        raise TensorParallelPlanError(
+            f"at tensor degree {degree} one rank's shapes fail a forward on an example input "
+            f"({type(e).__name__}: {str(e).splitlines()[0][:200]})",
+            sorted(shard),
+            MANUAL_FORM,
+        ) from None
+    return f"plan verified at tensor degree {degree}: one rank's shapes run a forward on an example input"

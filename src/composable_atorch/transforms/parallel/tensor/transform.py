@@ -8,10 +8,14 @@ ones 1/degree of their input features and all-reduce their output (Megatron's sp
 
 The plan is one of
 
-* ``"auto"``: HF models whose config ships ``base_model_tp_plan`` (Llama...) use it; the
-  built-in GPT and models with the usual projection names (q/k/v/o, q_proj..., fc1/fc2,
-  gate/up/down_proj) are planned by name; anything else is a :class:`TensorParallelPlanError`
-  naming the Linear layers it could not place and showing the manual form;
+* ``"auto"``: column-then-row pairs read from one traced forward of a zero-weight replica
+  (:mod:`.graph`: q/k/v or a fused qkv -> o, up/gate -> down, fc1 -> fc2, GPT-2's Conv1D, BERT's
+  split attention/output modules, a plain chain of Linears), transformers' ``base_model_tp_plan``
+  where it is plain colwise/rowwise and places the same layers, head counts divided, fused
+  projections strided or kept whole, per-head tables (T5's relative bias) sharded and per-head
+  norms' gradients summed; the plan runs once at one rank's shapes before any weight moves
+  (attention that fails there is kept whole, said in explain()); a model with no pair is a
+  :class:`TensorParallelPlanError` naming its Linear layers and showing the manual form;
 * a :class:`TPInfo` (ATorch's manual form);
 * a mapping ``{"blocks.*.attn.q": "colwise", ...}`` (HF's form).
 
@@ -24,125 +28,40 @@ ATorch's name ``sequence_parallel`` is :class:`SequenceParallel`: this transform
 from __future__ import annotations
 
 import dataclasses
-import types
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from composable_atorch.core.contract import Conflict, Contract, MinWorldSize, Stage
 from composable_atorch.core.transform import ApplyContext, TrainState, Transform
 from composable_atorch.errors import ConfigError
 from composable_atorch.runtime.train_step import mark_loss_group
 from composable_atorch.transforms.parallel.data.common import implies_mesh_dim, parallel_context
-from composable_atorch.transforms.parallel.tensor.dropout import per_rank, sequence_sliced, sync_rng
 from composable_atorch.transforms.parallel.tensor.planner import (
     MANUAL_FORM,
     TensorParallelPlanError,
     TPInfo,
-    auto_plan,
     is_conv1d,
     is_linear,
     name_matches,
     normalize_plan,
+    plan_with_notes,
+    verify,
 )
-
-# ---------------------------------------------------------------------------------------------
-# styles
-# ---------------------------------------------------------------------------------------------
-
-
-def _stride_perm(n: int, stride: int, degree: int) -> torch.Tensor:
-    """Order the ``n`` output features so that rank r's contiguous shard is [part0_r, part1_r, ...]."""
-    part, chunk = n // stride, n // stride // degree
-    return torch.tensor([s * part + r * chunk + i for r in range(degree) for s in range(stride) for i in range(chunk)])
-
-
-def _blocks_of(model: nn.Module, targets: list[str]) -> list[str]:
-    """The ModuleList elements (transformer blocks) holding the sharded layers, in model order."""
-    lists = {n for n, m in model.named_modules() if isinstance(m, nn.ModuleList)}
-    found = set()
-    for t in targets:
-        parts = t.split(".")
-        for i in range(len(parts) - 1, 0, -1):
-            if ".".join(parts[: i - 1]) in lists and i >= 2 and parts[i - 1].isdigit():
-                found.add(".".join(parts[:i]))
-                break
-    return [n for n, _ in model.named_modules() if n in found]
-
-
-def _sequence_entry_exit(first: nn.Module, last: nn.Module, mesh, degree: int, sequence: dict) -> None:
-    """Split the residual stream over the sequence entering ``first``; gather it leaving ``last``.
-
-    ``sequence["length"]`` records the full length (sequence-sliced dropouts read it).
-    """
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-
-    def enter(module, args, kwargs):
-        if args:
-            x, rest = args[0], args[1:]
-        else:
-            key = next(iter(kwargs))
-            x = kwargs[key]
-        if x.size(1) % degree:
-            raise ConfigError(
-                "sequence length (sequence_parallel)", x.size(1), f"a multiple of the tensor degree {degree}"
-            )
-        sequence["length"] = x.size(1)
-        local = DTensor.from_local(x, mesh, [Replicate()], run_check=False).redistribute(mesh, [Shard(1)]).to_local()
-        if args:
-            return (local, *rest), kwargs
-        return args, {**kwargs, key: local}
-
-    def leave(module, args, output):
-        def gather(t):
-            return DTensor.from_local(t, mesh, [Shard(1)], run_check=False).redistribute(mesh, [Replicate()]).to_local()
-
-        if isinstance(output, tuple):
-            return (gather(output[0]), *output[1:])
-        return gather(output)
-
-    first.register_forward_pre_hook(enter, with_kwargs=True)
-    last.register_forward_hook(leave)
-
-
-def _conv1d_style(kind: str, sequence_parallel: bool = False):
-    """Column/row parallel for HF's Conv1D (weight stored transposed: ``(in, out)``)."""
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    base = ColwiseParallel if kind == "col" else RowwiseParallel
-
-    class Conv1DParallel(base):
-        def _apply(self, module, device_mesh):
-            from torch.distributed.tensor import distribute_module
-
-            wdim, bias_pl = (1, Shard(0)) if kind == "col" else (0, Replicate())
-
-            def partition(name, mod, mesh):
-                mod.register_parameter("weight", nn.Parameter(distribute_tensor(mod.weight, mesh, [Shard(wdim)])))
-                if mod.bias is not None:
-                    mod.register_parameter("bias", nn.Parameter(distribute_tensor(mod.bias, mesh, [bias_pl])))
-
-            if kind == "row":
-                self.desired_input_layouts = (Shard(-1),)
-            # Conv1D computes x @ W + b == linear(x, W.T, b): run it as that on the DTensors
-            module.forward = types.MethodType(lambda self_, x: F.linear(x, self_.weight.t(), self_.bias), module)
-            return distribute_module(
-                module,
-                device_mesh,
-                partition,
-                partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
-                partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
-            )
-
-    if not sequence_parallel:
-        return Conv1DParallel()
-    return Conv1DParallel(input_layouts=Shard(1)) if kind == "col" else Conv1DParallel(output_layouts=Shard(1))
-
+from composable_atorch.transforms.parallel.tensor.styles import (
+    blocks_of,
+    conv1d_style,
+    drop_note,
+    dropout_streams,
+    own_output,
+    retie,
+    sequence_entry_exit,
+    stride_perm,
+    sum_grads,
+    tied_params,
+)
 
 # ---------------------------------------------------------------------------------------------
 # the transform
@@ -213,11 +132,36 @@ class TensorParallel(Transform):
         self, model: nn.Module, degree: int
     ) -> tuple[dict[str, tuple[str, dict]], dict[str, tuple], dict[str, str]]:
         """``({module: (kind, kwargs)}, {module: shrink attrs}, {dropout module: kind})``; typed errors on bad input."""
-        entries = auto_plan(model) if self.plan == "auto" else self.plan
+        return self._placements(model, degree)[:3]
+
+    def check(self, model: nn.Module, degree: int = 2) -> list[str]:
+        """Plan and verify ``model`` at ``degree`` without touching its weights (the search calls this to
+        rule a candidate out at no trial cost): TensorParallelPlanError when it cannot be sharded,
+        else what explain() will say about the plan."""
+        return self._placements(model, degree)[4]
+
+    def _placements(self, model: nn.Module, degree: int):
+        if self.plan != "auto":
+            return self._resolve(model, degree, self.plan, [])
+        entries, notes = plan_with_notes(model)
+        try:
+            return self._resolve(model, degree, entries, notes)
+        except TensorParallelPlanError as e:
+            # an attention module that reads its full width from the input (a user's block, Bloom's
+            # ALiBi built for all heads) fails at local shapes: its projections stay whole, the MLPs shard
+            fallback, notes = plan_with_notes(model, attention=False)
+            if fallback == entries or not any(k in ("col", "row") for k, _, _ in fallback):
+                raise
+            entries = fallback
+            why = f"attention kept whole (replicated): sharding its heads fails: {e.problem} ({', '.join(e.names[:2])})"
+            return self._resolve(model, degree, entries, [*notes, why])
+
+    def _resolve(self, model: nn.Module, degree: int, entries, notes: list[str]):
         modules = dict(model.named_modules())
         shard: dict[str, tuple[str, dict]] = {}
         shrink: dict[str, tuple] = {}
         drops: dict[str, str] = {}
+        summed: list[str] = []
         unmatched = []
         for kind, pattern, args in entries:
             hits = [n for n in modules if n and name_matches(n, pattern)]
@@ -229,6 +173,8 @@ class TensorParallel(Transform):
                     shrink[n] = tuple(args)
                 elif kind in ("replic_drop", "parallel_drop"):
                     drops[n] = kind
+                elif kind == "grad_sum":
+                    summed.append(n)
                 else:
                     shard[n] = (kind, dict(args))
         if unmatched:
@@ -244,6 +190,10 @@ class TensorParallel(Transform):
                 elif m.num_embeddings % degree:
                     bad.append(f"{n}: vocab {m.num_embeddings} not divisible by tensor degree {degree}")
                 continue
+            if kind == "col" and isinstance(m, nn.Embedding):  # a per-head table (T5's relative bias)
+                if m.embedding_dim % degree:
+                    bad.append(f"{n}: {m.embedding_dim} columns not divisible by tensor degree {degree}")
+                continue
             if not is_linear(m):
                 bad.append(f"{n}: {type(m).__name__} is not an nn.Linear or Conv1D")
                 continue
@@ -252,8 +202,8 @@ class TensorParallel(Transform):
             stride = int(kw.get("stride", 1))
             if size % (degree * stride):
                 bad.append(
-                    f"{n}: {'output' if kind == 'col' else 'input'} features {size} not divisible by degree {degree} x "
-                    f"stride {stride}"
+                    f"{n}: {'output' if kind == 'col' else 'input'} features {size} "
+                    f"not divisible by degree {degree} x stride {stride}"
                 )
         for n, attrs in shrink.items():
             for a in attrs:
@@ -265,18 +215,22 @@ class TensorParallel(Transform):
         for n, kind in drops.items():
             if kind == "replic_drop" and self.sequence_parallel and not isinstance(modules[n], nn.Dropout):
                 bad.append(
-                    f"{n}: replic_drop under sequence_parallel needs an nn.Dropout (it draws the full mask and keeps "
-                    "its sequence slice)"
+                    f"{n}: replic_drop under sequence_parallel needs an nn.Dropout "
+                    "(it draws the full mask and keeps its sequence slice)"
                 )
         if bad:
             raise TensorParallelPlanError("cannot split these layers evenly", bad)
-        return shard, shrink, drops
+        if degree > 1:
+            notes = [*notes, verify(model, shard, shrink, degree)]
+        return shard, shrink, drops, summed, notes
 
     def apply(self, state: TrainState, ctx: ApplyContext) -> TrainState:
         pc = parallel_context(state, self.name)
         degree = pc.layout.size("tensor")
         model = state.model
-        shard, shrink, drops = self.placements(model, degree)  # every check before any change
+        shard, shrink, drops, summed, notes = self._placements(model, degree)  # every check before any change
+        for note in notes:
+            state.note(self.name, note)
         if not pc.distributed or degree == 1:
             state.note(
                 self.name,
@@ -294,7 +248,7 @@ class TensorParallel(Transform):
 
         mesh = pc.mesh["tensor"]
         modules = dict(model.named_modules())
-        tied = _tied_params(model)
+        tied = tied_params(model)
         sp = self.sequence_parallel
         sequence: dict[str, int] = {}
         styles: dict[str, Any] = {}
@@ -304,25 +258,27 @@ class TensorParallel(Transform):
             if stride > 1:
                 with torch.no_grad():
                     if is_conv1d(m):
-                        perm = _stride_perm(m.weight.shape[1], stride, degree)
+                        perm = stride_perm(m.weight.shape[1], stride, degree)
                         m.weight.copy_(m.weight[:, perm])
                     else:
-                        perm = _stride_perm(m.weight.shape[0], stride, degree)
+                        perm = stride_perm(m.weight.shape[0], stride, degree)
                         m.weight.copy_(m.weight[perm])
                     if m.bias is not None:
                         m.bias.copy_(m.bias[perm])
                 m._tp_stride_perm = perm  # global weights are stored in this order (see full_weight)
             if kind == "vocab":
                 styles[n] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+            elif isinstance(m, nn.Embedding):  # a per-head table: each rank keeps its heads' columns
+                styles[n] = ColwiseParallel()
             elif is_conv1d(m):
-                styles[n] = _conv1d_style(kind, sp)
+                styles[n] = conv1d_style(kind, sp)
             elif kind == "col" and kw.get("gather_output"):  # a head: its logits gathered, so any loss works
                 styles[n] = ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
             elif kind == "col":
                 styles[n] = ColwiseParallel(input_layouts=Shard(1) if sp else Replicate())
             else:
                 styles[n] = RowwiseParallel(output_layouts=Shard(1) if sp else Replicate())
-        blocks = _blocks_of(model, list(shard)) if sp else []
+        blocks = blocks_of(model, list(shard)) if sp else []
         if sp:
             if not blocks:
                 raise TensorParallelPlanError(
@@ -332,9 +288,13 @@ class TensorParallel(Transform):
                 inside = any(n.startswith(b + ".") for b in blocks)
                 if inside and (isinstance(m, nn.LayerNorm | nn.RMSNorm) or type(m).__name__.endswith("RMSNorm")):
                     styles[n] = SequenceParallel(use_local_output=False)
-            _sequence_entry_exit(modules[blocks[0]], modules[blocks[-1]], mesh, degree, sequence)
+            sequence_entry_exit(modules[blocks[0]], modules[blocks[-1]], mesh, degree, sequence)
         parallelize_module(model, mesh, styles)
-        _retie(model, tied, mesh, state)
+        for n, (kind, _) in shard.items():
+            if kind == "row" and not sp:
+                modules[n].register_forward_hook(own_output)
+        retie(model, tied, mesh, state)
+        sum_grads(model, summed, mesh, state)
         for n, attrs in shrink.items():
             m = modules[n]
             for a in attrs:
@@ -349,73 +309,14 @@ class TensorParallel(Transform):
             f"{len(shrink)} attention module(s) shrunk to heads/{degree}"
             + (", LayerNorms sequence-parallel" if sp else ""),
         )
-        _dropout_streams(model, drops, mesh, degree, sp, sequence)
+        dropout_streams(model, drops, mesh, degree, sp, sequence)
         mark_loss_group(model, pc.data_group() if pc.data_size > 1 else None, pc.data_size)
         state.note(
             self.name,
             "CPU RNG state synchronized over the tensor dim (replicated dropouts draw one process's "
-            f"masks){_drop_note(drops)}",
+            f"masks){drop_note(drops)}",
         )
         return state
-
-
-def _dropout_streams(model: nn.Module, drops: dict[str, str], mesh, degree: int, sp: bool, sequence: dict) -> None:
-    """Same stream on every tensor rank for replicated dropouts, one per rank for parallel ones (tp_dropout)."""
-    sync_rng(mesh.get_group())
-    rank = mesh.get_local_rank()
-    modules = dict(model.named_modules())
-    for n, kind in drops.items():
-        if kind == "parallel_drop":
-            per_rank(modules[n], modules.get(n.rpartition(".")[0]), rank)
-        elif sp:
-            sequence_sliced(modules[n], degree, rank, sequence)
-
-
-def _drop_note(drops: dict[str, str]) -> str:
-    if not drops:
-        return ""
-    kinds = {k: sorted(n for n, v in drops.items() if v == k) for k in ("replic_drop", "parallel_drop")}
-    return (
-        "; "
-        + "; ".join(f"{k}: {len(v)} module(s)" for k, v in kinds.items() if v)
-        + " (parallel_drop on a per-rank stream)"
-    )
-
-
-def _tied_params(model: nn.Module) -> list[list[tuple[str, str]]]:
-    """Groups of (module, attribute) sharing one parameter (e.g. a tied lm_head / embedding)."""
-    by_id: dict[int, list[tuple[str, str]]] = {}
-    for mn, m in model.named_modules(remove_duplicate=False):
-        for pn, p in m.named_parameters(recurse=False):
-            by_id.setdefault(id(p), []).append((mn, pn))
-    return [v for v in by_id.values() if len({x for x in v}) > 1]
-
-
-def _retie(model, tied, mesh, state) -> None:
-    """Re-tie weights that sharding split apart: a tied Linear head shards like its embedding."""
-    from torch.distributed.tensor import DTensor, Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
-
-    modules = dict(model.named_modules(remove_duplicate=False))
-    for group in tied:
-        params = [getattr(modules[m], p) for m, p in group]
-        dt = [x for x in params if isinstance(x, DTensor)]
-        if not dt or len(dt) == len(params):
-            continue
-        src = dt[0]
-        for (mn, pn), x in zip(group, params, strict=True):
-            if isinstance(x, DTensor):
-                continue
-            mod = modules[mn]
-            if isinstance(mod, nn.Linear) and pn == "weight" and src.placements[0].is_shard(0):
-                parallelize_module(mod, mesh, ColwiseParallel(output_layouts=Replicate()))
-                mod.weight = src
-                state.note(
-                    "tensor_parallel",
-                    f"{mn}.weight stays tied to the vocab-parallel embedding: sharded colwise, logits gathered",
-                )
-            else:
-                raise TensorParallelPlanError("tied parameters would be split apart by this plan", [f"{mn}.{pn}"])
 
 
 def full_weight(module: nn.Module, name: str = "weight", value: torch.Tensor | None = None) -> torch.Tensor:
