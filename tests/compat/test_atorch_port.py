@@ -732,14 +732,14 @@ PORT = {
     "semi_auto_acc_test.test_ds_zero (cpu_offload)": "ported (the user's optimizer steps the offloaded state)",
     "semi_auto_acc_test.test_gpt2_strategy_bf16": "ported",
     "semi_auto_acc_test.test_gpt2_strategy_multi_instance": "ported (world 4, tests/compat/test_atorch_compat.py)",
-    "semi_auto_acc_test.test_gpt2_strategy_sp2": "ported (on the library's GPT; GPT-2 xfail until the generic planner)",
+    "semi_auto_acc_test.test_gpt2_strategy_sp2": "ported (GPT-2, and the library's GPT)",
     "semi_auto_acc_test.test_fsdp_wraps": "ported (FSDP2 modules counted instead of FSDP1 wrappers)",
     "semi_auto_acc_test.test_gpt2_bf16_only": "ported (BF16Optimizer -> half's fp32 master weights, by default)",
     "semi_auto_acc_test.test_gpt2_fp8": "different: torchao fp8 on the CPU; transformer-engine needs a GPU",
     "clip_grad_norm_test.test_fsdp_strategy_clip_grad_norm": "ported (torch's clip_grad_norm_ for atorch's; equal to "
     "1e-6, not bitwise)",
     "clip_grad_norm_test.test_fsdp_norm_utils": "not ported: ATorch's private norm utilities",
-    "clip_grad_norm_test.test_tp_strategy_clip_grad_norm": "ported (xfail until the generic planner is on main)",
+    "clip_grad_norm_test.test_tp_strategy_clip_grad_norm": "ported (norm equal to one process's to 1e-6)",
     "module_replace_optimization_test.test_module_replace_optimization": "different: apex pair accepted, no effect "
     "(explain)",
     "module_replace_optimization_test.test_module_replace_default_optimization": "different: flash-attn needs a GPU; "
@@ -939,7 +939,7 @@ def _tp_and_sp_cases(rank, world, _):
     from composable_atorch.models.gpt import GPT, Block
 
     for key, block, make in (
-        ("sp", GPT2Block, None),  # ATorch's GPT-2 (needs the planner for its c_attn / Conv1D layers)
+        ("sp", GPT2Block, None),  # ATorch's GPT-2 (c_attn / Conv1D layers)
         ("sp_gpt", Block, lambda: GPT(vocab_size=128, seq_len=32, d_model=32, n_layer=2, n_head=4)),
     ):
         try:  # ATorch's GPT-2 strategy with ("sequence_parallel", {"sp_size": 2, "batch_sp_processing_fn": ...})
@@ -977,22 +977,18 @@ def _check_sp(case):
 
 @pytest.mark.dist
 def test_sequence_parallel_sp2_strategy_at_world_2(tp_and_sp_results):
-    """ATorch's sp2 strategy, as its test writes it, on the library's GPT (Linear q/k/v/o, fc1/fc2)."""
+    """ATorch's sp2 strategy, as its test writes it, on the library's GPT too (Linear q/k/v/o, fc1/fc2)."""
     for r in tp_and_sp_results:
         _check_sp(r["sp_gpt"])
 
 
 @pytest.mark.dist
-@pytest.mark.xfail(strict=False, reason="GPT-2's c_attn / Conv1D layers need the generic tensor-parallel planner")
 def test_gpt2_strategy_sp2_at_world_2(tp_and_sp_results):
     for r in tp_and_sp_results:
         _check_sp(r["sp"])
 
 
 @pytest.mark.dist
-@pytest.mark.xfail(
-    strict=False, reason="needs the generic tensor-parallel planner for plain nn.Linear chains (another branch)"
-)
 def test_tp_strategy_clip_grad_norm_at_world_2(tp_and_sp_results):
     for r in tp_and_sp_results:
         case = r["tp"]

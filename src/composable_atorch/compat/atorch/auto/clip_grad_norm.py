@@ -6,14 +6,12 @@ The gradients of sharded (FSDP2) and tensor-parallel parameters are DTensors, ov
 
 from __future__ import annotations
 
-import torch
+from composable_atorch.transforms.parallel.data.common import full_clip_grad_norm_
 
 
 def clip_grad_norm(model, max_norm, norm_type=2):
     """Clip every gradient of ``model`` to a global ``max_norm``; returns the norm before clipping."""
-    params = [p for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
-    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    return full_clip_grad_norm_(model.parameters(), max_norm, norm_type)
 
 
 __all__ = ["clip_grad_norm"]
