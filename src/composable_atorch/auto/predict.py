@@ -183,3 +183,75 @@ class Predictor:
             except Exception as exc:  # noqa: BLE001 - no prediction: the plan is measured instead
                 self.cache[key] = Prediction(reason=f"{type(exc).__name__}: {exc}"[:300])
         return self.cache[key]
+
+
+@dataclass
+class StepTimeCheck:
+    """Holds the step-time model to what the trials measure, so the search spends no trial on a plan
+    predicted to lose.
+
+    The model's seconds are this machine's calibrated kernels, not the trial's (other load, the
+    trial's own overheads): each measured plan gives the ratio measured / predicted; their median
+    is the model's *scale* and their largest relative departure from it the model's *error*. A plan
+    whose scaled prediction is slower than the best measured step by more than that error (never
+    less than ``min_error``: two trials do not tell an error) cannot be expected to win and is not
+    run. Until ``min_observed`` plans are measured nothing is skipped.
+    """
+
+    min_error: float = 0.1
+    min_observed: int = 2
+    ratios: list[float] = field(default_factory=list)
+    best_step_s: float | None = None
+
+    def observe(self, prediction: Prediction | None, result) -> None:
+        """A measured trial (a ``TrialResult``) and what was predicted for its plan."""
+        step = measured_step_s(result)
+        if step is None:
+            return
+        self.best_step_s = step if self.best_step_s is None else min(self.best_step_s, step)
+        if prediction is not None and prediction.step_time_s:
+            self.ratios.append(step / prediction.step_time_s)
+
+    @property
+    def scale(self) -> float | None:
+        if not self.ratios:
+            return None
+        ordered = sorted(self.ratios)
+        return ordered[len(ordered) // 2]
+
+    @property
+    def error(self) -> float:
+        scale = self.scale
+        measured = max((abs(r / scale - 1.0) for r in self.ratios), default=0.0) if scale else 0.0
+        return max(self.min_error, measured)
+
+    def loses(self, prediction: Prediction | None) -> str | None:
+        """Why ``prediction``'s plan is not worth a trial, or None (run it)."""
+        if prediction is None or not prediction.step_time_s or len(self.ratios) < self.min_observed:
+            return None
+        expected = prediction.step_time_s * self.scale
+        if self.best_step_s is None or expected <= self.best_step_s * (1.0 + self.error):
+            return None
+        return (
+            f"predicted {expected:.3f} s per step (model x {self.scale:.2f} from {len(self.ratios)} trials), "
+            f"slower than the best measured {self.best_step_s:.3f} s by more than the model's error "
+            f"{self.error:.0%}; not run"
+        )
+
+    def pick_note(self, prediction: Prediction | None, result) -> str:
+        """How far the picked plan's measurement is from the model's prediction for it."""
+        step = measured_step_s(result)
+        if prediction is None or not prediction.step_time_s or step is None:
+            return "pick: no step-time prediction to compare"
+        scaled = f"; x{self.scale:.2f} scaled {prediction.step_time_s * self.scale:.4f} s" if self.scale else ""
+        return (
+            f"pick measured {step:.4f} s per step, model predicted {prediction.step_time_s:.4f} s "
+            f"({step / prediction.step_time_s - 1.0:+.0%}{scaled}; model error {self.error:.0%})"
+        )
+
+
+def measured_step_s(result) -> float | None:
+    """Seconds per optimizer step a trial measured (``TrialResult.step_time``), or None."""
+    if result is None or not getattr(result, "ok", False):
+        return None
+    return getattr(result, "step_time", None) or None

@@ -86,8 +86,8 @@ class SearchResult:
 
     @property
     def skipped(self) -> list[TrialRecord]:
-        """Plans predicted over the memory budget: recorded, never run."""
-        return [r for r in self.records if r.status == "predicted-infeasible"]
+        """Plans predicted over the memory budget or predicted to lose (step time): recorded, never run."""
+        return [r for r in self.records if r.status in ("predicted-infeasible", "predicted-slower")]
 
     @property
     def over_budget_runs(self) -> int:

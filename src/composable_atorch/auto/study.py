@@ -23,7 +23,7 @@ from dataclasses import replace
 from typing import Any
 
 from composable_atorch.auto.policy import Budget, SpaceOptions, StudyOptions, TrialSettings, storage_url
-from composable_atorch.auto.predict import Estimator, Predictor, default_estimator
+from composable_atorch.auto.predict import Estimator, Predictor, StepTimeCheck, default_estimator
 from composable_atorch.auto.preflight import preflight
 from composable_atorch.auto.records import SearchResult, TrialRecord
 from composable_atorch.auto.space import (
@@ -292,6 +292,7 @@ class _Loop:
                 self.seen.setdefault(t.user_attrs["plan_key"], t.number)
         self.rng = random.Random(study.seed)
         self.predictor, self.margin, self.predictions, self.prediction_s = predictor, budget.memory_margin, {}, 0.0
+        self.check = StepTimeCheck()  # step-time model vs the trials (auto/predict.py)
         self.earlier_skips = {
             t.user_attrs.get("plan_key"): t.number
             for t in self.study.trials
@@ -383,7 +384,17 @@ class _Loop:
             f"{self.prediction_s:.1f} s ahead of the study, the rest when proposed); "
             f"{sum(r == 'predicted-infeasible' for r in self._statuses())} predicted over the budget, not run"
             + (f"; no prediction for some: {why}" if why else "")
+            + self._pick_note()
         )
+
+    def _pick_note(self) -> str:
+        """The step-time model against the best measured plan (auto/predict.py)."""
+        best = _best([TrialRecord.from_frozen(t) for t in self.study.trials])
+        if best is None or self.predictor is None:
+            return ""
+        key = self.study.trials[best.number].user_attrs.get("plan_key")
+        slower = sum(r == "predicted-slower" for r in self._statuses())
+        return f"; {slower} predicted slower, not run; " + self.check.pick_note(self.predictions.get(key), best.result)
 
     def _statuses(self) -> list[str]:
         return [t.user_attrs.get("status", "") for t in self.study.trials]
@@ -469,6 +480,8 @@ class _Loop:
             return self._tell_duplicate(trial, point)
         if self.predictor is not None and self._prediction(point.key).over(self.limit, self.margin):
             return self._tell_skipped(trial, point)
+        if self.predictor is not None and (why := self.check.loses(self._prediction(point.key))):  # auto/predict.py
+            return self._tell_slower(trial, point, why)
         self.repeats = 0
         # an independent check on compose(): the plan must be one the enumeration found valid
         self.counts["dry_invalid"] += point.key not in self.enumeration.valid
@@ -509,6 +522,18 @@ class _Loop:
             f"[dim]predicted over the budget, not run[/dim]"
         )
 
+    def _tell_slower(self, trial, point: Point, why: str) -> None:
+        """A plan the step-time model says cannot win (:class:`~.predict.StepTimeCheck`): recorded, not run."""
+        import optuna
+
+        self.counts["skipped"] += 1
+        self.repeats += 1
+        self.seen[point.key] = trial.number
+        for name, value in (("status", "predicted-slower"), ("reason", why)):
+            trial.set_user_attr(name, value)
+        trial.set_user_attr("predicted", self.predictions[point.key].to_dict())
+        self.study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+
     def _tell_duplicate(self, trial, point: Point) -> None:
         import optuna
 
@@ -534,6 +559,7 @@ class _Loop:
     def _tell_measured(self, trial, point: Point, result: TrialResult, label: str) -> None:
         """A measured plan: its throughput, and over-budget memory as an infeasible constraint."""
         self.seen[point.key] = trial.number
+        self.check.observe(self.predictions.get(point.key), result)
         limit, peak = self.limit, result.peak_bytes
         over = limit is not None and peak is not None and peak > limit
         trial.set_user_attr("status", "infeasible" if over else "ok")

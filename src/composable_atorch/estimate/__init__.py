@@ -1,4 +1,4 @@
-"""Predict before running: each rank's memory (and step time where torch can) of a plan.
+"""Predict before running: each rank's memory and the step time of a plan.
 
     from composable_atorch.estimate import estimate
     est = estimate(plan, model, batch, world_size=64, device="cuda")
@@ -9,7 +9,11 @@ function; ``composable_atorch.estimate_plan`` is the same function at the top le
 that cannot be confused with the package.
 
 Nothing real is allocated: the model's shapes run on FakeTensorMode over torch's fake process
-group, measured by the same MemTracker the trial worker uses (see :mod:`.simulate`).
+group, measured by the same MemTracker the trial worker uses (see :mod:`.simulate`). The step time
+is that simulated step's ops priced with this machine's calibration (:mod:`.steptime`,
+:mod:`.calibrate`; ``est.step_time`` splits it into compute / comm / overhead), or torch's
+RuntimeEstimator on a CUDA device. A deep model's identical blocks are simulated at a few depths
+and extrapolated (:mod:`.dedup`).
 """
 
 from __future__ import annotations

@@ -86,6 +86,8 @@ def estimate(
     step_time: bool = True,
     steps: int = 1,
     criterion=None,
+    calibration=None,
+    dedup: bool | None = None,
 ) -> Estimate:
     """Predict each rank's memory (and, where torch can, the step time) of ``plan`` on ``world_size`` ranks.
 
@@ -104,6 +106,14 @@ def estimate(
     ``loss_fn`` other plans train on it too (``criterion(model(inputs), targets)``, as
     :func:`composable_atorch.train_step`). ``device`` is the target the plan is checked against; the
     simulation itself runs on fake CPU tensors (see :mod:`.simulate`).
+
+    Step time: on CUDA torch's RuntimeEstimator (where a GPU is present); on the CPU the simulated
+    step's ops priced with this machine's calibration (:mod:`.steptime`; ``calibration``: a
+    :class:`~.calibrate.Calibration`, default the cached one, measured once per machine).
+
+    ``dedup``: simulate the model's repeated blocks at two small depths and extrapolate
+    (:mod:`.dedup`; the same memory, a fraction of the time); None does so from
+    ``dedup.AUTO_FROM`` blocks on; pipeline plans are always simulated whole.
     """
     world_size = check_world_size(world_size)
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
@@ -139,8 +149,13 @@ def estimate(
     # the CPU the simulation holds them from the backward on (simulate.buckets_from_backward)
     whole_step = device == "cuda"
     mailbox = Mailbox()
+    modelled = step_time and device == "cpu"
+    if modelled and calibration is None:
+        from composable_atorch.estimate.calibrate import calibration as cached
 
-    def simulate(rank: int):
+        calibration = cached()
+
+    def simulate(rank: int, model=model):
         return simulate_rank(
             sim_plan,
             model,
@@ -154,9 +169,11 @@ def estimate(
             buckets_in_backward=not whole_step,
             criterion=criterion,
             mailbox=mailbox,
+            trace_ops=modelled,
         )
 
-    run = simulate(0)  # rank 0 holds stage 0 of any layout
+    run = shallow_run(simulate, model, dedup, notes)
+    run = run if run is not None else simulate(0)  # rank 0 holds stage 0 of any layout
     runs = [run]
     if run.stage_of_rank is not None:  # the other stages in stage order: each reads the one before's metadata
         for s in range(1, max(run.stage_of_rank) + 1):
@@ -185,7 +202,15 @@ def estimate(
     )
     if len(runs) > 1:
         extra["memtracker_by_stage"] = [r.by_kind for r in runs]
-    if run.step_time_s is None:
+    timing = modelled_step_time(runs, calibration, world_size) if modelled else None
+    if timing is not None:
+        notes.append(
+            f"step time: the simulated step's ops priced with this machine's calibration "
+            f"(compute {timing.compute:.4f} s, comm {timing.comm:.4f} s, overhead {timing.overhead:.4f} s"
+            + (f", pipeline bubble {timing.bubble:.4f} s" if timing.bubble else "")
+            + ")"
+        )
+    elif run.step_time_s is None:
         extra["step_time_reason"] = (
             "torch's RuntimeEstimator needs a CUDA device (none here)"
             if device == "cuda"
@@ -197,13 +222,61 @@ def estimate(
         device=device,
         steps=tuple(sim_plan.names),
         notes=tuple(notes),
-        step_time_s=max_or_none(r.step_time_s for r in runs),
-        step_time_mode=run.step_time_mode,
+        step_time_s=timing.seconds if timing is not None else max_or_none(r.step_time_s for r in runs),
+        step_time_mode=MODELLED if timing is not None else run.step_time_mode,
+        step_time=timing,
         flops=max_or_none(r.flops for r in runs),
         micro_batch=run.micro_batch,
         micro_batches=run.micro_batches,
         extra=extra,
     )
+
+
+def shallow_run(simulate, model, dedup: bool | None, notes: list[str]):
+    """Rank 0's run extrapolated from truncated copies of the model (:mod:`.dedup`), or None when the
+    model has no repeated blocks worth it, ``dedup`` is False, the plan is a pipeline, or the check
+    depth is not where the line through the first two puts it (the memory peak moved from one
+    phase of the step to another as blocks were added: then the whole model is simulated)."""
+    from composable_atorch.estimate import dedup as dd
+
+    found = dd.find_blocks(model) if dedup is not False else None
+    if found is None or found[1] <= dd.DEPTHS[-1] or (dedup is None and found[1] < dd.AUTO_FROM):
+        return None
+    name, n = found
+    runs = []
+    for depth in dd.DEPTHS:
+        runs.append(simulate(0, dd.truncated(model, name, depth)))
+        if runs[-1].stage_of_rank is not None:
+            return None
+        if runs[-1].allreduce_buckets:  # DDP's bucket stand-ins: their layout over the parameters is not per block
+            notes.append(f"{n} identical blocks: DDP's gradient buckets span blocks, so the whole model is simulated")
+            return None
+    (k1, k2, k3), (small, large, check) = dd.DEPTHS, runs
+    if dd.extrapolate(small, large, k1, k2, k3).by_kind != check.by_kind:
+        notes.append(f"{n} identical blocks: the memory peak changes phase with depth, so the whole model is simulated")
+        return None
+    notes.append(
+        f"{n} identical blocks in {name or 'the model'}: simulated with {k1}, {k2} and {k3} (the line through "
+        f"the first two holds at the third), extrapolated per block"
+    )
+    return dd.extrapolate(large, check, k2, k3, n)
+
+
+MODELLED = "calibrated op trace (composable_atorch.estimate.steptime)"
+
+
+def modelled_step_time(runs, cal, world_size: int):
+    """The slowest simulated stage's step time: its traced ops priced, DDP's all-reduce added, a
+    pipeline's bubble applied (:mod:`.steptime`)."""
+    from composable_atorch.estimate.steptime import StepTime, bubble_factor, ddp_allreduce
+
+    times = []
+    for r in runs:
+        parts = r.trace.price(cal, world_size)
+        parts["comm"] += ddp_allreduce(r.allreduce_buckets, cal, world_size)
+        stages = len(runs) if r.stage is not None else 1
+        times.append(StepTime.of(parts, bubble_factor(stages, r.micro_batches)))
+    return max(times, key=lambda t: t.seconds)
 
 
 def to_rank_cost(by_kind: dict[str, int], extra_temporary: int = 0, stage: int | None = None) -> RankCost:

@@ -7,6 +7,7 @@ what the trial measured.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 FIELDS = ("parameters", "gradients", "optimizer", "activations", "temporary")
 
@@ -64,6 +65,8 @@ class Estimate:
     #: per-rank micro-batch and micro-batches per step the plan leaves each rank
     micro_batch: int | None = None
     micro_batches: int = 1
+    #: the modelled step time's parts (``steptime.StepTime``: compute / comm / overhead / bubble), where modelled
+    step_time: Any = None
     method: str = "torch MemTracker peak over one simulated step (FakeTensorMode, fake process group)"
     extra: dict = field(default_factory=dict)
 
@@ -134,6 +137,7 @@ class Estimate:
             "notes": list(self.notes),
             "step_time_s": self.step_time_s,
             "step_time_mode": self.step_time_mode,
+            "step_time": None if self.step_time is None else self.step_time.to_dict(),
             "flops": self.flops,
             "micro_batch": self.micro_batch,
             "micro_batches": self.micro_batches,

@@ -31,6 +31,7 @@ from composable_atorch.core.transform import ApplyContext, TrainState
 from composable_atorch.errors import ConfigError
 from composable_atorch.estimate.inputs import EstimateError, default_loss, fake_batch, make_optimizer
 from composable_atorch.estimate.pipeline import NEEDS_CRITERION, Mailbox, runner_of, schedule_step, split_batch, wire
+from composable_atorch.estimate.steptime import OpTrace
 from composable_atorch.runtime.optim import PlanOptimizer, parameter_names, rebuild_optimizer
 
 
@@ -51,6 +52,10 @@ class RankRun:
     #: under a pipeline: the stage this rank holds, and every rank's stage (index = global rank)
     stage: int | None = None
     stage_of_rank: list[int] | None = None
+    #: the step's ops (``steptime.OpTrace``) when traced, and the all-reduce buckets of steps the
+    #: fake world left out (DDP's gradient all-reduce, one per bucket per optimizer step)
+    trace: Any = None
+    allreduce_buckets: list[int] = field(default_factory=list)
 
 
 @contextlib.contextmanager
@@ -150,6 +155,7 @@ def simulate_rank(
     buckets_in_backward: bool = True,
     criterion=None,
     mailbox: Mailbox | None = None,
+    trace_ops: bool = False,
 ) -> RankRun:
     """Simulate ``rank`` of ``plan`` (composed for the fake world's size) on a fresh copy of the
     model's shapes; the model passed in is not changed. ``steps``: training steps tracked after the
@@ -158,7 +164,8 @@ def simulate_rank(
     extra gradient copies join the simulated step from the backward on (as the CPU trial sees
     them, :func:`buckets_from_backward`); False leaves them to the caller (``extra_temporary``).
     A pipeline stage trains through its schedule with ``criterion(output, targets)``; ``mailbox``
-    carries the stage metadata from the stages simulated before (:mod:`.pipeline`)."""
+    carries the stage metadata from the stages simulated before (:mod:`.pipeline`). ``trace_ops``: the
+    FLOP-counted step also records its ops for the step-time model (:mod:`.steptime`)."""
     import copy
 
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -235,7 +242,8 @@ def simulate_rank(
                     key = kind if isinstance(kind, str) else kind.value
                     by_kind[key] = by_kind.get(key, 0) + int(n)
             counter = FlopCounterMode(display=False)
-            with counter:
+            trace = OpTrace() if trace_ops else contextlib.nullcontext()
+            with counter, trace:
                 step()
             flops = int(counter.get_total_flops())
             if runner is not None:
@@ -251,6 +259,8 @@ def simulate_rank(
                 extra_temporary=bucket_bytes,
                 stage=stage,
                 stage_of_rank=stage_of_rank,
+                trace=trace if trace_ops else None,
+                allreduce_buckets=[b for _, b in bucket_sizes(trained, 1.0)] if grad_copies > 0 else [],
             )
             if step_time:
                 run.step_time_s, run.step_time_mode = runtime_of(step)

@@ -1,0 +1,200 @@
+"""A plan's step time from the simulated step's per-op trace, priced with this machine's calibration.
+
+The estimate already runs one training step of the plan's real engines on fake tensors
+(:mod:`.simulate`); :class:`OpTrace` watches that step's dispatched ops and keeps, per op, what it
+costs: FLOPs for matmuls and attention (torch's own flop formulas), bytes moved for everything else,
+and bytes of the full tensor for each collective. Whatever the plan does shows up there by itself:
+checkpointing's recomputed forward (the engine reruns it), autocast's casts and bf16 matmuls, the
+micro-steps of accumulation, FSDP's all-gathers and reduce-scatters, ZeRO's broadcasts, the
+optimizer's foreach updates. What the fake world cannot run is added from the step's contract:
+DDP's gradient all-reduce (``Cost.grad_copies``: its buckets, one all-reduce each per optimizer
+step). A pipeline stage's trace holds its micro-batches; the schedule's bubble stretches it by
+``(m + p - 1) / m`` (GPipe / 1F1B, ``p`` stages, ``m`` micro-batches).
+
+Pricing (:meth:`OpTrace.price`): each op costs its calibrated curve at its size (:mod:`.calibrate`;
+the curves' floors hold the call cost of a tiny op), plus the framework's per-op cost (autograd,
+module hooks); collectives at world ``w`` read the world-2 curves at the ring-equivalent size
+(all-reduce moves ``2(w-1)/w`` of the tensor per rank, all-gather / reduce-scatter ``(w-1)/w``). On
+the CPU nothing is overlapped: gloo's thread competes with the compute for the same cores.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import asdict, dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+#: ops that move no data (views, metadata, bookkeeping): no kernel and no framework cost counted
+FREE = {
+    "view",
+    "_unsafe_view",
+    "_reshape_alias",
+    "t",
+    "transpose",
+    "permute",
+    "expand",
+    "as_strided",
+    "detach",
+    "alias",
+    "slice",
+    "select",
+    "unsqueeze",
+    "squeeze",
+    "split",
+    "split_with_sizes",
+    "unbind",
+    "chunk",
+    "empty",
+    "empty_like",
+    "empty_strided",
+    "new_empty",
+    "new_empty_strided",
+    "lift_fresh",
+    "device",
+    "_record_function_enter_new",
+    "_record_function_exit",
+    "wait_tensor",
+    "sym_size",
+    "sym_stride",
+    "sym_numel",
+    "is_same_size",
+    "_local_scalar_dense",
+}
+MATMULS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "convolution", "convolution_backward", "_scaled_mm"}
+SDPA_CPU = "_scaled_dot_product_flash_attention_for_cpu"
+
+
+def _nbytes(t) -> int:
+    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+
+
+def _sum_bytes(x) -> int:
+    return sum(_nbytes(t) for t in tree_flatten(x)[0])
+
+
+def _collective(name: str) -> str | None:
+    n = name.replace("_", "")
+    if "allreduce" in n:
+        return "all_reduce"
+    if "allgather" in n or "broadcast" in n:
+        return "all_gather"
+    if "reducescatter" in n:
+        return "reduce_scatter"
+    if n in ("send", "recv", "recvanysource"):
+        return "p2p"
+    return None
+
+
+class OpTrace(TorchDispatchMode):
+    """Counts the ops of what runs under it: ``(kind, dtype, size) -> calls`` (see the module doc)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: Counter = Counter()
+        self.op_count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        try:
+            self.record(func, args, kwargs, out)
+        except Exception:  # noqa: BLE001 - a shape the formulas do not know: counted as memory traffic
+            self.ops[("memory", "", float(_sum_bytes((args, kwargs, out))))] += 1
+        return out
+
+    def record(self, func, args, kwargs, out) -> None:
+        packet = getattr(func, "overloadpacket", None)
+        name = getattr(packet, "__name__", str(func))
+        if name in FREE:
+            return
+        ns = getattr(func, "namespace", "")
+        comm = _collective(name) if ns in ("c10d", "_c10d_functional", "c10d_functional") else None
+        if comm is not None:
+            size = max(_sum_bytes(args[:1]), _sum_bytes(args[1:2]), _sum_bytes(out))
+            self.ops[(comm, "", float(size))] += 1
+            return
+        self.op_count += 1
+        first = next((t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()), None)
+        dtype = str(first.dtype).removeprefix("torch.") if first is not None else ""
+        if name in MATMULS or name.startswith("_scaled_dot_product") or name == SDPA_CPU + "_backward":
+            flops = _flops(packet, name, args, kwargs, out)
+            if flops:
+                kind = "sdpa" if "scaled_dot_product" in name else "mm"
+                self.ops[(kind, dtype, float(flops))] += 1
+                return
+        self.ops[("memory", dtype, float(_sum_bytes((args, out))))] += 1
+
+    def price(self, cal, world: int = 2) -> dict[str, float]:
+        """Seconds by part: ``compute`` (kernels), ``comm`` (collectives), ``overhead`` (framework per op)."""
+        parts = {"compute": 0.0, "comm": 0.0, "overhead": self.op_count * cal.per_op_s}
+        for (kind, dtype, size), n in self.ops.items():
+            parts["comm" if kind in COMM_KINDS else "compute"] += n * price_op(cal, kind, dtype, size, world)
+        return parts
+
+    def flops(self) -> int:
+        return int(sum(size * n for (kind, _, size), n in self.ops.items() if kind in ("mm", "sdpa")))
+
+
+COMM_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
+
+
+def ring_factor(kind: str, world: int) -> float:
+    """Bytes a rank moves in a ring collective at ``world``, relative to world 2 (the calibration's)."""
+    if world <= 1:
+        return 0.0
+    return 2.0 * (world - 1) / world  # all-reduce: 2(w-1)/w of 1; all-gather, reduce-scatter: (w-1)/w of 1/2
+
+
+def price_op(cal, kind: str, dtype: str, size: float, world: int = 2) -> float:
+    if kind in ("mm", "sdpa"):
+        curve = f"{kind}_{dtype}" if f"{kind}_{dtype}" in cal.curves else f"{kind}_float32"
+        return cal.curve(curve)(size)
+    if kind == "p2p":  # a send of B bytes: half of a world-2 all-gather of 2B moves B each way
+        return cal.curve("all_gather")(2 * size)
+    if kind in COMM_KINDS:
+        return cal.curve(kind)(size * ring_factor(kind, world))
+    return cal.curve("memory")(size)
+
+
+def _flops(packet, name, args, kwargs, out) -> float:
+    from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+
+    if name == SDPA_CPU:
+        return sdpa_flop_count(args[0].shape, args[1].shape, args[2].shape)
+    if name == SDPA_CPU + "_backward":
+        return sdpa_backward_flop_count(args[0].shape, args[1].shape, args[2].shape, args[3].shape)
+    formula = flop_registry.get(packet)
+    return formula(*args, **kwargs, out_val=out) if formula is not None else 0.0
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Predicted seconds of one optimizer step on one rank, and what they are made of."""
+
+    seconds: float
+    compute: float
+    comm: float
+    overhead: float
+    #: a pipeline's idle time (the schedule's bubble); 0 without a pipeline
+    bubble: float = 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def of(cls, parts: dict[str, float], bubble_factor: float = 1.0) -> StepTime:
+        busy = parts["compute"] + parts["comm"] + parts["overhead"]
+        return cls(busy * bubble_factor, parts["compute"], parts["comm"], parts["overhead"], busy * (bubble_factor - 1))
+
+
+def ddp_allreduce(bucket_bytes: list[int], cal, world: int) -> float:
+    """DDP's gradient all-reduce (not run in the fake world): one all-reduce per bucket per optimizer step."""
+    return sum(price_op(cal, "all_reduce", "", float(b), world) for b in bucket_bytes)
+
+
+def bubble_factor(stages: int, microbatches: int) -> float:
+    """GPipe / 1F1B: ``p - 1`` idle slots of ``m + p - 1`` per step."""
+    return (microbatches + stages - 1) / microbatches if stages > 1 and microbatches >= 1 else 1.0

@@ -1,0 +1,121 @@
+"""The step-time model: its calibration cache, its pricing on synthetic calibrations, and the
+block-deduplicated estimate (no timing assertions: the calibrations here are made up)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import composable_atorch as ca
+from composable_atorch.auto.workload import GPTTask
+from composable_atorch.estimate import calibrate, estimate
+from composable_atorch.estimate.calibrate import Calibration, CalibrationError, Curve
+from composable_atorch.estimate.steptime import OpTrace
+from composable_atorch.models import Block
+
+TASK = GPTTask(seq_len=32, d_model=32, n_layer=2, n_head=4, batch_size=8)
+DEEP = GPTTask(seq_len=32, d_model=32, n_layer=5, n_head=4, batch_size=8)  # 5 blocks: deeper than dedup's depths
+#: seconds per unit of each curve's size: every op costs exactly its FLOPs or bytes times this
+RATE = {"mm": 1e-9, "sdpa": 1e-9, "memory": 1e-10, "comm": 1e-8}
+
+
+def synthetic(per_op: float = 1e-6) -> Calibration:
+    """A linear machine: time = size x rate, so sums of sizes can be read back from the times."""
+    curves = {}
+    for name in calibrate.CURVES:
+        rate = RATE.get(name.split("_")[0], RATE["comm"])
+        curves[name] = [[1.0, rate], [1e12, rate * 1e12]]
+    return Calibration.from_dict({"version": calibrate.VERSION, "per_op_s": per_op, "curves": curves})
+
+
+def est(plan, task=TASK, **kw):
+    shape = torch.Size([task.batch_size, task.seq_len])
+    kw.setdefault("calibration", synthetic())
+    return estimate(
+        plan, task.model, (shape, shape), world_size=2, device="cpu", loss_fn=task.loss, optimizer=task.optimizer, **kw
+    )
+
+
+def test_calibration_round_trips_and_refuses_corrupt_files(tmp_path, monkeypatch):
+    cal = synthetic(3e-6)
+    path = tmp_path / "cal.json"
+    calibrate.save(cal, path)
+    assert calibrate.load(path).to_dict() == cal.to_dict()
+    for bad in ("{not json", json.dumps({"version": 999}), json.dumps({**cal.to_dict(), "per_op_s": -1})):
+        path.write_text(bad)
+        with pytest.raises(CalibrationError, match="recalibrate=True"):
+            calibrate.load(path)
+    broken = cal.to_dict()
+    broken["curves"]["all_gather"] = [[1, "fast"]]
+    path.write_text(json.dumps(broken))
+    with pytest.raises(CalibrationError, match="all_gather"):
+        calibrate.load(path)
+    # calibration() measures again over a corrupt file (measuring stubbed: it takes ~15 s) and rewrites it
+    measured = []
+    monkeypatch.setattr(calibrate, "measure", lambda threads=1: measured.append(threads) or synthetic(5e-6))
+    assert calibrate.calibration(path=path).per_op_s == 5e-6 and measured == [1]
+    assert calibrate.load(path).per_op_s == 5e-6
+    assert calibrate.calibration(path=path, recalibrate=True).per_op_s == 5e-6 and measured == [1, 1]
+
+
+def test_curve_floor_interpolation_and_monotone():
+    c = Curve.of([[10, 2.0], [20, 1.0], [30, 6.0]])  # a noisy middle point never makes a larger op cheaper
+    assert c(5) == 2.0 and c(15) == 2.0 and c(25) == 4.0 and c(60) == 12.0
+
+
+def test_more_flops_take_more_time():
+    cal = synthetic()
+    times = []
+    for n in (16, 32, 64):
+        trace = OpTrace()
+        with trace:
+            torch.randn(n, n) @ torch.randn(n, n)
+        assert trace.flops() == 2 * n**3
+        times.append(trace.price(cal)["compute"])
+    assert times[0] < times[1] < times[2]
+
+
+def test_checkpoint_recomputes_and_ddp_all_reduces_the_gradients():
+    plain, ddp, ckpt = est(ca.fsdp(wrap=Block)), est(ca.ddp()), est(ca.ddp() | ca.checkpoint(Block))
+    for e in (plain, ddp, ckpt):
+        assert e.step_time is not None and e.step_time_s == pytest.approx(e.step_time.seconds)
+        assert e.step_time.compute > 0 and e.step_time.overhead > 0
+    # the recomputed forward: more FLOPs and more compute than the same plan without checkpointing
+    assert ckpt.flops > ddp.flops and ckpt.step_time.compute > ddp.step_time.compute
+    # DDP's all-reduce (not run in the fake world) is the gradients' bytes: world 2 reads the curve as is
+    grad_bytes = sum(p.numel() * p.element_size() for p in TASK.model().parameters())
+    assert ddp.step_time.comm == pytest.approx(grad_bytes * RATE["comm"], rel=1e-9)
+    assert plain.step_time.comm > 0  # FSDP's all-gathers and reduce-scatters are traced
+
+
+def test_block_dedup_gives_the_full_estimate():
+    # extrapolated (the peak keeps its phase from 2 to 4 blocks): the very bytes, FLOPs and seconds
+    for plan in (ca.fsdp(wrap=Block) | ca.amp("bf16"), ca.zero2(wrap=Block) | ca.checkpoint(Block)):
+        full, fast = est(plan, DEEP, dedup=False), est(plan, DEEP, dedup=True)
+        assert any("extrapolated per block" in n for n in fast.notes), fast.notes
+        assert not any("identical blocks" in n for n in full.notes)
+        assert fast.ranks == full.ranks
+        assert fast.flops == full.flops
+        assert fast.step_time_s == pytest.approx(full.step_time_s, rel=1e-9)
+    # DDP's buckets span blocks: the whole model is simulated
+    assert any("buckets span blocks" in n for n in est(ca.ddp(), DEEP, dedup=True).notes)
+
+
+def test_search_skips_only_plans_predicted_to_lose_by_more_than_the_error():
+    from composable_atorch.auto.predict import Prediction, StepTimeCheck
+    from composable_atorch.auto.trial import TrialResult
+
+    def ok(step):
+        return TrialResult("ok", samples_per_s=16 / step, step_time=step)
+
+    check = StepTimeCheck(min_error=0.1)
+    check.observe(Prediction(1, step_time_s=0.5), ok(1.0))
+    assert check.loses(Prediction(1, step_time_s=5.0)) is None  # one trial tells no error: nothing skipped yet
+    check.observe(Prediction(1, step_time_s=0.25), ok(0.6))  # ratios 2.0 and 2.4: scale 2.4, error 1/6
+    assert check.scale == pytest.approx(2.4) and check.error == pytest.approx(1 / 6)
+    assert check.loses(Prediction(1, step_time_s=0.27)) is None  # 0.648 s: within the error of the best 0.6 s
+    assert "slower than the best measured" in check.loses(Prediction(1, step_time_s=0.4))  # 0.96 s
+    assert check.loses(Prediction(1)) is None  # no step time predicted: measured
+    assert "+140%" in check.pick_note(Prediction(1, step_time_s=0.25), ok(0.6))
