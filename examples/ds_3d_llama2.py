@@ -105,7 +105,11 @@ def main():
     cfg = DeepSpeed3DParallelConfig(
         tpinfo=get_llama_tpinfo(), tie_first=bool(config.tie_word_embeddings), ds_config=ds_config
     )
-    strategy = [("parallel_mode", (groups, None)), ("deepspeed_3d_parallel", cfg)]
+    strategy = [
+        ("parallel_mode", (groups, None)),
+        ("deepspeed_3d_parallel", cfg),
+        "module_replace",  # attn fa (as ATorch's script): applied to each layer a stage builds
+    ]
     status, result, best_strategy = auto_accelerate(
         meta_model,
         torch.optim.AdamW,

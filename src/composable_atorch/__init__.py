@@ -6,7 +6,7 @@ model, optim, loader = plan(model, optim, loader)
 """
 
 from composable_atorch import errors, estimate, strategy
-from composable_atorch.compat.atorch import auto_accelerate
+from composable_atorch.compat.accelerate import auto_accelerate
 from composable_atorch.core.compose import compose
 from composable_atorch.core.contract import Contract, Stage
 from composable_atorch.core.plan import Plan, Step, build

@@ -12,8 +12,9 @@ differs, the case asserts the difference and the error that names it:
 * a loss function that fails with no plan raises WorkloadError on every rank (ATorch returns
   ``status False`` after its engine gives up);
 * fp8 runs on torchao here (transformer-engine needs a CUDA GPU); FSDP is FSDP2 (``fully_shard``
-  modules instead of FSDP1 wrappers); ATorch-internal classes (BF16Optimizer, ModelContext, the
-  task engine) have no counterpart.
+  modules instead of FSDP1 wrappers, given FSDP1's ``clip_grad_norm_``); ATorch-internal classes
+  (ModelContext, the task engine) have no counterpart, and BF16Optimizer is half's fp32 master
+  weights (a hook of the plan's optimizer).
 
 ``PORT`` at the bottom counts the cases: ported, deliberately different, and why.
 """
@@ -29,7 +30,7 @@ from torch import nn
 
 import composable_atorch as ca
 from composable_atorch import strategy
-from composable_atorch.compat.atorch import AtorchStrategy, default_prepare_input
+from composable_atorch.compat.accelerate import AtorchStrategy, default_prepare_input
 from composable_atorch.errors import ConfigError, RequirementError, WorkloadError
 
 from _dist import run_world
@@ -347,11 +348,18 @@ def test_parallel_mode_names_not_built_say_so(name, words):
         )
 
 
-def test_multiple_parallel_instances_flag_says_it_is_not_built():
+def test_multiple_parallel_instances_flag_keeps_the_sizes():
     """semi_auto_acc_test.test_gpt2_strategy_multi_instance (4 GPUs): ``([("data", 2)], None, True)``
-    trains world / 2 independent instances in ATorch; not built here, and the error says which flag."""
-    with pytest.raises(ConfigError, match="multiple parallel instances"):
-        strategy.load([("parallel_mode", ([("data", 2)], None, True))], env=ca.Environment.detect().with_(world_size=4))
+    trains world / 2 independent instances (tests/compat/test_atorch_compat.py runs it at world 4)."""
+    env4 = ca.Environment.detect().with_(world_size=4)
+    plan = strategy.load([("parallel_mode", ([("data", 2)], None, True))], env=env4)
+    pm = plan.transforms[0]
+    assert dict(pm.groups) == {"data": 2} and pm.multi_instance  # not adjusted to the world: 2 instances
+    assert any("2 independent instances" in n and "data 2 x instance 2 = world 4" in n for n in plan.notes)
+    with pytest.raises(ConfigError, match="product divides the world size"):
+        strategy.load([("parallel_mode", ([("data", 3)], None, True))], env=env4)
+    with pytest.raises(ConfigError, match="True or False"):
+        strategy.load([("parallel_mode", ([("data", 2)], None, "yes"))], env=env4)
     plan = strategy.load(
         [("parallel_mode", ([("data", 2)], None, False))], env=ca.Environment.detect().with_(world_size=4)
     )
@@ -375,14 +383,23 @@ def test_tensor_parallel_in_one_process_is_dropped_with_the_reason():
         strategy.load(["tensor_parallel"], env=ca.Environment.detect().with_(world_size=1), strict=True)
 
 
-def test_sequence_parallel_sp_size_says_where_the_degree_comes_from():
-    # ATorch's entry carries its own sp_size; here sequence parallelism is Megatron's over the tensor
-    # dimension, so the degree is parallel_mode's: a typed error says so rather than guessing
-    with pytest.raises(ConfigError, match="tensor size of parallel_mode"):
-        strategy.load([("sequence_parallel", {"sp_size": 2})])
-    plan = strategy.load(
-        ["sequence_parallel", ("parallel_mode", ([("tensor", 2)], None))], env=ca.Environment(world_size=2)
-    )
+def test_sequence_parallel_sp_size_is_the_tensor_size():
+    # ATorch's entry carries its own sp_size (and a batch function for its Ulysses groups); here
+    # sequence parallelism is Megatron's over the tensor dimension, so sp_size is parallel_mode's
+    # tensor size: added to groups that have none, refused only when the groups say otherwise
+    env2, env4 = ca.Environment(world_size=2), ca.Environment(world_size=4)
+    sp = ("sequence_parallel", {"sp_size": 2, "batch_sp_processing_fn": lambda batch: batch})
+    plan = strategy.load([("parallel_mode", None), sp], env=env2)
+    assert dict(plan.transforms[0].groups) == {"tensor": 2, "data": 1} and "sequence_parallel" in plan.names
+    assert "sp_size 2 = tensor size" in plan.explain()
+    plan = strategy.load([("parallel_mode", ([("data", 4)], None)), sp], env=env4)
+    assert dict(plan.transforms[0].groups) == {"tensor": 2, "data": 2}
+    assert dict(strategy.load([sp], env=env2).transforms[0].groups) == {"tensor": 2, "data": 1}  # implied
+    with pytest.raises(ConfigError, match="parallel_mode's tensor size 2"):
+        strategy.load([("parallel_mode", ([("tensor", 2), ("data", 2)], None)), ("sequence_parallel", {"sp_size": 4})])
+    plan = strategy.load([sp], env=ca.Environment(world_size=1))  # one process: dropped as tensor_parallel is
+    assert "sequence_parallel" not in plan.names
+    plan = strategy.load(["sequence_parallel", ("parallel_mode", ([("tensor", 2)], None))], env=env2)
     assert "sequence_parallel" in plan.names
 
 
@@ -467,7 +484,10 @@ def test_semi_auto_gpt2_strategy_at_world_2():
 
 
 def test_gpt2_bf16_only_half():
-    """test_gpt2_bf16_only (GPU-only in ATorch): ("half", "bf16") trains; ATorch's BF16Optimizer has no counterpart."""
+    """test_gpt2_bf16_only (GPU-only in ATorch): ("half", "bf16") trains with fp32 master weights, as
+    ATorch's BF16Optimizer (here a hook of the plan's optimizer, not a class of its own)."""
+    from composable_atorch.transforms.precision import MasterWeightsHook
+
     c = gpt2_call(data_size=8, batch_size=4)
     # positionally, as ATorch's test calls it
     status, result, best = ca.auto_accelerate(
@@ -485,6 +505,7 @@ def test_gpt2_bf16_only_half():
     )
     assert status and len(best) == 1
     assert next(result.model.parameters()).dtype == torch.bfloat16
+    assert any(isinstance(h, MasterWeightsHook) for h in result.optim.hooks)
     assert (
         run_train(
             result.model, result.dataloader, result.optim, result.prepare_input, result.loss_func, gpt2_model=True
@@ -593,6 +614,13 @@ def test_result_fields_in_atorch_order_and_args_read_both_ways():
     }  # ATorch's dict
     with pytest.raises(KeyError, match="use_optim_backward"):
         result.args["use_optim_backwards"]
+    assert result.args.get("requires_set_gradient_accumulation_boundary") is False and set(result.args) == {
+        "use_optim_backward",
+        "requires_set_gradient_accumulation_boundary",
+    }
+    # ATorch's Strategy reading surface on best_strategy
+    assert best.opt_list[0][0] == best[0][0] == "amp" and best.opt_names() == ["amp"]
+    assert best.is_tunable() is False and best.get_parallel_mode() == (False, None)
     # the wrapped loss: a plain loss.backward() goes through the grad scaler
     assert run_train(result.model, result.dataloader, result.optim, result.prepare_input, result.loss_func) == 4
 
@@ -705,17 +733,17 @@ PORT = {
     "semi_auto_acc_test.test_ds_zero (no offload)": "ported (DeepSpeed's optimizer is result.optim.optimizer)",
     "semi_auto_acc_test.test_ds_zero (cpu_offload)": "ported (the user's optimizer steps the offloaded state)",
     "semi_auto_acc_test.test_gpt2_strategy_bf16": "ported",
-    "semi_auto_acc_test.test_gpt2_strategy_multi_instance": "different: not built; ConfigError names the flag",
+    "semi_auto_acc_test.test_gpt2_strategy_multi_instance": "ported (world 4, tests/compat/test_atorch_compat.py)",
+    "semi_auto_acc_test.test_gpt2_strategy_sp2": "ported (GPT-2, and the library's GPT)",
     "semi_auto_acc_test.test_fsdp_wraps": "ported (FSDP2 modules counted instead of FSDP1 wrappers)",
-    "semi_auto_acc_test.test_gpt2_bf16_only": "ported (BF16Optimizer has no counterpart)",
+    "semi_auto_acc_test.test_gpt2_bf16_only": "ported (BF16Optimizer -> half's fp32 master weights, by default)",
     "semi_auto_acc_test.test_gpt2_fp8": "different: torchao fp8 on the CPU; transformer-engine needs a GPU",
     "clip_grad_norm_test.test_fsdp_strategy_clip_grad_norm": "ported (torch's clip_grad_norm_ for atorch's; equal to "
     "1e-6, not bitwise)",
     "clip_grad_norm_test.test_fsdp_norm_utils": "not ported: ATorch's private norm utilities",
-    "clip_grad_norm_test.test_tp_strategy_clip_grad_norm": "not ported: needs engineer E's tensor_parallel on ToyModel "
-    "(not tried today)",
-    "module_replace_optimization_test.test_module_replace_optimization": "different: apex pair is a ConfigError naming "
-    "why",
+    "clip_grad_norm_test.test_tp_strategy_clip_grad_norm": "ported (norm equal to one process's to 1e-6)",
+    "module_replace_optimization_test.test_module_replace_optimization": "different: apex pair accepted, no effect "
+    "(explain)",
     "module_replace_optimization_test.test_module_replace_default_optimization": "different: flash-attn needs a GPU; "
     "modules kept",
     "module_replace_optimization_test.test_multi_devices_gpu": "not ported: needs a GPU (mixed cuda/cpu placement)",
@@ -729,7 +757,7 @@ PORT = {
 
 def test_port_counts():
     kinds = [v.split(":")[0].split(" (")[0] for v in PORT.values()]
-    assert kinds.count("ported") == 16 and kinds.count("different") == 8 and kinds.count("not ported") == 4
+    assert kinds.count("ported") == 19 and kinds.count("different") == 7 and kinds.count("not ported") == 3
     assert kinds.count("failing") == 0
 
 
@@ -860,19 +888,114 @@ def _clip_grad_norm_case(rank, world, _):
     for p in list(reference.parameters()) + list(result.model.parameters()):
         if p.grad is not None:
             p.grad *= 100
-    norm = torch.nn.utils.clip_grad_norm_(result.model.parameters(), max_norm=2.5, norm_type=2)
-    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    # FSDP1's method on the FSDP2 model, as ATorch's nanoGPT script calls it: a plain tensor (the full norm)
+    norm = result.model.clip_grad_norm_(2.5, norm_type=2)
+    plain = type(norm) is torch.Tensor
     ref = reference.clip_grad_norm_(max_norm=2.5, norm_type=2)
-    return float(norm), float(ref), bool(torch.equal(norm, ref))
+    from composable_atorch.compat.atorch.auto.clip_grad_norm import clip_grad_norm as auto_acc_clip_grad_norm
+
+    after = auto_acc_clip_grad_norm(result.model, max_norm=2.5, norm_type=2)  # ATorch's helper: clipped already
+    return float(norm), float(ref), plain, float(after)
 
 
 @pytest.mark.dist
 def test_fsdp_strategy_clip_grad_norm_at_world_2():
     # ATorch asserts torch.equal against FSDP1; the FSDP2 DTensor norm sums the shards in another
     # order (measured: 195.67790 vs 195.67792), so equal to float32 rounding, not bitwise
-    for norm, ref, _ in run_world(_clip_grad_norm_case, 2, None, timeout=300):
-        assert norm == pytest.approx(ref, rel=1e-6)
+    for norm, ref, plain, after in run_world(_clip_grad_norm_case, 2, None, timeout=300):
+        assert norm == pytest.approx(ref, rel=1e-6) and plain
         assert norm > 2.5  # the clipped norm was large: the x100 gradients reached the optimizer's parameters
+        assert after == pytest.approx(2.5, rel=1e-4)  # the first call clipped every shard to the full norm 2.5
+
+
+# clip_grad_norm_test.test_tp_strategy_clip_grad_norm and semi_auto_acc_test.test_gpt2_strategy_sp2 -------
+
+
+def _tp_and_sp_cases(rank, world, _):
+    import copy
+
+    from composable_atorch.compat.atorch.auto.clip_grad_norm import clip_grad_norm as auto_acc_clip_grad_norm
+
+    out = {}
+    try:  # ATorch's ToyModel (plain Linear chains), tensor_parallel with no plan
+        torch.manual_seed(0)
+        local = StackNet()
+        reference = copy.deepcopy(local)
+        status, result, _ = ca.auto_accelerate(
+            model=local,
+            load_strategy=[("parallel_mode", ([("tensor", world)], None)), "tensor_parallel"],
+            ignore_dryrun_on_load_strategy=True,
+            sample_batch=[torch.ones([1, 16]), torch.ones([1, 4])],
+            batch_size=1,
+        )
+        data = [torch.ones(1, 16), torch.ones(1, 4)]
+        for model in (reference, result.model):
+            mse_loss(data, model(data)).backward()
+        norm = auto_acc_clip_grad_norm(result.model, max_norm=2.5, norm_type=2)
+        ref = torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm=2.5, norm_type=2)
+        out["tp"] = dict(status=status, norm=float(norm), ref=float(ref))
+    except Exception as exc:  # noqa: BLE001 - reported to the parent with its type
+        out["tp"] = f"{type(exc).__name__}: {exc}"
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+    from composable_atorch.models.gpt import GPT, Block
+
+    for key, block, make in (
+        ("sp", GPT2Block, None),  # ATorch's GPT-2 (c_attn / Conv1D layers)
+        ("sp_gpt", Block, lambda: GPT(vocab_size=128, seq_len=32, d_model=32, n_layer=2, n_head=4)),
+    ):
+        try:  # ATorch's GPT-2 strategy with ("sequence_parallel", {"sp_size": 2, "batch_sp_processing_fn": ...})
+            call = gpt2_call(data_size=8, batch_size=2)
+            if make is not None:
+                torch.manual_seed(0)
+                call["model"] = make()
+            strat = [
+                ("parallel_mode", None),
+                ("amp_native", {"dtype": torch.bfloat16}),
+                ("fsdp", {"sync_module_states": True, "atorch_wrap_cls": (block,), "use_orig_params": True}),
+                ("checkpoint", {"wrap_class": (block,), "no_reentrant": False}),
+                ("sequence_parallel", {"sp_size": 2, "batch_sp_processing_fn": lambda batch: batch}),
+            ]
+            status, result, best = ca.auto_accelerate(**call, load_strategy=strat, ignore_dryrun_on_load_strategy=True)
+            steps = run_train(
+                result.model, result.dataloader, result.optim, result.prepare_input, result.loss_func, gpt2_model=True
+            )
+            out[key] = dict(status=status, requested=len(best.requested_names), steps=steps, explain=best.explain())
+        except Exception as exc:  # noqa: BLE001
+            out[key] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+@pytest.fixture(scope="module")
+def tp_and_sp_results():
+    return run_world(_tp_and_sp_cases, 2, None, timeout=400)
+
+
+def _check_sp(case):
+    assert isinstance(case, dict), case
+    assert case["status"] and case["requested"] == 5 and case["steps"] == 8 // 2
+    assert "sp_size 2 = tensor size" in case["explain"] and "parallel_mode(tensor 2 x data 1)" in case["explain"]
+
+
+@pytest.mark.dist
+def test_sequence_parallel_sp2_strategy_at_world_2(tp_and_sp_results):
+    """ATorch's sp2 strategy, as its test writes it, on the library's GPT too (Linear q/k/v/o, fc1/fc2)."""
+    for r in tp_and_sp_results:
+        _check_sp(r["sp_gpt"])
+
+
+@pytest.mark.dist
+def test_gpt2_strategy_sp2_at_world_2(tp_and_sp_results):
+    for r in tp_and_sp_results:
+        _check_sp(r["sp"])
+
+
+@pytest.mark.dist
+def test_tp_strategy_clip_grad_norm_at_world_2(tp_and_sp_results):
+    for r in tp_and_sp_results:
+        case = r["tp"]
+        assert isinstance(case, dict), case
+        assert case["status"] and case["norm"] == pytest.approx(case["ref"], rel=1e-5)
 
 
 # module_replace_optimization_test (GPU-only in ATorch: flash-attn and apex modules) ---------------
@@ -891,12 +1014,14 @@ class BertAndTorchLayers(nn.Module):
 
 
 def test_module_replace_atorch_pairs_name_the_difference():
-    """ATorch swaps in flash-attention and apex modules (CUDA only). Here the apex pair is a typed
-    error saying why it has no meaning, and the default replacement leaves these CPU modules as
-    they are (deliberately different: flash-attn needs a GPU; SDPA already runs a flash kernel on CPU)."""
+    """ATorch swaps in flash-attention and apex modules (CUDA only). Here ATorch's config is accepted
+    as its test writes it: the apex pair has no meaning (torch's LayerNorm is one fused kernel) and
+    explain() says so; the default replacement leaves these CPU modules as they are (deliberately
+    different: flash-attn needs a GPU; SDPA already runs a flash kernel on CPU)."""
     config = {"HF_BertAttention_FA": {"need_src_module": True}, "LayerNorm_Apex": {"init_from_attr": True}}
-    with pytest.raises(ConfigError, match="apex is not used"):
-        ca.auto_accelerate(BertAndTorchLayers(), load_strategy=[("module_replace", config)])
+    status, result, best = ca.auto_accelerate(BertAndTorchLayers(), load_strategy=[("module_replace", config)])
+    assert status and "LayerNorm_Apex: no effect here" in best.explain() and "apex is not used" in best.explain()
+    assert isinstance(result.model.layer2.norm1, nn.LayerNorm)
     status, result, best = ca.auto_accelerate(BertAndTorchLayers(), load_strategy=["module_replace"])
     assert status and best.names == ("module_replace",)
     from transformers.models.bert.modeling_bert import BertAttention

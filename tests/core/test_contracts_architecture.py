@@ -373,10 +373,12 @@ def test_atorch_fsdp1_arguments_map_onto_fsdp2_or_are_refused():
         ("mixed_precision", MixedPrecision(param_dtype=torch.bfloat16), "amp"),
         ("param_init_fn", lambda m: m, "param_init_fn"),
         ("process_group", None, "parallel_mode"),
-        ("auto_wrap_policy", lambda *a, **k: True, "transformer_auto_wrap_policy"),
+        ("auto_wrap_policy", "transformer", "transformer_auto_wrap_policy"),
     ):
         with pytest.raises(ConfigError, match=why):
             fsdp.from_seed({key: value})
+    # any other callable is an FSDP1-style policy, evaluated over the modules
+    assert fsdp.from_seed({"auto_wrap_policy": size_based_auto_wrap_policy}).wrap_policy is size_based_auto_wrap_policy
 
 
 def test_module_replace_accepts_atorchs_pair_name_dict():
@@ -389,8 +391,10 @@ def test_module_replace_accepts_atorchs_pair_name_dict():
         "hf_flash_attention_2",
         "gpt_sdpa",
     )
-    with pytest.raises(ConfigError, match="nn.LayerNorm is already one fused kernel"):
-        mr.from_seed({"LayerNorm_Apex": None})
+    # a pair with no meaning here is accepted, and explain() says why it has no effect (ATorch's scripts name it)
+    apex = mr.from_seed({"LayerNorm_Apex": None, "gpt_sdpa": None})
+    assert apex.pairs == ("gpt_sdpa",) and "nn.LayerNorm is already one fused kernel" in apex.describe()
+    assert mr.from_seed({"LayerNorm_Apex": None}).pairs == ()
     with pytest.raises(ConfigError, match="module_replace.pairs"):
         mr.from_seed({"no_such_pair": None})
     with pytest.raises(ConfigError, match="ATorch's default"):

@@ -370,3 +370,5 @@ def test_example_ds_3d_llama2_through_the_launcher(model_parallel):
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert f"tensor {model_parallel}, data {4 // (2 * int(model_parallel))}, pipeline 2" in proc.stdout
     assert "(falling)" in proc.stdout, proc.stdout[-2000:]
+    # ATorch's script asks for module_replace too: each stage's layers get it as they are built
+    assert "module_replace on each layer as it is built" in proc.stdout or "module_replace(" in proc.stdout

@@ -135,7 +135,7 @@ def test_half_master_weights_closer_to_fp32_than_pure_bf16():
     # 0.0038 with fp32 master weights (8x closer); parameter distance 0.20 vs 0.17 (both include
     # the final rounding of the model's weights to bf16).
     ref_p, ref_l = _train_half(None, 10)
-    pure_p, pure_l = _train_half(ca.half("bf16"), 10)
+    pure_p, pure_l = _train_half(ca.half("bf16", master_weights=False), 10)
     master_p, master_l = _train_half(ca.half("bf16", master_weights=True), 10)
     pure_err = max(abs(a - b) for a, b in zip(pure_l, ref_l, strict=True))
     master_err = max(abs(a - b) for a, b in zip(master_l, ref_l, strict=True))
@@ -145,6 +145,25 @@ def test_half_master_weights_closer_to_fp32_than_pure_bf16():
         for k, p in (("pure", pure_p), ("master", master_p))
     }
     assert dist["master"] < dist["pure"]
+
+
+def test_half_bf16_gets_master_weights_by_default_as_atorch_and_can_opt_out():
+    """ATorch gives half("bf16") its BF16Optimizer (fp32 master weights); an explicit False keeps pure bf16."""
+    from composable_atorch.transforms.precision import MasterWeightsHook
+
+    for make, want in (
+        (ca.half("bf16"), True),
+        (ca.half("bf16", master_weights=False), False),
+        (ca.half("fp16"), False),
+    ):
+        _, optim, _ = make(*triple())
+        assert any(isinstance(h, MasterWeightsHook) for h in optim.hooks) is want, make
+    assert "fp32 master weights" in ca.half("bf16").describe()
+    assert ca.registry()["half"].from_seed("bf16") == ca.half("bf16")
+    # the default trains as the explicit master weights do, bit for bit
+    default_p, default_l = _train_half(ca.half("bf16"), 3)
+    master_p, master_l = _train_half(ca.half("bf16", master_weights=True), 3)
+    assert default_l == master_l and all(torch.equal(default_p[k], master_p[k]) for k in master_p)
 
 
 def test_half_master_weights_keep_model_in_bf16_and_optimizer_state_in_fp32():

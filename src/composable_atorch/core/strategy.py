@@ -53,7 +53,10 @@ def _from_seed_list(items, *, env, strict, allow=()) -> Plan:
         transforms.append(
             lookup(name).from_seed(codec.decode(config, allow) if isinstance(config, list | dict) else config)
         )
-    return compose(*transforms, env=env, strict=strict)
+    out = tuple(transforms)
+    for t in transforms:  # ATorch's keys that belong to another step here (sequence_parallel's sp_size)
+        out = t.adjust_seed_list(out)
+    return compose(*out, env=env, strict=strict)
 
 
 def _from_text(text: str, *, env, strict, allow=()) -> Plan:

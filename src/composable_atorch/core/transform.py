@@ -77,6 +77,12 @@ class Transform:
         """
         return self, None
 
+    def adjust_seed_list(self, transforms: tuple[Transform, ...]) -> tuple[Transform, ...]:
+        """ATorch's list form only: the strategy's transforms, adjusted for a key of this entry that
+        belongs to another step in this library (sequence_parallel's ``sp_size`` is parallel_mode's
+        tensor size). The default changes nothing; compose() checks the result as any other plan."""
+        return transforms
+
     @classmethod
     def candidates(cls, search: SearchContext) -> tuple[Transform, ...]:
         """Configurations the auto search may try for this kind of transform.

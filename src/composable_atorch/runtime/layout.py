@@ -23,6 +23,9 @@ from composable_atorch.errors import ConfigError
 DIM_NAMES = ("data", "zero", "tensor", "pipeline")
 #: Dimensions over which different ranks see different samples (the batch is split over them).
 BATCH_DIMS = ("data", "zero")
+#: ATorch's multiple parallel instances: the outermost (slowest) mesh dimension, one independent
+#: copy of the layout per index; nothing is synchronized over it (every instance trains its own model).
+INSTANCE_DIM = "instance"
 #: Other names ATorch's parallel groups use for the same dimensions.
 DIM_ALIASES = {"model": "tensor", "pipe": "pipeline"}
 #: Names ATorch knows whose feature is not built here: name -> what it is and what to use instead.
@@ -123,15 +126,30 @@ def normalize_groups(groups: Any, field_name: str = "parallel_mode.groups") -> t
     return tuple(out)
 
 
-def plan_layout(groups: Any, world_size: int, rank_order: Any = None) -> Layout:
+def plan_layout(groups: Any, world_size: int, rank_order: Any = None, instances: bool = False) -> Layout:
     """The layout for ``world_size``: data size adjusted as ATorch describes, or a ConfigError.
 
     With a ``data`` dimension its size becomes ``world / (product of the others)`` (ATorch's
     ``[("data", 8)]`` at world 16 -> 16). Without one the sizes must multiply to the world size.
+    ``instances`` (ATorch's multiple parallel instances): the sizes are kept as given and
+    ``world / product`` independent copies of the layout fill the world, as an outermost
+    ``instance`` dimension (ATorch's ``parallel_instance_index`` is ``rank // product``).
     """
     dims = normalize_groups(groups)
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ConfigError("world size", world_size, "an integer >= 1")
+    if instances:
+        size = math.prod(s for _, s in dims)
+        if world_size % size:
+            raise ConfigError(
+                "parallel_mode.groups",
+                list(dims),
+                f"sizes whose product divides the world size for multiple instances: {_arith(dims)} = {size}, "
+                f"and {world_size} / {size} is not an integer",
+            )
+        if world_size > size:
+            dims = (*dims, (INSTANCE_DIM, world_size // size))
+        return Layout(dims=dims, world_size=world_size, rank_order=_rank_order(rank_order, world_size))
     others = [(n, s) for n, s in dims if n != "data"]
     fixed = math.prod(s for _, s in others)
     if any(n == "data" for n, _ in dims):
@@ -150,15 +168,18 @@ def plan_layout(groups: Any, world_size: int, rank_order: Any = None) -> Layout:
             f"sizes multiplying to the world size: {_arith(dims)} = {fixed}, not {world_size}; "
             "add ('data', n) to let the data size absorb the rest",
         )
+    return Layout(dims=dims, world_size=world_size, rank_order=_rank_order(rank_order, world_size))
+
+
+def _rank_order(rank_order: Any, world_size: int) -> tuple[int, ...]:
     if rank_order is None:
-        order = tuple(range(world_size))
-    else:
-        order = tuple(rank_order)
-        if sorted(order) != list(range(world_size)) or any(isinstance(r, bool) for r in order):
-            raise ConfigError(
-                "parallel_mode.rank_order", rank_order, f"a permutation of the ranks 0..{world_size - 1}, or None"
-            )
-    return Layout(dims=dims, world_size=world_size, rank_order=order)
+        return tuple(range(world_size))
+    order = tuple(rank_order)
+    if sorted(order) != list(range(world_size)) or any(isinstance(r, bool) for r in order):
+        raise ConfigError(
+            "parallel_mode.rank_order", rank_order, f"a permutation of the ranks 0..{world_size - 1}, or None"
+        )
+    return order
 
 
 @dataclass
@@ -188,6 +209,15 @@ class ParallelContext:
     @property
     def data_rank(self) -> int:
         return self.layout.batch_rank(self.rank)
+
+    @property
+    def instance_num(self) -> int:
+        """ATorch's parallel_instance_num: independent copies of the layout in the world (1 without)."""
+        return self.layout.size(INSTANCE_DIM)
+
+    @property
+    def instance_index(self) -> int:
+        return self.layout.coordinate(self.rank, INSTANCE_DIM)
 
     def data_mesh(self):
         """The 1-D mesh over the data dimension (what DDP and FSDP synchronize over)."""

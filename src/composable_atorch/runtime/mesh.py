@@ -19,29 +19,46 @@ from composable_atorch.runtime.layout import ParallelContext, make_context, plan
 BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl")
 
 
-def init_distributed(backend: str = "gloo", *, timeout_s: float | None = None) -> bool:
+def init_distributed(
+    backend: str = "gloo",
+    *,
+    timeout_s: float | None = None,
+    timeout=None,
+    set_cuda_device_using_local_rank: bool = False,
+) -> bool:
     """Initialize the default process group from torchrun's environment; True if it exists now.
 
     Already initialized: nothing happens but the timeout (below). No ``WORLD_SIZE`` in the
-    environment (not launched): a single process, returns False.
+    environment (not launched): a single process, returns False. ATorch's keywords: ``timeout`` (a
+    ``datetime.timedelta``, as torch takes it) and ``set_cuda_device_using_local_rank`` (select GPU
+    ``LOCAL_RANK``, when there is one).
 
-    ``timeout_s`` bounds every collective (default ``launch --timeout`` or 300 s, not gloo's 30
+    The timeout bounds every collective (default ``launch --timeout`` or 300 s, not gloo's 30
     minutes), and a heartbeat names a rank that stopped responding and ends this one
     (:mod:`composable_atorch.runtime.liveness`).
     """
     import datetime
 
+    import torch
     import torch.distributed as dist
 
     from composable_atorch.runtime.liveness import collective_timeout, watch
 
     if backend not in BACKENDS:
         raise ConfigError("init_distributed backend", backend, ", ".join(BACKENDS))
-    timeout = collective_timeout(timeout_s)
+    if timeout is not None and timeout_s is not None:
+        raise ConfigError("init_distributed timeout", timeout, "one of timeout (a timedelta) and timeout_s")
+    if timeout is not None and not isinstance(timeout, datetime.timedelta):
+        raise ConfigError("init_distributed timeout", timeout, "a datetime.timedelta (or timeout_s in seconds)")
+    if timeout is not None:
+        timeout_s = timeout.total_seconds()
+    if set_cuda_device_using_local_rank and torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    seconds = collective_timeout(timeout_s)
     if not dist.is_initialized():
         if "WORLD_SIZE" not in os.environ:
             return False
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=seconds))
     watch(timeout_s)
     return True
 

@@ -253,24 +253,39 @@ def _set_child(model: nn.Module, qualname: str, new: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, leaf, new)
 
 
+class _Notes:
+    """What ModuleReplace.apply reads and writes of a TrainState: the model and its notes."""
+
+    def __init__(self, model: nn.Module):
+        self.model, self.lines = model, []
+
+    def note(self, _step: str, text: str) -> None:
+        self.lines.append(text)
+
+
 @dataclass(frozen=True)
 class ModuleReplace(Transform):
     """Swap modules for fused implementations (see the module docstring); names and weights kept.
 
     ``pairs`` names the replace pairs to try (None: every registered one, in registration order).
+    ``ignored`` holds ATorch pair names that have no meaning here, each with why: ATorch's scripts
+    name them (``"LayerNorm_Apex"``), so they are accepted and explain() says they have no effect.
     """
 
     name = "module_replace"
     contract = Contract(stage=Stage.MODULE_REWRITE, roles=("module_replace",), reads=PRECISION_READS)
 
     pairs: tuple[str, ...] | None = None
+    ignored: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self):
+        ignored = tuple((str(n), str(why)) for n, why in (self.ignored or ()))
+        object.__setattr__(self, "ignored", ignored)
         if self.pairs is None:
             return
         pairs = (self.pairs,) if isinstance(self.pairs, str) else tuple(self.pairs)
         unknown = [p for p in pairs if p not in _PAIRS]
-        if unknown or not pairs:
+        if unknown or not (pairs or ignored):
             raise ConfigError(
                 "module_replace.pairs",
                 unknown[0] if unknown else pairs,
@@ -289,6 +304,7 @@ class ModuleReplace(Transform):
             return cls()
         if isinstance(config, dict) and "pairs" not in config:
             names: list[str] = []
+            ignored: list[tuple[str, str]] = []
             for key, value in config.items():
                 if value not in (None, {}, {"need_src_module": True}, {"init_from_attr": True}):
                     raise ConfigError(
@@ -299,11 +315,12 @@ class ModuleReplace(Transform):
                 if key in ATORCH_PAIRS:
                     mapped, why = ATORCH_PAIRS[key]
                     if mapped is None:
-                        raise ConfigError("module_replace pair", key, f"a pair with a meaning here ({why})")
+                        ignored.append((key, why))
+                        continue
                     names.extend(n for n in mapped if n not in names)
                 elif key not in names:
                     names.append(key)
-            return cls(pairs=tuple(names))
+            return cls(pairs=tuple(names), ignored=tuple(ignored))
         return super().from_seed(config)
 
     @classmethod
@@ -311,12 +328,23 @@ class ModuleReplace(Transform):
         return (cls(),)
 
     def describe(self):
-        return "module_replace(" + ("all registered pairs" if self.pairs is None else ", ".join(self.pairs)) + ")"
+        tried = "all registered pairs" if self.pairs is None else ", ".join(self.pairs) or "no pair"
+        skipped = "".join(f"; {n}: no effect here, {why}" for n, why in self.ignored)
+        return f"module_replace({tried}{skipped})"
+
+    def rewrite(self, module: nn.Module, ctx: ApplyContext) -> tuple[nn.Module, list[str]]:
+        """The same replacement on one module, outside a plan's state: ds_3d_parallel calls it on each
+        layer it builds from the recorded init args (swaps made in the meta model are not recorded)."""
+        notes = _Notes(module)
+        self.apply(notes, ctx)
+        return notes.model, notes.lines
 
     def apply(self, state: TrainState, ctx: ApplyContext) -> TrainState:
         model, env, dtype = state.model, ctx.env, training_dtype(ctx)
         usable, unmatched = [], []
-        for pair in (_PAIRS[n] for n in (self.pairs or tuple(_PAIRS))):
+        for name, why in self.ignored:
+            state.note(self.name, f"{name}: no effect here: {why}")
+        for pair in (_PAIRS[n] for n in (tuple(_PAIRS) if self.pairs is None else self.pairs)):
             if not _present(model, pair):
                 unmatched.append(pair.name)
             elif pair.needs is not None and (missing := pair.needs(env)):

@@ -373,7 +373,10 @@ class Half(Transform):
 
     ``master_weights=True`` keeps an fp32 copy of every parameter the optimizer steps on
     (:class:`MasterWeightsHook`, ATorch's BF16Optimizer): the model computes in half precision,
-    the updates accumulate in float32, so small updates are not rounded away.
+    the updates accumulate in float32, so small updates are not rounded away. The default (None)
+    is ATorch's: bf16 gets master weights (pure-bf16 AdamW silently loses updates below bf16's
+    8-bit mantissa) unless a step of the plan shards the optimizer state, whose fp32 state then is
+    the master copy; fp16 gets none. ``master_weights=False`` keeps pure half-precision training.
     ``nonfinite`` is as amp's: a step with inf/nan gradients is skipped by default (``"raise"``,
     or ``"allow"`` to opt out); fp16 weights without a grad scaler overflow easily, so it applies
     to fp16 too.
@@ -396,14 +399,14 @@ class Half(Transform):
     )
 
     dtype: str = "bf16"
-    master_weights: bool = False
+    master_weights: bool | None = None
     nonfinite: str = "skip"
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", dtype_name(self.dtype, "half.dtype"))
         object.__setattr__(self, "nonfinite", _nonfinite_policy("half", self.nonfinite, None))
-        if not isinstance(self.master_weights, bool):
-            raise ConfigError("half.master_weights", self.master_weights, "True or False")
+        if self.master_weights is not None and not isinstance(self.master_weights, bool):
+            raise ConfigError("half.master_weights", self.master_weights, "True, False, or None (ATorch's default)")
 
     @classmethod
     def from_seed(cls, config=None):
@@ -413,9 +416,19 @@ class Half(Transform):
         return cls(dtype="fp16" if config is None else config)
 
     def describe(self):
+        if self.master_weights is None and self.dtype == "bf16":
+            return (
+                f"half(bf16, fp32 master weights unless the optimizer state is sharded{_POLICY_LABEL[self.nonfinite]})"
+            )
         return (
             f"half({self.dtype}{', fp32 master weights' if self.master_weights else ''}{_POLICY_LABEL[self.nonfinite]})"
         )
+
+    def _use_masters(self, ctx: ApplyContext) -> bool:
+        if self.master_weights is not None or self.dtype != "bf16":
+            return bool(self.master_weights)
+        # ATorch's default: a sharded optimizer's fp32 state already is the master copy
+        return not any("optimizer_state_sharding" in t.contract.owns for t in ctx.plan.transforms)
 
     def apply(self, state: TrainState, ctx: ApplyContext) -> TrainState:
         dtype = dtype_of(self.dtype)
@@ -429,7 +442,7 @@ class Half(Transform):
             self.name,
             f"parameters and buffers cast to {self.dtype}; float inputs cast to {self.dtype}, float outputs to float32",
         )
-        if self.master_weights:
+        if self._use_masters(ctx):
             state.hooks.append(MasterWeightsHook())
             state.note(
                 self.name, "fp32 master weights: the optimizer steps on float32 copies, copied back after each step"
@@ -438,8 +451,9 @@ class Half(Transform):
         return state
 
 
-def half(dtype="bf16", *, master_weights: bool = False, nonfinite: str = "skip") -> Half:
-    """Half-precision training: ``half("bf16")``, ``half("fp16")``, ``half("bf16", master_weights=True)``.
+def half(dtype="bf16", *, master_weights: bool | None = None, nonfinite: str = "skip") -> Half:
+    """Half-precision training: ``half("bf16")`` (fp32 master weights, as ATorch), ``half("fp16")``,
+    ``half("bf16", master_weights=False)`` (pure bf16).
 
     ``nonfinite``: ``"skip"`` (default) / ``"raise"`` / ``"allow"`` a step whose gradients hold inf/nan.
     """

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import inspect
+import types
 from typing import ClassVar
 
 import torch
@@ -297,3 +298,36 @@ class DataGradSync(OptimizerHook):
                 g = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
                 dist.all_reduce(g, group=self.group)
                 g.div_(self.size)
+
+
+def full_clip_grad_norm_(parameters, max_norm, norm_type=2.0) -> torch.Tensor:
+    """torch's clip_grad_norm_ over gradients that may mix DTensors (sharded: FSDP2, tensor-parallel) and
+    plain tensors (replicated on every rank): the norm of each kind is taken apart (torch refuses the mix),
+    the DTensor one made full, and the two combined; returns the total norm as a plain tensor."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.tensor(0.0)
+    parts = []
+    for group in ([g for g in grads if hasattr(g, "full_tensor")], [g for g in grads if not hasattr(g, "full_tensor")]):
+        if group:
+            norm = torch.nn.utils.get_total_norm(group, norm_type)
+            parts.append((norm.full_tensor() if hasattr(norm, "full_tensor") else norm).float())
+    total = torch.nn.utils.get_total_norm(parts, norm_type)
+    coef = float(torch.clamp(max_norm / (total + 1e-6), max=1.0))
+    with torch.no_grad():
+        for g in grads:
+            g.mul_(coef)
+    return total
+
+
+def _full_clip_grad_norm_(self, max_norm, norm_type=2.0):
+    """FSDP1's ``model.clip_grad_norm_(max_norm, norm_type)`` on an FSDP2 model: the full norm as a
+    plain tensor (ATorch's scripts log it, e.g. with TensorBoard's ``add_scalar``, which takes no DTensor)."""
+    return full_clip_grad_norm_(self.parameters(), max_norm, norm_type)
+
+
+def give_clip_grad_norm(model: nn.Module) -> None:
+    """The sharded root keeps FSDP1's clip_grad_norm_ method (FSDP2's fully_shard has none), unless
+    the model defines its own."""
+    if not hasattr(model, "clip_grad_norm_"):
+        model.clip_grad_norm_ = types.MethodType(_full_clip_grad_norm_, model)

@@ -111,11 +111,16 @@ class ParallelMode(Transform):
     groups: tuple = (("data", 1),)
     rank_order: tuple | None = None
     distributed_sampler_cls: type | None = None
+    #: ATorch's third element: the groups' sizes are kept and world / product independent instances
+    #: (each its own model copy and groups, nothing synchronized between them) fill the world
+    multi_instance: bool = False
     #: seconds a collective may wait (None: ``launch --timeout`` or 300 s); see runtime.liveness
     timeout_s: float | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "groups", normalize_groups(self.groups))
+        if not isinstance(self.multi_instance, bool):
+            raise ConfigError("parallel_mode.multi_instance", self.multi_instance, "True or False")
         if self.timeout_s is not None:
             object.__setattr__(self, "timeout_s", collective_timeout(self.timeout_s))
         if self.rank_order is not None:
@@ -141,26 +146,32 @@ class ParallelMode(Transform):
             and isinstance(config[0], list | tuple)
             and (not config[0] or isinstance(config[0][0], list | tuple))
         ):
-            if len(config) == 3 and config[2]:
-                raise ConfigError(
-                    "parallel_mode config[2] (multiple parallel instances)", config[2], "False or absent: not supported"
-                )
-            return cls(groups=config[0], rank_order=config[1])
+            multi = config[2] if len(config) == 3 else False
+            if not isinstance(multi, bool):
+                raise ConfigError("parallel_mode config[2] (multiple parallel instances)", multi, "True or False")
+            return cls(groups=config[0], rank_order=config[1], multi_instance=multi)
         return cls(groups=config)
 
     def describe(self):
         order = "" if self.rank_order is None else f", rank_order={list(self.rank_order)}"
         sampler = "" if self.distributed_sampler_cls is None else f", sampler {self.distributed_sampler_cls.__name__}"
-        return f"parallel_mode({' x '.join(f'{n} {s}' for n, s in self.groups)}{order}{sampler})"
+        multi = ", multiple instances" if self.multi_instance else ""
+        return f"parallel_mode({' x '.join(f'{n} {s}' for n, s in self.groups)}{order}{sampler}{multi})"
+
+    def layout(self, world_size: int):
+        return plan_layout(self.groups, world_size, self.rank_order, self.multi_instance)
 
     def resolve(self, env):
-        layout = plan_layout(self.groups, env.world_size, self.rank_order)
+        layout = self.layout(env.world_size)
+        if self.multi_instance:
+            n = layout.size("instance")
+            return self, (f"{n} independent instances of {self.describe()}: {layout.describe()}" if n > 1 else None)
         if layout.dims == self.groups:
             return self, None
         return replace(self, groups=layout.dims), f"data size adjusted to the world size: {layout.describe()}"
 
     def apply(self, state: TrainState, ctx: ApplyContext) -> TrainState:
-        layout = plan_layout(self.groups, ctx.env.world_size, self.rank_order)
+        layout = self.layout(ctx.env.world_size)
         pc = make_context(layout, ctx.env.device)
         state.parallel = pc
         where = f"device mesh {layout.mesh_dim_names}" if pc.distributed else "no process group (single process)"
@@ -168,7 +179,8 @@ class ParallelMode(Transform):
             where += f"; collective timeout {watch(self.timeout_s):g} s, heartbeat names a rank that stops"
         state.note(
             self.name,
-            f"{layout.describe()}; {where}; this rank {pc.rank} is data shard {pc.data_rank} of {pc.data_size}",
+            f"{layout.describe()}; {where}; this rank {pc.rank} is data shard {pc.data_rank} of {pc.data_size}"
+            + (f" in instance {pc.instance_index} of {pc.instance_num}" if pc.instance_num > 1 else ""),
         )
         if state.loader is not None and pc.data_size > 1:
             state.loader, per_rank = _distributed_loader(state.loader, pc, self.distributed_sampler_cls)

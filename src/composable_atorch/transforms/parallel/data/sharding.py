@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -39,6 +40,7 @@ from composable_atorch.transforms.parallel.data.common import (
     HasBackends,
     IgnoredGradSyncHook,
     KeepGradBuffersHook,
+    give_clip_grad_norm,
     options_label,
     parallel_context,
     sharded_optimizer,
@@ -86,11 +88,14 @@ def _from_auto_wrap_policy(policy) -> dict:
             return {"wrap": tuple(kw["module_classes"])}
         if "min_num_params" in kw:
             return {"min_params": int(kw["min_num_params"])}
+    if callable(policy):  # any FSDP1-style policy(module, recurse, nonwrapped_numel): evaluated over the modules
+        return {"wrap_policy": policy}
     raise ConfigError(
         "fsdp auto_wrap_policy",
         policy,
         "functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={...}), ModuleWrapPolicy({...}) or "
-        "functools.partial(size_based_auto_wrap_policy, min_num_params=n) (FSDP2 wraps by class or by size)",
+        "functools.partial(size_based_auto_wrap_policy, min_num_params=n), or any callable "
+        "policy(module, recurse, nonwrapped_numel)",
     )
 
 
@@ -126,10 +131,30 @@ def _tname(t) -> str:
     return t.__name__ if isinstance(t, type) else t
 
 
+def _policy_reachable(model: nn.Module, policy) -> set[int]:
+    """FSDP1's walk: a module is considered (for wrapping, and its children at all) only where
+    ``policy(module, recurse=True, ...)`` holds for it and every ancestor (the root always descends)."""
+    reachable = {id(model)}
+    modules = dict(model.named_modules())
+    for qualname, module in modules.items():  # parents before children
+        if module is model:
+            continue
+        parent = modules[qualname.rpartition(".")[0]]
+        numel = sum(p.numel() for p in module.parameters())
+        if id(parent) in reachable and policy(module=module, recurse=True, nonwrapped_numel=numel):
+            reachable.add(id(module))
+    return reachable
+
+
 def wrap_targets(
-    model: nn.Module, wrap: tuple, min_params: int, ignored: set, trainable_outmost: bool
+    model: nn.Module, wrap: tuple, min_params: int, ignored: set, trainable_outmost: bool, policy=None
 ) -> list[nn.Module]:
-    """Modules to shard as their own group, children before parents (FSDP2 needs that order)."""
+    """Modules to shard as their own group, children before parents (FSDP2 needs that order).
+
+    ``policy``: an FSDP1-style ``auto_wrap_policy(module, recurse, nonwrapped_numel)``, evaluated as
+    FSDP1 does (descend where ``recurse=True`` says so, wrap where ``recurse=False`` does, counting
+    only parameters no chosen descendant holds) so that FSDP2 shards the same modules."""
+    reachable = _policy_reachable(model, policy) if policy is not None else None
     ignored_ids = {id(m) for m in ignored}
     inside_ignored: set[int] = set()
     for m in ignored:
@@ -139,7 +164,10 @@ def wrap_targets(
     for qualname, module in reversed(list(model.named_modules())):
         if module is model or id(module) in inside_ignored:
             continue
-        if wrap:
+        if policy is not None:
+            fresh = sum(p.numel() for p in module.parameters() if id(p) not in managed)
+            take = id(module) in reachable and bool(policy(module=module, recurse=False, nonwrapped_numel=fresh))
+        elif wrap:
             take = matches(module, qualname, wrap)
         elif min_params:
             fresh = sum(p.numel() for p in module.parameters() if id(p) not in managed)
@@ -214,10 +242,13 @@ def shard(spec: Fsdp, who: str, state: TrainState, ctx: ApplyContext, *, sync_at
             "sync_models_at_startup=False: rank 0's weights are not broadcast (every rank must start from the same "
             "weights)",
         )
-    targets = wrap_targets(model, spec.wrap, spec.min_params, ignored_modules, spec.wrap_trainable_outmost)
+    targets = wrap_targets(
+        model, spec.wrap, spec.min_params, ignored_modules, spec.wrap_trainable_outmost, spec.wrap_policy
+    )
     for module in targets:
         fully_shard(module, mesh=mesh, **kwargs)
     fully_shard(model, mesh=mesh, **kwargs)
+    give_clip_grad_norm(model)
     state.hooks.append(GradSyncHook(model))
     kinds = sorted({type(m).__name__ for m in targets})
     state.note(
@@ -294,12 +325,20 @@ class Fsdp(HasBackends, Transform):
     fsdp_kwargs: tuple = ()
     #: ATorch's FSDP1 options with no FSDP2 meaning, kept so explain() shows they were read
     fsdp1_options: tuple = ()
+    #: an FSDP1-style auto_wrap_policy(module, recurse, nonwrapped_numel) choosing the modules to shard
+    wrap_policy: Any = None
 
     def __post_init__(self):
         object.__setattr__(self, "wrap", _targets(self.wrap, "fsdp.wrap"))
         object.__setattr__(self, "ignored", _targets(self.ignored, "fsdp.ignored"))
         if isinstance(self.min_params, bool) or not isinstance(self.min_params, int) or self.min_params < 0:
             raise ConfigError("fsdp.min_params", self.min_params, "an integer >= 0 (0: no size-based wrapping)")
+        if self.wrap_policy is not None and (not callable(self.wrap_policy) or self.wrap or self.min_params):
+            raise ConfigError(
+                "fsdp.wrap_policy",
+                self.wrap_policy,
+                "a callable policy(module, recurse, nonwrapped_numel), with no wrap or min_params beside it",
+            )
         if self.wrap and self.min_params:
             raise ConfigError(
                 "fsdp.min_params", self.min_params, "0 when wrap is given (choose blocks by class or by size, not both)"
@@ -331,9 +370,8 @@ class Fsdp(HasBackends, Transform):
                     "absent when atorch_wrap_cls or atorch_size_based_min_num_params is given",
                 )
             mapped = _from_auto_wrap_policy(cfg.pop("auto_wrap_policy"))
-            cfg["atorch_wrap_cls" if "wrap" in mapped else "atorch_size_based_min_num_params"] = next(
-                iter(mapped.values())
-            )
+            key = {"wrap": "atorch_wrap_cls", "min_params": "atorch_size_based_min_num_params"}
+            cfg.update({key.get(k, k): v for k, v in mapped.items()})
         if "sharding_strategy" in cfg:
             cfg["reshard_after_forward"] = _from_sharding_strategy(cfg.pop("sharding_strategy"))
         if isinstance(cfg.get("wrap_trainable_outmost"), str):
@@ -364,6 +402,7 @@ class Fsdp(HasBackends, Transform):
             "cpu_offload",
             "wrap_trainable_outmost",
             "backend",
+            "wrap_policy",
         }
         extra = {k: fields.pop(k) for k in list(fields) if k not in known}
         return cls(
@@ -379,8 +418,11 @@ class Fsdp(HasBackends, Transform):
         return tuple(cls(wrap=(b,)) for b in search.block_classes)
 
     def describe(self):
+        policy = getattr(self.wrap_policy, "func", self.wrap_policy)  # a partial names its function
         how = (
-            f"wrap {', '.join(map(_tname, self.wrap))}"
+            f"wrap where the policy {getattr(policy, '__name__', type(policy).__name__)} says so"
+            if self.wrap_policy is not None
+            else f"wrap {', '.join(map(_tname, self.wrap))}"
             if self.wrap
             else (f"wrap blocks of >= {self.min_params} params" if self.min_params else "root only")
         )

@@ -270,10 +270,16 @@ class StageBuilder:
     tp_size: int = 1
     replic_stream: RandomStream | None = None
     parallel_stream: RandomStream | None = None
+    #: module_replace on a built layer -> (the layer, what it did); None without module_replace
+    rewrite: Any = None
+    rewrite_notes: list = field(default_factory=list)
 
     def build(self, name: str, meta: nn.Module, index: int) -> nn.Module:
         with seeded(self.base_seed + index):
             module = build_recorded(meta, hf_init_weights(self.root))
+        if self.rewrite is not None:  # before sharding: the sharded names are the replaced modules' own
+            module, notes = self.rewrite(module)
+            self.rewrite_notes.extend(notes)
         if self.tp_size > 1:
             module = self._shard(name, module)
         return module

@@ -80,6 +80,17 @@ _ENGINE = "ds_3d_parallel's DeepSpeed pipeline engine averages gradients over th
 _BUILDS = "ds_3d_parallel builds every layer again from its recorded init args"
 
 
+def _layer_rewrite(ctx: ApplyContext):
+    """module_replace's pairs on one built layer (ATorch's ds_3d example asks for both): the meta
+    model's swaps are lost when a stage builds its layers again from their recorded init args, so
+    the builder applies the same replacement to each layer before sharding it."""
+    replace = ctx.find("module_replace")
+    if replace is None:
+        return None
+    step_ctx = ctx.for_step(replace)
+    return lambda module: replace.rewrite(module, step_ctx)
+
+
 class DeepSpeed3DParallelConfig:
     """ATorch's configuration (names and defaults verbatim).
 
@@ -148,7 +159,8 @@ class DeepSpeed3DParallel(Transform):
         stage=Stage.TENSOR_PARALLEL,
         owns=(GRAD_SYNC, OPTIMIZER_STATE_SHARDING),
         roles=("model_parallel", "pipeline", "deepspeed_engine"),
-        reads=("clip_grad", *PRECISION_READS),
+        # module_replace: its pairs are applied again to each layer built from the recorded init args
+        reads=("clip_grad", "module_replace", *PRECISION_READS),
         renames=True,  # a stage holds its layers only, named by DeepSpeed's layer index
         requires=(Package(name="deepspeed", extra="deepspeed"),),
         implies=(implies_mesh_dim("pipeline", "the pipeline, tensor and data degrees are parallel_mode's groups"),),
@@ -198,9 +210,6 @@ class DeepSpeed3DParallel(Transform):
                 "drop checkpoint; set pipeline.activation_checkpoint_interval in ds_config",
             ),
             Conflict("compile", f"{_BUILDS}; a compiled module would be dropped", "drop compile"),
-            Conflict(
-                "module_replace", f"{_BUILDS}, so modules swapped into the meta model are lost", "drop module_replace"
-            ),
             Conflict(
                 "parallel_mode",
                 "DeepSpeed's topology is pipe x data x model: no 'zero' dimension and no custom rank order",
@@ -390,6 +399,7 @@ class DeepSpeed3DParallel(Transform):
             tp_group=pc.mesh["tensor"].get_group() if sizes["tensor"] > 1 else None,
             tp_rank=tp_rank,
             tp_size=sizes["tensor"],
+            rewrite=_layer_rewrite(ctx),
             replic_stream=RandomStream(_seed(self.base_seed, "replic", *coords)),
             parallel_stream=RandomStream(_seed(self.base_seed, "parallel", *coords, tp_rank)),
         )
@@ -436,6 +446,9 @@ class DeepSpeed3DParallel(Transform):
                 f"{dropped_head} is tied to {entries[0][0]}: computed by the tied embedding's logit helper on the last "
                 "stage",
             )
+        if builder.rewrite is not None:
+            done = sorted(set(builder.rewrite_notes)) or ["no layer built on this rank"]
+            state.note(self.name, f"module_replace on each layer as it is built: {'; '.join(done)}")
         if shard:
             state.note(
                 self.name,

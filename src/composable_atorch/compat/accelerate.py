@@ -34,6 +34,7 @@ from collections import namedtuple
 
 import torch
 
+from composable_atorch.compat import groups
 from composable_atorch.compat.request import (
     AccelerateArgs,
     Request,
@@ -83,6 +84,23 @@ class AtorchStrategy(Plan):
     def opt_names(self) -> list[str]:
         """ATorch's ``Strategy.opt_names()``: every step's name, implied ones included."""
         return list(self.names)
+
+    # the rest of ATorch's Strategy reading surface (a plan is immutable: add_opt / __setitem__ are not offered)
+    @property
+    def opt_list(self) -> list[StrategyEntry]:
+        return list(self)
+
+    def __getitem__(self, idx):
+        return self.opt_list[idx]
+
+    def is_tunable(self) -> bool:
+        """False: every step of a returned plan has its configuration."""
+        return False
+
+    def get_parallel_mode(self):
+        """ATorch's ``(found, config)`` for parallel_mode (config as this library holds it)."""
+        entry = next((e for e in self if e[0] == "parallel_mode"), None)
+        return (False, None) if entry is None else (True, entry[1])
 
     def explain(self, applied=None) -> str:
         text = super().explain(applied)
@@ -216,7 +234,9 @@ def auto_accelerate(
     optim_maker = req.optim_maker
     optim = optim_maker(model) if optim_maker else None
     loader = None if dataset is None else torch.utils.data.DataLoader(dataset, **req.dataloader_args)
-    model, optim, loader = plan(model, optim, loader)
+    applied = plan(model, optim, loader)
+    model, optim, loader = applied
+    groups.record(applied.state.parallel)  # for ATorch's module-level helpers (compat.atorch.distributed)
     if loss_func is not None and hasattr(getattr(model, "module", None), "loss_fn"):
         model.module.loss_fn = (
             loss_func  # a DeepSpeed pipeline engine computes the loss inside train_batch (ds_3d_parallel)

@@ -1,0 +1,1 @@
+"""``atorch.auto.opt_lib``."""

@@ -1,0 +1,1 @@
+"""``atorch.local_sgd``."""

@@ -1,0 +1,1 @@
+"""``atorch.modules``."""

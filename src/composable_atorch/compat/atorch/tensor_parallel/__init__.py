@@ -1,0 +1,1 @@
+"""``atorch.tensor_parallel``."""
