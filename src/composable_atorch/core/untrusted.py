@@ -28,6 +28,17 @@ _STRINGS = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
 _NOT_BRACKETS = re.compile(r"[^\[\]{}]+")
 
 
+def require_regular_file(path: str | os.PathLike, field: str) -> None:
+    """``path`` exists and is a regular file, checked by ``os.stat`` alone (nothing is opened, so a
+    FIFO cannot block the check)."""
+    try:
+        kind = os.stat(path).st_mode
+    except OSError as exc:
+        raise UntrustedInputError(field, str(path), f"an existing, readable regular file ({exc.strerror})") from None
+    if not stat.S_ISREG(kind):
+        raise UntrustedInputError(field, str(path), "a regular file (not a FIFO, device, socket or directory)")
+
+
 def read_regular_file(path: str | os.PathLike, field: str, *, limit: int = MAX_JSON_BYTES) -> bytes:
     """The bytes of ``path`` if it is a regular file of at most ``limit`` bytes.
 
@@ -35,12 +46,7 @@ def read_regular_file(path: str | os.PathLike, field: str, *, limit: int = MAX_J
     then ``fstat`` on the descriptor, opened non-blocking, so a file swapped for a FIFO between
     the two checks cannot block either.
     """
-    try:
-        kind = os.stat(path).st_mode
-    except OSError as exc:
-        raise UntrustedInputError(field, str(path), f"an existing, readable regular file ({exc.strerror})") from None
-    if not stat.S_ISREG(kind):
-        raise UntrustedInputError(field, str(path), "a regular file (not a FIFO, device, socket or directory)")
+    require_regular_file(path, field)
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except OSError as exc:

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 
 from composable_atorch.core import untrusted
-from composable_atorch.errors import ConfigError, UntrustedInputError
+from composable_atorch.errors import ConfigError
 from composable_atorch.runtime.optim import OptimizerHook
 
 
@@ -40,12 +39,7 @@ def check_ds_config_path(value) -> None:
     is built or loaded (a plan is data: the file is read only when the plan is applied, and a FIFO
     would block the reader)."""
     if isinstance(value, str | os.PathLike):
-        try:
-            kind = os.stat(value).st_mode
-        except OSError as exc:
-            raise ConfigError(_FIELD, str(value), f"an existing DeepSpeed JSON file ({exc.strerror})") from None
-        if not stat.S_ISREG(kind):
-            raise UntrustedInputError(_FIELD, str(value), "a regular JSON file (not a FIFO, device or directory)")
+        untrusted.require_regular_file(value, _FIELD)
     elif value is not None and not isinstance(value, dict):
         raise ConfigError(_FIELD, type(value).__name__, "None, a dict or a JSON file path")
 
