@@ -41,8 +41,8 @@ import composable_atorch as ca
 from composable_atorch.auto.policy import TrialSettings
 from composable_atorch.auto.predict import Predictor, default_estimator
 from composable_atorch.auto.space import plan_key
-from composable_atorch.auto.study import ProcessRunner, search
-from composable_atorch.auto.trial import TrialResult
+from composable_atorch.auto.study import search
+from composable_atorch.auto.trial import ProcessRunner, TrialResult
 from composable_atorch.auto.workload import GPTTask
 from composable_atorch.environment import Environment
 

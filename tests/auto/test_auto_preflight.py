@@ -7,9 +7,9 @@ import torch
 from torch.utils.data import Dataset
 
 import composable_atorch as ca
-from composable_atorch.auto.policy import Budget, SpaceOptions, StudyOptions, TrialSettings
+from composable_atorch.auto.policy import LEGACY_KEYWORDS, Budget, SpaceOptions, StudyOptions, TrialSettings
 from composable_atorch.auto.preflight import loss_hint, preflight
-from composable_atorch.auto.study import LEGACY_KEYWORDS, search
+from composable_atorch.auto.study import search
 from composable_atorch.auto.trial import TrialResult, samples_per_step
 from composable_atorch.auto.worker import sample_ids
 from composable_atorch.auto.workload import Workload

@@ -11,8 +11,8 @@ from composable_atorch import strategy
 from composable_atorch.auto import report
 from composable_atorch.auto.policy import TrialSettings
 from composable_atorch.auto.space import plan_key
-from composable_atorch.auto.study import ProcessRunner, search
-from composable_atorch.auto.trial import TrialResult
+from composable_atorch.auto.study import search
+from composable_atorch.auto.trial import ProcessRunner, TrialResult
 from composable_atorch.auto.workload import Workload
 from composable_atorch.data import TextDataset
 from composable_atorch.environment import Environment

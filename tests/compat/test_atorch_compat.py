@@ -149,7 +149,7 @@ def test_compat_namespace_and_fsdp_policy_at_world_2():
 
 def test_policy_walk_follows_fsdp1_recurse_false_stops_descent():
     """A policy that refuses ``recurse=True`` at ``linears`` leaves it and all below it alone, as FSDP1 does."""
-    from composable_atorch.transforms.parallel.data.sharding import wrap_targets
+    from composable_atorch.transforms.parallel.data.wrap import wrap_targets
 
     def policy(module, recurse, nonwrapped_numel):
         if recurse:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from composable_atorch.auto.workload import Workload
 from composable_atorch.errors import ConfigError
 from composable_atorch.units import parse_bytes
 
@@ -160,3 +161,87 @@ class TrialSettings:
                 raise ConfigError(name, value, "a positive integer" if name == "measure_steps" else "an integer >= 0")
         if not isinstance(self.timeout, int | float) or self.timeout <= 0:
             raise ConfigError("trial timeout", self.timeout, "a positive number of seconds")
+
+
+#: the keywords of the 0.x signature ``search(model_fn, optim_fn, dataset, loss_fn, **these)``
+#: and the policy each one belongs to
+LEGACY_KEYWORDS = {
+    "world_size": "trial",
+    "warmup_steps": "trial",
+    "measure_steps": "trial",
+    "trial_timeout": "trial",
+    "n_trials": "budget",
+    "time_limit": "budget",
+    "memory_limit": "budget",
+    "excluded": "space",
+    "included": "space",
+    "start_from": "space",
+    "allow_compile": "space",
+    "customize": "space",
+    "storage": "study",
+    "study_name": "study",
+    "seed": "study",
+    "sampler": "study",
+    "n_startup_trials": "study",
+    "baseline_first": "study",
+    "preflight": "study",
+    "batch_size": "workload",
+    "loader_kwargs": "workload",
+    "memory_margin": "budget",
+    "predict": "study",
+    "prior": "study",
+    "predict_ahead_s": "study",
+}
+
+
+def policies_from_keywords(model_fn, optim_fn, dataset, loss_fn, **kwargs):
+    """The 0.x call's four factories and keywords as ``(workload, trial, budget, space, study)``."""
+    unknown = sorted(set(kwargs) - set(LEGACY_KEYWORDS))
+    if unknown:
+        raise TypeError(
+            f"search() got unexpected keyword argument(s) {unknown}; "
+            "pass trial=, budget=, space= and study= policies (composable_atorch.auto.policy)"
+        )
+    if "world_size" not in kwargs or "batch_size" not in kwargs:
+        raise TypeError(
+            "search(model_fn, optim_fn, dataset, loss_fn, ...) needs world_size= and batch_size=; "
+            "or pass a Workload: search(workload, trial=TrialSettings(world_size=...))"
+        )
+    batch_size = kwargs.pop("batch_size")
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        raise ConfigError("batch_size", batch_size, "the global batch size, an integer >= 1")
+    workload = Workload(
+        model_fn,
+        optim_fn,
+        dataset,
+        loss_fn,
+        batch_size,
+        dict(kwargs.pop("loader_kwargs", None) or {}),
+        kwargs.get("seed") or 0,
+    )
+    groups: dict[str, dict] = {"trial": {}, "budget": {}, "space": {}, "study": {}}
+    for key, value in kwargs.items():
+        groups[LEGACY_KEYWORDS[key]]["timeout" if key == "trial_timeout" else key] = value
+    groups["trial"].setdefault("measure_steps", 5)
+    return (
+        workload,
+        TrialSettings(**groups["trial"]),
+        Budget(**groups["budget"]),
+        SpaceOptions(**groups["space"]),
+        StudyOptions(**groups["study"]),
+    )
+
+
+def make_sampler(sampler: Any, seed: int | None, n_startup_trials: int):
+    """``"tpe"`` (default), ``"gp"``, ``"random"``, or any optuna sampler instance."""
+    import optuna
+
+    if isinstance(sampler, optuna.samplers.BaseSampler):
+        return sampler
+    if sampler == "tpe":
+        return optuna.samplers.TPESampler(seed=seed, n_startup_trials=n_startup_trials, multivariate=True)
+    if sampler == "gp":
+        return optuna.samplers.GPSampler(seed=seed, n_startup_trials=n_startup_trials)
+    if sampler == "random":
+        return optuna.samplers.RandomSampler(seed=seed)
+    raise ConfigError("sampler", sampler, "'tpe', 'gp', 'random' or an optuna sampler instance")

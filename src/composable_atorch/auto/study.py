@@ -19,10 +19,17 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
-from composable_atorch.auto.policy import Budget, SpaceOptions, StudyOptions, TrialSettings, storage_url
+from composable_atorch.auto.policy import (
+    Budget,
+    SpaceOptions,
+    StudyOptions,
+    TrialSettings,
+    make_sampler,
+    policies_from_keywords,
+    storage_url,
+)
 from composable_atorch.auto.predict import Estimator, Predictor, StepTimeCheck, default_estimator
 from composable_atorch.auto.preflight import preflight, preflight_in_child
 from composable_atorch.auto.records import SearchResult, TrialRecord
@@ -34,11 +41,10 @@ from composable_atorch.auto.space import (
     pipeline_degree,
     planning_admit,
 )
-from composable_atorch.auto.trial import TrialResult, run_trial
+from composable_atorch.auto.trial import ProcessRunner, TrialResult
 from composable_atorch.auto.workload import Workload
 from composable_atorch.core.plan import Plan
 from composable_atorch.environment import Environment
-from composable_atorch.errors import ConfigError
 
 __all__ = [
     "Budget",
@@ -53,36 +59,6 @@ __all__ = [
 #: Consecutive proposals that are invalid or already measured before an untried neighbour of the
 #: best plan is enqueued (samplers on small categorical spaces keep proposing their favourite).
 MAX_REPEATS = 3
-
-
-def make_sampler(sampler: Any, seed: int | None, n_startup_trials: int):
-    """``"tpe"`` (default), ``"gp"``, ``"random"``, or any optuna sampler instance."""
-    import optuna
-
-    if isinstance(sampler, optuna.samplers.BaseSampler):
-        return sampler
-    if sampler == "tpe":
-        return optuna.samplers.TPESampler(seed=seed, n_startup_trials=n_startup_trials, multivariate=True)
-    if sampler == "gp":
-        return optuna.samplers.GPSampler(seed=seed, n_startup_trials=n_startup_trials)
-    if sampler == "random":
-        return optuna.samplers.RandomSampler(seed=seed)
-    raise ConfigError("sampler", sampler, "'tpe', 'gp', 'random' or an optuna sampler instance")
-
-
-class ProcessRunner:
-    """Runs a plan in fresh worker processes (the default runner).
-
-    This is where a workload enters worker processes, for the search and for ATorch's dry run alike,
-    so its picklability is checked here, once, before any work.
-    """
-
-    def __init__(self, workload: Workload, settings: TrialSettings):
-        workload.check_picklable()
-        self.workload, self.settings = workload, settings
-
-    def __call__(self, plan: Plan, *, timeout: float) -> TrialResult:
-        return run_trial(plan.to_json(), self.workload, replace(self.settings, timeout=timeout))
 
 
 def plan_needs_criterion(plan: Plan) -> str | None:
@@ -105,75 +81,6 @@ def _example_model(model_fn):
             return model_fn()
     except Exception:  # noqa: BLE001 - some models cannot be built on meta; build them for real
         return model_fn()
-
-
-#: the keywords of the 0.x signature ``search(model_fn, optim_fn, dataset, loss_fn, **these)``
-#: and the policy each one belongs to
-LEGACY_KEYWORDS = {
-    "world_size": "trial",
-    "warmup_steps": "trial",
-    "measure_steps": "trial",
-    "trial_timeout": "trial",
-    "n_trials": "budget",
-    "time_limit": "budget",
-    "memory_limit": "budget",
-    "excluded": "space",
-    "included": "space",
-    "start_from": "space",
-    "allow_compile": "space",
-    "customize": "space",
-    "storage": "study",
-    "study_name": "study",
-    "seed": "study",
-    "sampler": "study",
-    "n_startup_trials": "study",
-    "baseline_first": "study",
-    "preflight": "study",
-    "batch_size": "workload",
-    "loader_kwargs": "workload",
-    "memory_margin": "budget",
-    "predict": "study",
-    "prior": "study",
-    "predict_ahead_s": "study",
-}
-
-
-def policies_from_keywords(model_fn, optim_fn, dataset, loss_fn, **kwargs):
-    """The 0.x call's four factories and keywords as ``(workload, trial, budget, space, study)``."""
-    unknown = sorted(set(kwargs) - set(LEGACY_KEYWORDS))
-    if unknown:
-        raise TypeError(
-            f"search() got unexpected keyword argument(s) {unknown}; "
-            "pass trial=, budget=, space= and study= policies (composable_atorch.auto.policy)"
-        )
-    if "world_size" not in kwargs or "batch_size" not in kwargs:
-        raise TypeError(
-            "search(model_fn, optim_fn, dataset, loss_fn, ...) needs world_size= and batch_size=; "
-            "or pass a Workload: search(workload, trial=TrialSettings(world_size=...))"
-        )
-    batch_size = kwargs.pop("batch_size")
-    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
-        raise ConfigError("batch_size", batch_size, "the global batch size, an integer >= 1")
-    workload = Workload(
-        model_fn,
-        optim_fn,
-        dataset,
-        loss_fn,
-        batch_size,
-        dict(kwargs.pop("loader_kwargs", None) or {}),
-        kwargs.get("seed") or 0,
-    )
-    groups: dict[str, dict] = {"trial": {}, "budget": {}, "space": {}, "study": {}}
-    for key, value in kwargs.items():
-        groups[LEGACY_KEYWORDS[key]]["timeout" if key == "trial_timeout" else key] = value
-    groups["trial"].setdefault("measure_steps", 5)
-    return (
-        workload,
-        TrialSettings(**groups["trial"]),
-        Budget(**groups["budget"]),
-        SpaceOptions(**groups["space"]),
-        StudyOptions(**groups["study"]),
-    )
 
 
 def search(

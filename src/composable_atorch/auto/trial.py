@@ -23,12 +23,13 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from multiprocessing.connection import wait
 
 from composable_atorch.auto.policy import TrialSettings
 from composable_atorch.auto.worker import RankSpec, rank_main
 from composable_atorch.auto.workload import Workload
+from composable_atorch.core.plan import Plan
 
 
 @dataclass
@@ -309,3 +310,18 @@ def train_plan(
     if failure is not None:
         return None, failure
     return results[0]["losses"], None
+
+
+class ProcessRunner:
+    """Runs a plan in fresh worker processes (the default runner).
+
+    This is where a workload enters worker processes, for the search and for ATorch's dry run alike,
+    so its picklability is checked here, once, before any work.
+    """
+
+    def __init__(self, workload: Workload, settings: TrialSettings):
+        workload.check_picklable()
+        self.workload, self.settings = workload, settings
+
+    def __call__(self, plan: Plan, *, timeout: float) -> TrialResult:
+        return run_trial(plan.to_json(), self.workload, replace(self.settings, timeout=timeout))

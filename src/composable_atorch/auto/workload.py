@@ -61,7 +61,7 @@ class Workload:
     def check_picklable(self) -> None:
         """ConfigError naming the field that cannot reach a worker process (before any work).
 
-        Called where a workload enters worker processes (:class:`~.study.ProcessRunner`, which both the
+        Called where a workload enters worker processes (:class:`~.trial.ProcessRunner`, which both the
         search and ATorch's dry run use), so a lambda fails here with its field's name, not inside spawn.
         """
         for name in ("model_fn", "optim_fn", "dataset", "loss_fn", "loader_kwargs", "criterion"):

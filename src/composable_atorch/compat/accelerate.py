@@ -338,7 +338,7 @@ def _needs_boundary(optim) -> bool:
 
 def _dry_run(req: Request, plan: Plan) -> str | None:
     from composable_atorch.auto.policy import TrialSettings
-    from composable_atorch.auto.study import ProcessRunner
+    from composable_atorch.auto.trial import ProcessRunner
 
     world = int(os.environ.get("WORLD_SIZE", plan.env.world_size))
     timeout = req.opts["trial_timeout"]

@@ -24,7 +24,7 @@ from composable_atorch.core.contract import Conflict, Contract, Stage
 from composable_atorch.core.transform import ApplyContext, TrainState, Transform
 from composable_atorch.errors import ConfigError
 from composable_atorch.runtime.optim import NAME_PREFIX_ATTR
-from composable_atorch.transforms._util import is_block_target, matches
+from composable_atorch.transforms._util import matches
 from composable_atorch.transforms.parallel.data.common import (
     DDP_VS_FSDP,
     DDP_VS_ZERO2,
@@ -46,154 +46,19 @@ from composable_atorch.transforms.parallel.data.common import (
     sharded_optimizer,
     zero_options,
 )
+from composable_atorch.transforms.parallel.data.wrap import (
+    FSDP1_OPTIONS,
+    FSDP1_REFUSED,
+    block_targets,
+    from_auto_wrap_policy,
+    from_sharding_strategy,
+    target_name,
+    wrap_targets,
+)
 from composable_atorch.transforms.policy import PRECISION_READS, PrecisionPolicy
 
 #: fully_shard keywords the transform sets itself; the rest may pass through ``fsdp_kwargs``.
 _OWN_KWARGS = {"module", "mesh", "reshard_after_forward", "mp_policy", "offload_policy", "ignored_params"}
-#: ATorch's FSDP1 options that FSDP2 makes moot (always original params, rate-limited all-gathers,
-#: module states synced here before sharding). Accepted from ATorch configs and shown in explain().
-FSDP1_OPTIONS = ("forward_prefetch", "limit_all_gathers", "sync_module_states", "use_orig_params", "backward_prefetch")
-
-
-#: FSDP1 arguments ATorch forwards that have no FSDP2 meaning: refused, each with why.
-FSDP1_REFUSED = {
-    "mixed_precision": "FSDP1's MixedPrecision is amp / half here: add amp('bf16') (FSDP2 all-gathers in its dtype) or "
-    "half('bf16')",
-    "param_init_fn": "FSDP2 has no param_init_fn: materialize the model (e.g. from the meta device) before applying "
-    "the plan",
-    "ignored_states": "pass atorch_ignored_cls (module classes) instead: parameters are not known when the plan is "
-    "built",
-    "ignored_modules": "pass atorch_ignored_cls (module classes or names) instead of module instances",
-    "process_group": "parallel_mode makes the process groups and the device mesh fsdp shards over",
-    "device_mesh": "parallel_mode makes the process groups and the device mesh fsdp shards over",
-    "device_id": "FSDP2 shards on the device mesh's device; move the model there before the plan",
-    "intra_load": "ATorch's meta-model loader is not supported: load weights before applying the plan",
-    "parse_fsdp": "ATorch's ParseFSDP debugging wrapper is not supported",
-    "parse_cb": "ATorch's ParseFSDP debugging wrapper is not supported",
-}
-
-
-def _from_auto_wrap_policy(policy) -> dict:
-    """FSDP1's ``auto_wrap_policy`` as fsdp fields: transformer (classes) or size-based (min params)."""
-    import functools
-
-    cls_set = getattr(policy, "_module_classes", None)  # torch's ModuleWrapPolicy
-    if cls_set is not None:
-        return {"wrap": tuple(cls_set)}
-    if isinstance(policy, functools.partial):
-        kw = policy.keywords or {}
-        if "transformer_layer_cls" in kw:
-            return {"wrap": tuple(kw["transformer_layer_cls"])}
-        if "module_classes" in kw:
-            return {"wrap": tuple(kw["module_classes"])}
-        if "min_num_params" in kw:
-            return {"min_params": int(kw["min_num_params"])}
-    if callable(policy):  # any FSDP1-style policy(module, recurse, nonwrapped_numel): evaluated over the modules
-        return {"wrap_policy": policy}
-    raise ConfigError(
-        "fsdp auto_wrap_policy",
-        policy,
-        "functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={...}), ModuleWrapPolicy({...}) or "
-        "functools.partial(size_based_auto_wrap_policy, min_num_params=n), or any callable "
-        "policy(module, recurse, nonwrapped_numel)",
-    )
-
-
-def _from_sharding_strategy(value) -> bool:
-    """FSDP1's ShardingStrategy as ``reshard_after_forward``."""
-    name = getattr(value, "name", value)
-    if name == "FULL_SHARD":
-        return True
-    if name == "SHARD_GRAD_OP":
-        return False
-    why = {
-        "NO_SHARD": "use ddp() for unsharded data parallelism",
-        "HYBRID_SHARD": "hybrid sharding needs a 2-D mesh, not supported yet",
-    }
-    raise ConfigError(
-        "fsdp sharding_strategy",
-        value,
-        f"FULL_SHARD or SHARD_GRAD_OP ({why.get(name, 'FSDP1 strategies map onto reshard_after_forward')})",
-    )
-
-
-def _targets(value, field: str) -> tuple:
-    if isinstance(value, type | str):
-        value = (value,)
-    value = tuple(value or ())
-    bad = [t for t in value if not is_block_target(t)]
-    if bad:
-        raise ConfigError(field, bad[0], "nn.Module subclasses, class names or qualified module names")
-    return value
-
-
-def _tname(t) -> str:
-    return t.__name__ if isinstance(t, type) else t
-
-
-def _policy_reachable(model: nn.Module, policy) -> set[int]:
-    """FSDP1's walk: a module is considered (for wrapping, and its children at all) only where
-    ``policy(module, recurse=True, ...)`` holds for it and every ancestor (the root always descends)."""
-    reachable = {id(model)}
-    modules = dict(model.named_modules())
-    for qualname, module in modules.items():  # parents before children
-        if module is model:
-            continue
-        parent = modules[qualname.rpartition(".")[0]]
-        numel = sum(p.numel() for p in module.parameters())
-        if id(parent) in reachable and policy(module=module, recurse=True, nonwrapped_numel=numel):
-            reachable.add(id(module))
-    return reachable
-
-
-def wrap_targets(
-    model: nn.Module, wrap: tuple, min_params: int, ignored: set, trainable_outmost: bool, policy=None
-) -> list[nn.Module]:
-    """Modules to shard as their own group, children before parents (FSDP2 needs that order).
-
-    ``policy``: an FSDP1-style ``auto_wrap_policy(module, recurse, nonwrapped_numel)``, evaluated as
-    FSDP1 does (descend where ``recurse=True`` says so, wrap where ``recurse=False`` does, counting
-    only parameters no chosen descendant holds) so that FSDP2 shards the same modules."""
-    reachable = _policy_reachable(model, policy) if policy is not None else None
-    ignored_ids = {id(m) for m in ignored}
-    inside_ignored: set[int] = set()
-    for m in ignored:
-        inside_ignored.update(id(s) for s in m.modules())
-    chosen: list[nn.Module] = []
-    managed: set[int] = set()  # params already in a chosen descendant
-    for qualname, module in reversed(list(model.named_modules())):
-        if module is model or id(module) in inside_ignored:
-            continue
-        if policy is not None:
-            fresh = sum(p.numel() for p in module.parameters() if id(p) not in managed)
-            take = id(module) in reachable and bool(policy(module=module, recurse=False, nonwrapped_numel=fresh))
-        elif wrap:
-            take = matches(module, qualname, wrap)
-        elif min_params:
-            fresh = sum(p.numel() for p in module.parameters() if id(p) not in managed)
-            take = fresh >= min_params
-        else:
-            take = False
-        if take:
-            chosen.append(module)
-            managed.update(id(p) for p in module.parameters())
-    if trainable_outmost:
-        # keep trainable parameters for the root group: a chosen module holding any is replaced by
-        # its largest all-frozen submodules (LoRA: the frozen base layers shard per block).
-        frozen: list[nn.Module] = []
-        for m in chosen:
-            if all(not p.requires_grad for p in m.parameters()):
-                frozen.append(m)
-                continue
-            for sub in m.modules():
-                params = list(sub.parameters())
-                if params and all(not p.requires_grad for p in params) and not any(sub in f.modules() for f in frozen):
-                    frozen.append(sub)
-        chosen = [m for m in frozen if id(m) not in ignored_ids]
-        # children before parents again
-        chosen.sort(key=lambda m: -sum(1 for _ in m.modules()))
-        chosen.reverse()
-    return chosen
 
 
 def broadcast_module_states(model: nn.Module, group) -> None:
@@ -329,8 +194,8 @@ class Fsdp(HasBackends, Transform):
     wrap_policy: Any = None
 
     def __post_init__(self):
-        object.__setattr__(self, "wrap", _targets(self.wrap, "fsdp.wrap"))
-        object.__setattr__(self, "ignored", _targets(self.ignored, "fsdp.ignored"))
+        object.__setattr__(self, "wrap", block_targets(self.wrap, "fsdp.wrap"))
+        object.__setattr__(self, "ignored", block_targets(self.ignored, "fsdp.ignored"))
         if isinstance(self.min_params, bool) or not isinstance(self.min_params, int) or self.min_params < 0:
             raise ConfigError("fsdp.min_params", self.min_params, "an integer >= 0 (0: no size-based wrapping)")
         if self.wrap_policy is not None and (not callable(self.wrap_policy) or self.wrap or self.min_params):
@@ -369,11 +234,11 @@ class Fsdp(HasBackends, Transform):
                     cfg["auto_wrap_policy"],
                     "absent when atorch_wrap_cls or atorch_size_based_min_num_params is given",
                 )
-            mapped = _from_auto_wrap_policy(cfg.pop("auto_wrap_policy"))
+            mapped = from_auto_wrap_policy(cfg.pop("auto_wrap_policy"))
             key = {"wrap": "atorch_wrap_cls", "min_params": "atorch_size_based_min_num_params"}
             cfg.update({key.get(k, k): v for k, v in mapped.items()})
         if "sharding_strategy" in cfg:
-            cfg["reshard_after_forward"] = _from_sharding_strategy(cfg.pop("sharding_strategy"))
+            cfg["reshard_after_forward"] = from_sharding_strategy(cfg.pop("sharding_strategy"))
         if isinstance(cfg.get("wrap_trainable_outmost"), str):
             if cfg["wrap_trainable_outmost"] == "NO_SHARD":
                 raise ConfigError(
@@ -422,13 +287,13 @@ class Fsdp(HasBackends, Transform):
         how = (
             f"wrap where the policy {getattr(policy, '__name__', type(policy).__name__)} says so"
             if self.wrap_policy is not None
-            else f"wrap {', '.join(map(_tname, self.wrap))}"
+            else f"wrap {', '.join(map(target_name, self.wrap))}"
             if self.wrap
             else (f"wrap blocks of >= {self.min_params} params" if self.min_params else "root only")
         )
         parts = [how]
         if self.ignored:
-            parts.append(f"ignore {', '.join(map(_tname, self.ignored))}")
+            parts.append(f"ignore {', '.join(map(target_name, self.ignored))}")
         if not self.reshard_after_forward:
             parts.append("keep parameters after forward")
         if self.cpu_offload:
@@ -508,7 +373,7 @@ class Zero2(HasBackends, Transform):
         if self.backend not in ZERO2_BACKENDS:
             raise ConfigError("zero2.backend", self.backend, ", ".join(map(repr, ZERO2_BACKENDS)))
         object.__setattr__(self, "options", zero_options(self.options, "zero2", self.backend))
-        object.__setattr__(self, "wrap", _targets(self.wrap, "zero2.wrap"))
+        object.__setattr__(self, "wrap", block_targets(self.wrap, "zero2.wrap"))
         if self.wrap and self.backend != "fsdp":
             raise ConfigError("zero2.wrap", self.wrap, "() unless backend='fsdp' (only FSDP wraps blocks)")
 
@@ -543,7 +408,7 @@ class Zero2(HasBackends, Transform):
     def describe(self):
         if self.backend == "fairscale":
             return f"zero2(fairscale OSS + ShardedDataParallel{options_label(self.options)})"
-        wrap = f"; wrap {', '.join(map(_tname, self.wrap))}" if self.wrap else ""
+        wrap = f"; wrap {', '.join(map(target_name, self.wrap))}" if self.wrap else ""
         return f"zero2(FSDP2, reshard_after_forward=False{wrap}{options_label(self.options)})"
 
     def apply(self, state: TrainState, ctx: ApplyContext) -> TrainState:
