@@ -416,13 +416,10 @@ class Half(Transform):
         return cls(dtype="fp16" if config is None else config)
 
     def describe(self):
-        if self.master_weights is None and self.dtype == "bf16":
-            return (
-                f"half(bf16, fp32 master weights unless the optimizer state is sharded{_POLICY_LABEL[self.nonfinite]})"
-            )
-        return (
-            f"half({self.dtype}{', fp32 master weights' if self.master_weights else ''}{_POLICY_LABEL[self.nonfinite]})"
-        )
+        label = _POLICY_LABEL[self.nonfinite]
+        if self.master_weights is None and self.dtype == "bf16":  # ATorch's default, decided at apply time
+            return f"half(bf16{label}) with fp32 master weights unless the optimizer state is sharded"
+        return f"half({self.dtype}{', fp32 master weights' if self.master_weights else ''}{label})"
 
     def _use_masters(self, ctx: ApplyContext) -> bool:
         if self.master_weights is not None or self.dtype != "bf16":
@@ -447,6 +444,8 @@ class Half(Transform):
             state.note(
                 self.name, "fp32 master weights: the optimizer steps on float32 copies, copied back after each step"
             )
+        elif self.master_weights is None and self.dtype == "bf16":
+            state.note(self.name, "no fp32 master weights: the sharded optimizer's fp32 state is the master copy")
         _add_nonfinite_hook(state, self.name, self.nonfinite)
         return state
 
