@@ -98,7 +98,9 @@ def test_block_dedup_gives_the_full_estimate():
         assert not any("identical blocks" in n for n in full.notes)
         assert fast.ranks == full.ranks
         assert fast.flops == full.flops
-        assert fast.step_time_s == pytest.approx(full.step_time_s, rel=1e-9)
+        # seconds: equal but for ops over the whole model whose size grows with the block count (the
+        # non-finite check stacks one flag per gradient): priced on a size curve, not linear in blocks
+        assert fast.step_time_s == pytest.approx(full.step_time_s, rel=1e-6)
     # DDP's buckets span blocks: the whole model is simulated
     assert any("buckets span blocks" in n for n in est(ca.ddp(), DEEP, dedup=True).notes)
 
