@@ -45,10 +45,10 @@ def pytest_collection_modifyitems(config, items):
         if key in MARKS:
             found.add(key)
             item.add_marker(getattr(pytest.mark, MARKS[key][0]))
-    whole_run = (
-        not config.getoption("keyword")
-        and not any("::" in str(a) for a in config.args)
-        and all(os.path.isdir(a) or a.endswith("tests") for a in config.args)
+    # the whole suite: the tests folder itself (or the project root), not a sub-folder or a file
+    here = os.path.dirname(os.path.abspath(__file__))
+    whole_run = not config.getoption("keyword") and all(
+        os.path.abspath(str(a)) in (here, os.path.dirname(here)) for a in config.args
     )
     missing = sorted(set(MARKS) - found)
     if whole_run and missing:

@@ -16,8 +16,9 @@ fresh processes, :mod:`.study` runs the optuna study, :mod:`.report` writes what
 from composable_atorch.auto.policy import Budget, SpaceOptions, StudyOptions, TrialSettings
 from composable_atorch.auto.predict import Prediction, Predictor
 from composable_atorch.auto.preflight import preflight
+from composable_atorch.auto.records import SearchResult, TrialRecord
 from composable_atorch.auto.space import SearchSpace, block_classes, plan_key
-from composable_atorch.auto.study import SearchResult, TrialRecord, search
+from composable_atorch.auto.study import search
 from composable_atorch.auto.trial import TrialResult, run_trial, train_plan
 from composable_atorch.auto.workload import Workload
 

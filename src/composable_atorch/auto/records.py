@@ -93,3 +93,9 @@ class SearchResult:
     def over_budget_runs(self) -> int:
         """Runs that went over the memory budget anyway (what the prediction is there to make zero)."""
         return sum(r.over_budget for r in self.records)
+
+
+def best_record(records: list[TrialRecord]) -> TrialRecord | None:
+    """The fastest feasible measured trial, or None."""
+    feasible = [r for r in records if r.status == "ok" and r.result and r.result.samples_per_s]
+    return max(feasible, key=lambda r: r.result.samples_per_s, default=None)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from rich.table import Table
 
-from composable_atorch.auto.study import SearchResult
+from composable_atorch.auto.records import SearchResult
 from composable_atorch.core import strategy
 
 MiB = 2**20

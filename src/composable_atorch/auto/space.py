@@ -381,3 +381,23 @@ class SearchSpace:
         if self.rejected:
             lines.append(f"  ({len(self.rejected)} sub-combination(s) rejected by compose() while building the knobs)")
         return "\n".join(lines)
+
+
+def plan_needs_criterion(plan: Plan) -> str | None:
+    """Why a workload without ``criterion`` cannot train ``plan`` (a pipeline runs the loss inside its
+    schedule, on the last stage's output: ``loss_fn(model, batch)`` has no place there)."""
+    if pipeline_degree(plan) > 1:
+        return (
+            "RequirementError: a pipeline plan needs Workload.criterion(output, targets) and batches of "
+            "(inputs, targets); this workload gives loss_fn(model, batch) only"
+        )
+    return None
+
+
+def example_model(model_fn):
+    """The model, built on the meta device when it can be (no memory), to find its blocks."""
+    try:
+        with torch.device("meta"):
+            return model_fn()
+    except Exception:  # noqa: BLE001 - some models cannot be built on meta; build them for real
+        return model_fn()

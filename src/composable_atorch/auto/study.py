@@ -28,17 +28,17 @@ from composable_atorch.auto.policy import (
     TrialSettings,
     make_sampler,
     policies_from_keywords,
-    storage_url,
 )
 from composable_atorch.auto.predict import Estimator, Predictor, StepTimeCheck, default_estimator
 from composable_atorch.auto.preflight import preflight, preflight_in_child
-from composable_atorch.auto.records import SearchResult, TrialRecord
+from composable_atorch.auto.records import SearchResult, TrialRecord, best_record
 from composable_atorch.auto.space import (
     Enumeration,
     Point,
     SearchSpace,
     block_classes,
-    pipeline_degree,
+    example_model,
+    plan_needs_criterion,
     planning_admit,
 )
 from composable_atorch.auto.trial import ProcessRunner, TrialResult
@@ -46,41 +46,11 @@ from composable_atorch.auto.workload import Workload
 from composable_atorch.core.plan import Plan
 from composable_atorch.environment import Environment
 
-__all__ = [
-    "Budget",
-    "SearchResult",
-    "SpaceOptions",
-    "StudyOptions",
-    "TrialRecord",
-    "search",
-    "storage_url",
-]
+__all__ = ["search"]
 
 #: Consecutive proposals that are invalid or already measured before an untried neighbour of the
 #: best plan is enqueued (samplers on small categorical spaces keep proposing their favourite).
 MAX_REPEATS = 3
-
-
-def plan_needs_criterion(plan: Plan) -> str | None:
-    """Why a workload without ``criterion`` cannot train ``plan`` (a pipeline runs the loss inside its
-    schedule, on the last stage's output: ``loss_fn(model, batch)`` has no place there)."""
-    if pipeline_degree(plan) > 1:
-        return (
-            "RequirementError: a pipeline plan needs Workload.criterion(output, targets) and batches of "
-            "(inputs, targets); this workload gives loss_fn(model, batch) only"
-        )
-    return None
-
-
-def _example_model(model_fn):
-    """The model, built on the meta device when it can be (no memory), to find its blocks."""
-    import torch
-
-    try:
-        with torch.device("meta"):
-            return model_fn()
-    except Exception:  # noqa: BLE001 - some models cannot be built on meta; build them for real
-        return model_fn()
 
 
 def search(
@@ -175,7 +145,7 @@ class _Loop:
 
         self.trial_settings, self.budget, self.runner, self.progress, self.env = trial, budget, runner, progress, env
         self.limit = budget.memory_bytes
-        example = _example_model(workload.model_fn)
+        example = example_model(workload.model_fn)
         context = SearchContext(
             env=env,
             block_classes=block_classes(example),
@@ -308,7 +278,7 @@ class _Loop:
 
     def _pick_note(self) -> str:
         """The step-time model against the best measured plan (auto/predict.py)."""
-        best = _best([TrialRecord.from_frozen(t) for t in self.study.trials])
+        best = best_record([TrialRecord.from_frozen(t) for t in self.study.trials])
         if best is None or self.predictor is None:
             return ""
         key = self.study.trials[best.number].user_attrs.get("plan_key")
@@ -358,7 +328,7 @@ class _Loop:
                     break
                 self._step(remaining)
         records = [TrialRecord.from_frozen(t) for t in self.study.trials]
-        best = _best(records)
+        best = best_record(records)
         c = self.counts
         return SearchResult(
             study=self.study,
@@ -503,7 +473,7 @@ class _Loop:
         mem = "" if peak is None else f", peak {peak / 2**20:.1f} MiB"
         flag = " [yellow]over budget[/yellow]" if over else ""
         self.bar.console.print(f"  #{trial.number} {label}: {result.samples_per_s:.1f} samples/s{mem}{flag}")
-        best = _best([TrialRecord.from_frozen(t) for t in self.study.trials])
+        best = best_record([TrialRecord.from_frozen(t) for t in self.study.trials])
         self.bar.update(self.task, advance=1, best=f"best {best.result.samples_per_s:.1f} samples/s" if best else "")
 
 
@@ -512,7 +482,7 @@ def _neighbour(study, enumeration: Enumeration, seen: dict[str, int], rng: rando
     left = [enumeration.valid[k] for k in enumeration.valid if k not in seen]
     if not left:  # every plan measured or predicted over the budget: any proposal is a repeat
         return dict(rng.choice(list(enumeration.valid.values())).assignment)
-    best = _best([TrialRecord.from_frozen(t) for t in study.trials])
+    best = best_record([TrialRecord.from_frozen(t) for t in study.trials])
     if best is None:
         return dict(rng.choice(left).assignment)
     anchor = best.assignment
@@ -522,8 +492,3 @@ def _neighbour(study, enumeration: Enumeration, seen: dict[str, int], rng: rando
 
     nearest = min(distance(p) for p in left)
     return dict(rng.choice([p for p in left if distance(p) == nearest]).assignment)
-
-
-def _best(records: list[TrialRecord]) -> TrialRecord | None:
-    feasible = [r for r in records if r.status == "ok" and r.result and r.result.samples_per_s]
-    return max(feasible, key=lambda r: r.result.samples_per_s, default=None)
