@@ -2,6 +2,7 @@
 
 import os
 import sys
+import tempfile
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, os.path.dirname(__file__))
@@ -11,6 +12,23 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 import pytest  # noqa: E402
+
+# The estimate prices a step with this machine's calibration, measured once (seconds, and it spawns
+# a gloo group) and cached. Tests use one recorded calibration instead (measured on the project's
+# 2-core CPU), in a private cache every spawned rank inherits: no test measures, none writes to the
+# user's home, and predictions are the same on every machine.
+_CACHE = tempfile.mkdtemp(prefix="composable_atorch_test_cache_")
+os.environ["COMPOSABLE_ATORCH_CACHE"] = _CACHE
+
+
+def _install_recorded_calibration() -> None:
+    from composable_atorch.estimate import calibrate
+
+    recorded = calibrate.load(os.path.join(os.path.dirname(__file__), "calibration.json"))
+    calibrate.save(recorded, calibrate.cache_path(1))
+
+
+_install_recorded_calibration()
 
 #: Tests in other engineers' files that the fast tier (-m "not slow and not dist") leaves out, with
 #: the measured reason (2 shared cores, 2026-11-23). Their owners may move the mark into the file;
@@ -90,3 +108,9 @@ def _fast_tier_spawns_nothing(request, monkeypatch):
     monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", guarded_start)
     monkeypatch.setattr(subprocess.Popen, "__init__", guarded_popen)
     yield
+
+
+def pytest_sessionfinish(session, exitstatus):
+    import shutil
+
+    shutil.rmtree(_CACHE, ignore_errors=True)
