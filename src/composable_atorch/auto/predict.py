@@ -249,6 +249,19 @@ class StepTimeCheck:
             f"{self.error:.0%}; not run"
         )
 
+    def loses_unmeasured(self, prediction: Prediction | None, others: list[Prediction]) -> str | None:
+        """Before any trial: why ``prediction``'s plan is not worth one, or None. It loses when predicted
+        slower than the fastest of ``others`` by more than the model's least error (``min_error``):
+        with nothing measured yet, the model's own ranking is all there is."""
+        times = [p.step_time_s for p in others if p.step_time_s]
+        mine = None if prediction is None else prediction.step_time_s
+        if not mine or not times or mine <= min(times) * (1.0 + self.min_error):
+            return None
+        return (
+            f"predicted {mine:.3f} s per step, slower than the fastest predicted {min(times):.3f} s by more "
+            f"than the model's least error {self.min_error:.0%}; not run"
+        )
+
     def pick_note(self, prediction: Prediction | None, result) -> str:
         """How far the picked plan's measurement is from the model's prediction for it."""
         step = measured_step_s(result)

@@ -193,7 +193,7 @@ class _Loop:
         self.counts = {"measured": 0, "invalid": 0, "duplicate": 0, "dry_invalid": 0, "skipped": 0}
         self.repeats = 0
         first = [start_from] if start_from is not None else []
-        if study.baseline_first:
+        if study.baseline_first and not self._baseline_loses():
             first.append(None)  # the plan with no transforms: the reference every other plan is against
         for plan in first:
             self._enqueue_first(plan)
@@ -224,6 +224,25 @@ class _Loop:
                 self._skip(trial, key)
                 self.study.tell(trial, state=optuna.trial.TrialState.PRUNED)
         self.prediction_s = time.monotonic() - start
+
+    def _baseline_loses(self) -> bool:
+        """The baseline predicted to lose before any trial (:meth:`~.predict.StepTimeCheck.loses_unmeasured`):
+        recorded as predicted slower, not run (a trial the budget cannot spare)."""
+        point = self.space.baseline(self.enumeration)
+        if self.predictor is None or point is None or point.key in self.seen:
+            return False
+        fits = [p for p in self.predictions.values() if not p.over(self.limit, self.margin)]
+        why = self.check.loses_unmeasured(self._prediction(point.key), fits)
+        if why is None:
+            return False
+        self.study.enqueue_trial(dict(point.assignment), skip_if_exists=False)
+        trial = self.study.ask()
+        for name, value in (("assignment", dict(point.assignment)), ("plan_key", point.key)):
+            trial.set_user_attr(name, value)
+        trial.set_user_attr("steps", list(point.plan.names))
+        self._tell_slower(trial, point, f"the baseline: {why}")
+        self.repeats = 0
+        return True
 
     def _prediction(self, key: str):
         if key not in self.predictions:
