@@ -78,13 +78,27 @@ class Recording:
         key = plan_key(plan)
         if key not in self.table:
             self.table[key] = self.runner(plan, timeout=timeout)
-            self.labels[key] = " | ".join(plan.names)
+            self.labels[key] = label(plan)
             self.plans[key] = plan.to_json(indent=None)
             self.save()
             r = self.table[key]
             what = f"{r.step_time:.4f} s/step ±{100 * (r.relative_error or 0):.1f}%" if r.ok else f"FAILED {r.reason}"
             print(f"  [{len(self.table)}] {self.labels[key]}: {what}", flush=True)
         return self.table[key]
+
+
+def label(plan) -> str:
+    """The plan's steps, with the degrees of mixed_parallel and accumulate's micro-batches (plans differ there)."""
+    parts = []
+    for t in plan.transforms:
+        c = t.config()
+        if t.name == "mixed_parallel":
+            parts.append(f"mixed_parallel(tensor {c.get('tensor')} x pipeline {c.get('pipeline')})")
+        elif t.name == "accumulate":
+            parts.append(f"accumulate({c.get('steps')})")
+        elif t.name != "parallel_mode":
+            parts.append(t.name)
+    return " | ".join(parts)
 
 
 def settings():
@@ -190,6 +204,7 @@ def main(argv=None) -> int:
     p.add_argument("--resume", action="store_true", help="keep the plans already in benchmarks/results/search.json")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds against Accelerate (0: none)")
     p.add_argument("--accelerate-steps", type=int, default=20)
+    p.add_argument("--cached", action="store_true", help="price with the cached calibration (default: measure it)")
     args = p.parse_args(argv)
 
     import _usergpt as g
@@ -199,6 +214,7 @@ def main(argv=None) -> int:
     from composable_atorch.auto.trial import TrialResult
     from composable_atorch.environment import Environment
     from composable_atorch.estimate import estimate
+    from composable_atorch.estimate.calibrate import calibration
 
     load_start = os.getloadavg()
     print(f"load average at start: {load_start[0]:.1f} on {os.cpu_count()} cores")
@@ -225,6 +241,10 @@ def main(argv=None) -> int:
     print(f"exhaustive best: {labels[best_key]} {best.step_time:.4f} s/step ({best.samples_per_s:.1f} samples/s)")
 
     env = Environment.detect().with_(world_size=WORLD)
+    labels.update({k: label(ca.Plan.from_json(j, env=env)) for k, j in plans.items()})
+    t0 = time.monotonic()
+    cal = calibration(recalibrate=not args.cached)  # the predictions below read it from the cache
+    print(f"calibration: {'cached' if args.cached else 'measured'} in {time.monotonic() - t0:.1f} s")
     predictor = Predictor(estimate, g.workload(args.small), env)
     t0 = time.monotonic()
     for key in table:
@@ -283,6 +303,7 @@ def main(argv=None) -> int:
         table_s=table_s,
         best={"key": best_key, "label": labels[best_key], "step_s": best.step_time},
         predictions={k: p.to_dict() for k, p in predictor.cache.items()},
+        calibration=cal.to_dict(),
         prediction_s=predict_s,
         runs=runs,
         summary={

@@ -120,6 +120,10 @@ def test_search_skips_only_plans_predicted_to_lose_by_more_than_the_error():
     assert check.loses(Prediction(1, step_time_s=0.27)) is None  # 0.648 s: within the error of the best 0.6 s
     assert "slower than the best measured" in check.loses(Prediction(1, step_time_s=0.4))  # 0.96 s
     assert check.loses(Prediction(1)) is None  # no step time predicted: measured
+    # the estimate failed (a simulated step that cannot run, as the plans that crash do): not run
+    failed = Prediction(reason="EstimateError: one training step of the plan cannot run on fake tensors")
+    assert "no step-time prediction (EstimateError" in check.loses(failed)
+    assert StepTimeCheck().loses(failed) is None  # before the model is held to any trial: measured
     assert "+140%" in check.pick_note(Prediction(1, step_time_s=0.25), ok(0.6))
 
 

@@ -238,8 +238,14 @@ class StepTimeCheck:
 
     def loses(self, prediction: Prediction | None) -> str | None:
         """Why ``prediction``'s plan is not worth a trial, or None (run it)."""
-        if prediction is None or not prediction.step_time_s or len(self.ratios) < self.min_observed:
+        if prediction is None or len(self.ratios) < self.min_observed:
             return None
+        if not prediction.step_time_s:
+            # the model ranks the measured plans; one it could not estimate cannot be expected to beat
+            # them (a simulated step that fails is how most plans that crash in a trial show up here)
+            if not prediction.reason:
+                return None
+            return f"no step-time prediction ({prediction.reason[:160]}); the model ranks the plans that have one"
         expected = prediction.step_time_s * self.scale
         if self.best_step_s is None or expected <= self.best_step_s * (1.0 + self.error):
             return None
