@@ -25,7 +25,7 @@ from pathlib import Path
 VOCAB = 512
 
 
-def write_model(out: Path, block_size: int) -> None:
+def write_model(out: Path, block_size: int, hidden_size: int = 64, layers: int = 4) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, PreTrainedTokenizerFast
 
@@ -49,9 +49,9 @@ def write_model(out: Path, block_size: int) -> None:
     fast.save_pretrained(out)
     LlamaConfig(
         vocab_size=VOCAB,
-        hidden_size=64,
+        hidden_size=hidden_size,
         intermediate_size=128,
-        num_hidden_layers=4,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=max(block_size, 64),
@@ -60,10 +60,20 @@ def write_model(out: Path, block_size: int) -> None:
     ).save_pretrained(out)
 
 
-def write_dataset(out: Path, rows: int = 1500) -> None:
+def write_dataset(out: Path, rows: int = 1500, tokenizer_dir: Path | None = None, blocks: int = 0, block_size=32):
+    """wikitext-style rows; with ``blocks``, just enough rows for that many blocks of ``block_size`` tokens
+    (so that every step of a run sees the same batch: a loss that must fall, whatever the learning rate)."""
     from composable_atorch.data.text import corpus_text
 
     lines = [line for line in corpus_text().splitlines() if line.strip()]
+    if blocks:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+        total, rows = 0, 0
+        while total < blocks * block_size:
+            total += len(tok(lines[rows])["input_ids"])
+            rows += 1
     out.mkdir(parents=True, exist_ok=True)
     (out / "train.txt").write_text("\n".join(lines[:rows]) + "\n")
     (out / "validation.txt").write_text("\n".join(lines[rows : rows + 200]) + "\n")
@@ -89,10 +99,15 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--block_size", type=int, default=32)
+    parser.add_argument("--hidden_size", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--blocks", type=int, default=0, help="train on this many blocks only (default: 1500 rows)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    write_model(args.out / "model", args.block_size)
-    write_dataset(args.out / "wikitext")
+    write_model(args.out / "model", args.block_size, args.hidden_size, args.layers)
+    write_dataset(
+        args.out / "wikitext", tokenizer_dir=args.out / "model", blocks=args.blocks, block_size=args.block_size
+    )
     write_ds_config(args.out / "ds_config.json")
     print(f"tiny Llama, tokenizer, dataset and ds_config written to {args.out}")
 

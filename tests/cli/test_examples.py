@@ -201,3 +201,28 @@ def test_atorch_ds_3d_llama2_unchanged_but_imports_at_world_4(tmp_path):
     losses = losses_of(out, r" iter: \d+, loss: ([-\d.e]+),")  # "<time> iter: i, loss: x, elapsed time: ..."
     assert len(losses) == steps, out[-3000:]
     assert abs(losses[0] - math.log(512)) < 0.2 and losses[-1] < losses[0] - 0.4, losses  # seen: 6.25 -> 5.51
+
+
+def test_atorch_fsdp_llama2_unchanged_but_imports(tmp_path):
+    """ATorch's fsdp_llama2.py, imports (and the CUDA device) changed only, with fsdp_llama2_entry.sh's
+    options (bf16 amp, gradient checkpointing; module_replace and FSDP1's options in its strategy) at world 2.
+
+    The script hard-codes ATorch's fine-tuning learning rate (AdamW 1e-5), at which a tiny Llama moves
+    by a few thousandths per step: the text is cut to 4 blocks, so each rank sees the same batch every
+    step and the loss must fall at every step (seen: 6.2895 -> 6.2519 in 12 steps, by 0.003 each)."""
+    pytest.importorskip("peft")  # the script imports it
+    import runpy
+
+    runpy.run_path(str(EXAMPLES / "atorch_llama2" / "make_tiny_llama.py"))["main"]([str(tmp_path), "--blocks", "4"])
+    steps = 12
+    out = launch(
+        "atorch_llama2/fsdp_llama2.py",
+        *("--block_size", "32", "--max_steps", str(steps), "--per_device_train_batch_size", "2"),
+        *("--precision", "bf16_amp", "--gradient_checkpointing"),
+        *("--model_name_or_path", str(tmp_path / "model"), "--dataset_path", str(tmp_path / "wikitext")),
+        cwd=EXAMPLES / "atorch_llama2",
+    )
+    assert "fsdp(wrap LlamaDecoderLayer" in out and "amp(bf16)" in out and "Global batch size: 4" in out
+    losses = losses_of(out, r" iter: \d+, loss: ([-\d.e]+),")
+    assert len(losses) == steps, out[-3000:]
+    assert all(b < a for a, b in zip(losses, losses[1:])) and losses[-1] < losses[0] - 0.02, losses
