@@ -8,7 +8,9 @@
 #       --per_device_train_batch_size 2 --precision bf16_amp --gradient_checkpointing \
 #       --model_name_or_path /tmp/tiny/model --dataset_path /tmp/tiny/wikitext
 # (ATorch's fsdp_llama2_entry.sh arguments; USE_LORA's: --peft_type lora --lora_r 16 --lora_alpha 16
-#  --lora_target_modules q_proj v_proj k_proj o_proj --lora_dropout 0.05; USE_FP8's: --fp8)
+#  --lora_target_modules q_proj v_proj k_proj o_proj --lora_dropout 0.05, and on Python 3.11+ also
+#  --peft_task_type CAUSAL_LM: argparse turns the TaskType default into the text 'TaskType.CAUSAL_LM',
+#  which peft refuses; USE_FP8's: --fp8)
 import argparse
 import datetime
 from contextlib import nullcontext
