@@ -3,14 +3,14 @@
 ATorch's ``dataset_model.sh`` downloads Llama-2 and wikitext; on a CPU with no network this writes
 stand-ins in the same shapes, so the ported scripts run unchanged::
 
-    python make_tiny_llama.py OUT [--block_size 32]
+    python make_tiny_llama.py OUT [--block_size 32] [--blocks N]
 
 * ``OUT/model``: a Hugging Face model folder (``AutoConfig`` / ``AutoTokenizer.from_pretrained``): a
   4-layer Llama config (hidden 64, 4 heads, 2 key/value heads: tensor 2 keeps whole heads) and a
   byte-level BPE tokenizer of 512 tokens trained on the text below;
 * ``OUT/wikitext``: ``train.txt`` / ``validation.txt``, one line per row as wikitext's, from the
-  documentation text CPython ships (``composable_atorch.data.text.corpus_text``); example_utils reads
-  it when the ``datasets`` package is not installed;
+  documentation text CPython ships (``composable_atorch.data.text.corpus_text``), 1500 rows or (``--blocks N``)
+  just enough for N blocks; example_utils reads it when the ``datasets`` package is not installed;
 * ``OUT/ds_config.json``: ATorch's ``ds_3d_llama2_entry.sh`` config for a CPU: fp32 (DeepSpeed's fp16
   needs a GPU), 4 micro-batches of 2, and DeepSpeed's own ``WarmupLR`` holding the learning rate at
   3e-3 (the script hard-codes ATorch's 1e-5, too small to see a tiny model learn in a few steps).
@@ -25,7 +25,7 @@ from pathlib import Path
 VOCAB = 512
 
 
-def write_model(out: Path, block_size: int, hidden_size: int = 64, layers: int = 4) -> None:
+def write_model(out: Path, block_size: int) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, PreTrainedTokenizerFast
 
@@ -49,9 +49,9 @@ def write_model(out: Path, block_size: int, hidden_size: int = 64, layers: int =
     fast.save_pretrained(out)
     LlamaConfig(
         vocab_size=VOCAB,
-        hidden_size=hidden_size,
+        hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=layers,
+        num_hidden_layers=4,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=max(block_size, 64),
@@ -99,12 +99,10 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--block_size", type=int, default=32)
-    parser.add_argument("--hidden_size", type=int, default=64)
-    parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--blocks", type=int, default=0, help="train on this many blocks only (default: 1500 rows)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    write_model(args.out / "model", args.block_size, args.hidden_size, args.layers)
+    write_model(args.out / "model", args.block_size)
     write_dataset(
         args.out / "wikitext", tokenizer_dir=args.out / "model", blocks=args.blocks, block_size=args.block_size
     )
