@@ -41,6 +41,7 @@ import argparse
 import os
 import sys
 
+from composable_atorch.cli import elastic
 from composable_atorch.runtime.liveness import DEFAULT_TIMEOUT_S, TIMEOUT_ENV
 
 PROG = "python -m composable_atorch launch"
@@ -98,10 +99,10 @@ def rank_environment(ns: argparse.Namespace) -> dict[str, str]:
     # two ranks with several threads each on a small machine ran 5-10x slower (CPU_FACTS); torchrun
     # itself only sets this with more than one process per node
     env = {"OMP_NUM_THREADS": "1"}
-    if ns.max_restarts > 0:
-        # a store per restart round: the shared one broke about half the restarts (module docstring).
-        # Only with restarts: rank 0 then binds a port the agent picked and closed, which another
-        # process can take meanwhile (seen once in ~30 runs on a busy machine: EADDRINUSE)
+    if elastic.is_elastic(ns):
+        # a store per round (restarts and membership changes): the shared one broke about half the
+        # restarts (module docstring). Only then: rank 0 binds a port the agent picked and closed,
+        # which another process can take meanwhile (seen once in ~30 runs on a busy machine: EADDRINUSE)
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     if ns.timeout is not None:
         env[TIMEOUT_ENV] = repr(ns.timeout)
@@ -113,15 +114,20 @@ def rank_environment(ns: argparse.Namespace) -> dict[str, str]:
 def parser() -> argparse.ArgumentParser:
     p = _Parser(prog=PROG, description="Run a training script on N processes (a thin layer over torchrun).")
     p.add_argument("--nproc", type=_positive, required=True, help="processes on this node (e.g. one per GPU)")
-    p.add_argument("--nnodes", type=_positive, default=1, help="number of nodes (default 1)")
+    p.add_argument(
+        "--nnodes",
+        type=elastic.nnodes,
+        default=(1, 1),
+        help="number of nodes, or MIN:MAX for an elastic job that goes on with MIN to MAX nodes (default 1)",
+    )
     p.add_argument(
         "--node-rank",
         type=_non_negative,
         default=0,
-        help="this node's index, 0..nnodes-1 (node 0 hosts the rendezvous)",
+        help="this node's index, 0..MAX-1 (node 0 hosts the rendezvous and must stay up)",
     )
     p.add_argument(
-        "--rdzv-endpoint", type=_endpoint, default=None, help="HOST:PORT of node 0, required with --nnodes > 1"
+        "--rdzv-endpoint", type=_endpoint, default=None, help="HOST:PORT of node 0, required with several nodes"
     )
     p.add_argument("--rdzv-id", default="composable_atorch", help="job id shared by all nodes of one run")
     p.add_argument(
@@ -133,6 +139,7 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         help="seconds a rank may wait for a stopped peer before the job ends naming it (default 300)",
     )
+    elastic.add_arguments(p)
     p.add_argument("script", help="the training script (a .py file)")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     return p
@@ -141,26 +148,26 @@ def parser() -> argparse.ArgumentParser:
 def torchrun_args(ns: argparse.Namespace) -> list[str]:
     """The torchrun command line (without the program name) for parsed launch arguments."""
     common = ["--nproc-per-node", str(ns.nproc), "--max-restarts", str(ns.max_restarts)]
-    if ns.nnodes == 1 and ns.rdzv_endpoint is None:
+    low, high = ns.nnodes
+    if high == 1 and ns.rdzv_endpoint is None:
         return ["--standalone", *common, ns.script, *ns.args]
-    # c10d assigns ranks by arrival (torchrun ignores --node-rank with it); the node rank says who
-    # hosts the rendezvous store, so two "nodes" on one machine do not race for the port
-    is_host = "1" if ns.node_rank == 0 else "0"
     return [
-        "--nnodes", str(ns.nnodes),
+        "--nnodes", str(low) if low == high else f"{low}:{high}",
         "--rdzv-backend", "c10d",
         "--rdzv-endpoint", ns.rdzv_endpoint,
         "--rdzv-id", ns.rdzv_id,
-        "--rdzv-conf", f"is_host={is_host}",
+        "--rdzv-conf", elastic.rdzv_conf(ns),
         *common, ns.script, *ns.args,
     ]  # fmt: skip
 
 
 def _check(ns: argparse.Namespace) -> None:
-    if ns.nnodes > 1 and ns.rdzv_endpoint is None:
-        raise _UsageError(f"--nnodes {ns.nnodes} needs --rdzv-endpoint HOST:PORT (the address of node 0)")
-    if ns.node_rank >= ns.nnodes:
-        raise _UsageError(f"--node-rank {ns.node_rank} must be below --nnodes {ns.nnodes}")
+    low, high = ns.nnodes
+    shown = str(low) if low == high else f"{low}:{high}"
+    if high > 1 and ns.rdzv_endpoint is None:
+        raise _UsageError(f"--nnodes {shown} needs --rdzv-endpoint HOST:PORT (the address of node 0)")
+    if ns.node_rank >= high:
+        raise _UsageError(f"--node-rank {ns.node_rank} must be below --nnodes {shown} (at most {high} nodes)")
     if not os.path.isfile(ns.script):
         raise _UsageError(f"script {ns.script!r} not found")
 
@@ -177,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:  # --help
         return int(exc.code or 0)
     os.environ.update(rank_environment(ns))
+    if elastic.is_elastic(ns):
+        elastic.install_recorder()
 
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
