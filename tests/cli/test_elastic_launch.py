@@ -11,23 +11,16 @@ weights equal to a plain single-process run on the same global batches.
 
 import json
 import os
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from torch.utils.data.distributed import DistributedSampler
 
 from composable_atorch.cli import elastic, launch
 
-from _dist import free_port
-
 SCRIPTS = Path(__file__).parent.parent / "scripts"
 SCRIPT = SCRIPTS / "train_elastic.py"
-STEPS, SAVE_EVERY, VICTIM_PAUSE, GROW_PAUSE = 12, 2, 3, 7
 
 
 @pytest.mark.parametrize(
@@ -97,63 +90,13 @@ def test_the_restart_record_and_the_resumed_line(monkeypatch, capsys, tmp_path):
 
 
 # -- the run ---------------------------------------------------------------------------------------
-def start_node(tmp: Path, endpoint: str, node_rank: int, name: str, *, victim: bool = False) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
-    if victim:
-        env["ELASTIC_VICTIM"] = "1"
-    cmd = [sys.executable, "-m", "composable_atorch", "launch", "--nnodes", "3:4", "--nproc", "1"]
-    cmd += ["--node-rank", str(node_rank), "--rdzv-endpoint", endpoint, "--rdzv-id", "elastic-test"]
-    cmd += ["--max-restarts", "3", "--last-call", "1", "--node-timeout", "3", "--join-timeout", "120"]
-    cmd += ["--timeout", "60", str(SCRIPT), "--ckpt", str(tmp / "ckpt"), "--out", str(tmp / "out")]
-    cmd += ["--steps", str(STEPS), "--save-every", str(SAVE_EVERY)]
-    cmd += ["--victim-pause", str(VICTIM_PAUSE), "--grow-pause", f"{GROW_PAUSE}:3"]
-    log = open(tmp / f"{name}.log", "w")
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-    proc.name = name
-    return proc
-
-
-def logs(tmp: Path) -> str:
-    return "\n".join(f"==== {p.name}\n{p.read_text()[-3000:]}" for p in sorted(tmp.glob("*.log")))
-
-
-def wait_until(condition, nodes, tmp: Path, what: str, seconds: float = 150) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        failed = [n.name for n in nodes if n.poll() not in (None, 0)]
-        if failed or time.monotonic() > deadline:
-            pytest.fail(f"waiting for {what}: {'nodes ' + str(failed) + ' failed' if failed else 'timed out'}\n"
-                        f"{logs(tmp)}")  # fmt: skip
-        time.sleep(0.05)
-
-
-def reference_run() -> tuple[list[float], dict[str, torch.Tensor], list[list[int]]]:
-    """The uninterrupted run: one process, plain PyTorch, the same global batches in the same order."""
+def scenario():
     sys.path.insert(0, str(SCRIPTS))
     try:
-        from train_elastic import BATCH, Numbered, make_optimizer, tiny_model
+        import elastic_scenario
     finally:
         sys.path.remove(str(SCRIPTS))
-    data, model = Numbered(), tiny_model()
-    optim = make_optimizer(model)
-    losses, batches, epoch = [], [], 0
-    while len(losses) < STEPS:
-        order = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True)  # its permutation at any world
-        order.set_epoch(epoch)
-        order = list(order)
-        for start in range(0, len(order), BATCH):
-            ids = order[start : start + BATCH]
-            x, y = data.x[ids], data.y[ids]
-            loss = torch.nn.functional.mse_loss(model(x), y)
-            loss.backward()
-            optim.step()
-            optim.zero_grad()
-            losses.append(loss.item())
-            batches.append(sorted(ids))
-            if len(losses) == STEPS:
-                break
-        epoch += 1
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, batches
+    return elastic_scenario
 
 
 @pytest.mark.dist
@@ -161,43 +104,23 @@ def reference_run() -> tuple[list[float], dict[str, torch.Tensor], list[list[int
 def test_lose_a_node_go_on_at_3_grow_back_to_4_as_if_uninterrupted(tmp_path):
     from safetensors.torch import load_file
 
-    (tmp_path / "out").mkdir()
-    endpoint = f"127.0.0.1:{free_port()}"
-    nodes = [start_node(tmp_path, endpoint, r, f"node{r}", victim=r == 3) for r in (1, 2, 3, 0)]
-    victim = next(n for n in nodes if n.name == "node3")
-    out = tmp_path / "out"
-    try:
-        wait_until(lambda: (out / "victim.pid").exists(), nodes, tmp_path, f"the victim to reach step {VICTIM_PAUSE}")
-        killed_at = time.time()
-        victim.kill()
-        os.kill(int((out / "victim.pid").read_text()), signal.SIGKILL)
-        victim.wait()
-        nodes.remove(victim)
-        paused = lambda: len(list(out.glob("paused-*"))) == 3  # noqa: E731
-        wait_until(paused, nodes, tmp_path, f"world 3 to reach step {GROW_PAUSE}")
-        grown_at = time.time()
-        nodes.append(start_node(tmp_path, endpoint, 3, "node3-again"))
-        for node in nodes:
-            node.wait(timeout=150)
-        assert [n.returncode for n in nodes] == [0] * 4, logs(tmp_path)
-    finally:
-        for node in nodes:
-            if node.poll() is None:
-                node.kill()
+    sc = scenario()
+    for attempt in range(2):
+        try:
+            run = sc.run(tmp_path / f"attempt{attempt}")
+            break
+        except sc.ScenarioError as exc:
+            # torch's own race, not what is tested: with a store per round, rank 0 binds a port the
+            # agent picked and released, which another process on a busy machine may have taken
+            if "EADDRINUSE" not in str(exc) or attempt:
+                pytest.fail(str(exc))
+    records, log = run["records"], run["logs"]
+    assert sc.rounds_of(records) == sc.ROUNDS, log  # each resumed from the last checkpoint
+    history = sc.history(records)
+    for step, got in history.items():  # every rank of the step's last round, once
+        assert sorted(r["rank"] for r in got) == list(range(got[0]["world"])), (step, got)
 
-    records = [json.loads(line) for f in out.glob("steps-*.jsonl") for line in f.read_text().splitlines()]
-    rounds = sorted({(r["start"], r["world"]) for r in records})
-    assert rounds == [(0, 4), (2, 3), (6, 4)], rounds  # resumed from the last checkpoint each time
-    # what the final weights saw: for each step, the last round that trained it (later rounds
-    # redo the steps after their checkpoint); every rank of that round, once
-    history = {}
-    for step in range(1, STEPS + 1):
-        start, world = max(r for r in rounds if r[0] < step)
-        got = [r for r in records if r["step"] == step and (r["start"], r["world"]) == (start, world)]
-        assert sorted(r["rank"] for r in got) == list(range(world)), (step, got)
-        history[step] = got
-
-    want_losses, want_state, want_batches = reference_run()
+    want_losses, want_state, want_batches = sc.reference_run()
     for step, got in history.items():
         ids = sorted(i for r in got for i in r["ids"])
         assert ids == want_batches[step - 1], step  # the same global batch as the uninterrupted run
@@ -206,30 +129,30 @@ def test_lose_a_node_go_on_at_3_grow_back_to_4_as_if_uninterrupted(tmp_path):
     per_epoch = {}
     for got in history.values():
         per_epoch.setdefault(got[0]["epoch"], []).extend(i for r in got for i in r["ids"])
-    assert all(sorted(ids) == list(range(48)) for ids in per_epoch.values()), per_epoch  # once each, none skipped
+    assert len(per_epoch) == 3 and all(sorted(ids) == list(range(48)) for ids in per_epoch.values())
     # a step trained, lost with its round and trained again saw the same global batch and loss
     redone = {}
     for r in records:
         if r not in history[r["step"]]:
             redone.setdefault((r["start"], r["world"], r["step"]), []).append(r)
-    assert sorted(k[2] for k in redone) == [3, 7], sorted(redone)  # one step since each last save
+    assert sorted(k[2] for k in redone) == [sc.VICTIM_PAUSE, sc.GROW_PAUSE], sorted(redone)  # one step each
     for (_, world, step), got in redone.items():
         assert len(got) == world and sorted(i for r in got for i in r["ids"]) == want_batches[step - 1]
         assert sum(r["loss"] for r in got) / world == pytest.approx(want_losses[step - 1], rel=1e-5, abs=1e-6)
-    final = load_file(out / "final.safetensors")
+    final = load_file(tmp_path / f"attempt{attempt}" / "out" / "final.safetensors")
     assert final.keys() == want_state.keys()
     for key in final:
         torch.testing.assert_close(final[key], want_state[key], rtol=1e-5, atol=1e-6)
 
+    # what a restart cost, as rank 0 printed it and as the test saw it
+    assert "resumed at world 3 (a node lost; checkpoint of step 2 saved at world 4): step 3 done" in log
+    assert "resumed at world 4 (a node joined; checkpoint of step 6 saved at world 3): step 7 done" in log
     resumed = {(r["start"], r["world"]): r["resumed"] for r in records if "resumed" in r and r["rank"] == 0}
     assert resumed[(6, 4)]["cause"] == "membership"  # rank 0's node restarted for the new node
-    assert resumed[(2, 3)]["saved_step"] == 2 and resumed[(2, 3)]["saved_world"] == 4
-    first = {k: min(r["time"] for r in records if (r["start"], r["world"]) == k) for k in rounds}
+    first = {k: min(r["time"] for r in records if (r["start"], r["world"]) == k) for k in sc.ROUNDS}
     print(
-        f"\nelastic 4 -> 3 -> 4: failure to first resumed step {first[(2, 3)] - killed_at:.1f} s "
-        f"(agent's view {resumed[(2, 3)]['seconds']:.1f} s, rendezvous {resumed[(2, 3)]['rendezvous_s']:.1f} s); "
-        f"node joined to first step at 4 {first[(6, 4)] - grown_at:.1f} s; "
-        f"{VICTIM_PAUSE - 2} and {GROW_PAUSE - 6} step(s) redone (saving every {SAVE_EVERY})"
+        f"\nelastic 4 -> 3 -> 4: failure to first resumed step {first[(2, 3)] - run['killed_at']:.1f} s "
+        f"(rank 0's agent: {resumed[(2, 3)]['seconds']:.1f} s, rendezvous {resumed[(2, 3)]['rendezvous_s']:.1f} s); "
+        f"a node joined to the first step at 4: {first[(6, 4)] - run['grown_at']:.1f} s; "
+        f"one step redone each time (saving every {sc.SAVE_EVERY})"
     )
-    assert "resumed at world 3 (a node lost; checkpoint of step 2 saved at world 4): step 3 done" in logs(tmp_path)
-    assert "resumed at world 4 (a node joined; checkpoint of step 6 saved at world 3): step 7 done" in logs(tmp_path)

@@ -6,8 +6,8 @@ The user's script as the README shows it: apply the plan at whatever ``WORLD_SIZ
 has, resume from the latest checkpoint, train, save every K steps. A tiny MLP on 48 numbered
 samples, global batch 12 (a multiple of 3 and 4), AdamW. Each process appends one JSON line per
 step to ``OUT/steps-{pid}.jsonl``: the step, epoch, rank, world, the sample ids it trained on, its
-loss, the step the round resumed from, the wall time, and on its first step after a restart what
-``report_resumed`` measured.
+loss, the step the round resumed from, the wall time, the step's and the save's seconds, and on
+its first step after a restart what ``report_resumed`` measured.
 
 Test hooks: ``--victim-pause S`` makes the worker of the launcher started with
 ``ELASTIC_VICTIM=1`` write ``OUT/victim.pid`` after step S of the first round and wait to be
@@ -87,14 +87,18 @@ def main() -> None:
     while step < args.steps:
         loader.sampler.set_epoch(epoch)
         for x, y, ids in loader:
+            began = time.perf_counter()
             loss = torch.nn.functional.mse_loss(model(x), y)
             optim.backward(loss)
             optim.step()
             optim.zero_grad()
             step += 1
+            step_s, save_s = time.perf_counter() - began, None
             resumed = report_resumed(step, args.ckpt)  # before saving: the latest checkpoint is the resumed one
             if step % args.save_every == 0:
+                began = time.perf_counter()
                 ca.save_state(args.ckpt, model, optim, loader, step=step)
+                save_s = time.perf_counter() - began
             record = {
                 "step": step,
                 "epoch": epoch,
@@ -104,6 +108,8 @@ def main() -> None:
                 "loss": loss.item(),
                 "start": start,
                 "time": time.time(),
+                "step_s": step_s,
+                "save_s": save_s,
             }
             if resumed is not None:
                 record["resumed"] = resumed
