@@ -39,11 +39,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start_node(tmp: Path, endpoint: str, node_rank: int, name: str, env: dict, victim: bool) -> subprocess.Popen:
+def _start_node(
+    tmp: Path, endpoint: str, node_rank: int, name: str, env: dict, victim: bool, waits
+) -> subprocess.Popen:
     env = dict(env, ELASTIC_VICTIM="1") if victim else env
     cmd = [sys.executable, "-m", "composable_atorch", "launch", "--nnodes", "3:4", "--nproc", "1"]
     cmd += ["--node-rank", str(node_rank), "--rdzv-endpoint", endpoint, "--rdzv-id", "elastic-test"]
-    cmd += ["--max-restarts", "3", "--last-call", "1", "--node-timeout", "3", "--join-timeout", "120"]
+    cmd += [
+        "--max-restarts",
+        "3",
+        "--last-call",
+        str(waits[0]),
+        "--node-timeout",
+        str(waits[1]),
+        "--join-timeout",
+        "120",
+    ]
     cmd += ["--timeout", "60", str(SCRIPT), "--ckpt", str(tmp / "ckpt"), "--out", str(tmp / "out")]
     cmd += ["--steps", str(STEPS), "--save-every", str(SAVE_EVERY)]
     cmd += ["--victim-pause", str(VICTIM_PAUSE), "--grow-pause", f"{GROW_PAUSE}:3"]
@@ -67,15 +78,22 @@ def _wait_until(condition, nodes, tmp: Path, what: str, seconds: float) -> None:
         time.sleep(0.05)
 
 
-def run(tmp: Path, *, env_changes: dict | None = None, seconds: float = 150) -> dict:
-    """The scenario in ``tmp``: ``{"records", "killed_at", "grown_at", "logs"}``; ScenarioError if it failed."""
+def run(
+    tmp: Path, *, env_changes: dict | None = None, seconds: float = 150, last_call: int = 1, node_timeout: int = 3
+) -> dict:
+    """The scenario in ``tmp``: ``{"records", "killed_at", "grown_at", "logs"}``; ScenarioError if it failed.
+
+    The short rendezvous waits (``launch --last-call 1 --node-timeout 3``) keep the test fast; a
+    lost node on localhost is noticed at once (its sockets close), so they are safe here.
+    """
+    waits = (last_call, node_timeout)
     out = tmp / "out"
     out.mkdir(parents=True)
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     env.update(env_changes or {})
     endpoint = f"127.0.0.1:{_free_port()}"
     # the non-host nodes first: they wait for node 0's store
-    nodes = [_start_node(tmp, endpoint, r, f"node{r}", env, victim=r == 3) for r in (1, 2, 3, 0)]
+    nodes = [_start_node(tmp, endpoint, r, f"node{r}", env, r == 3, waits) for r in (1, 2, 3, 0)]
     victim = next(n for n in nodes if n.name == "node3")
     try:
         _wait_until(lambda: (out / "victim.pid").exists(), nodes, tmp, f"node 3 at step {VICTIM_PAUSE}", seconds)
@@ -87,7 +105,7 @@ def run(tmp: Path, *, env_changes: dict | None = None, seconds: float = 150) -> 
         paused = lambda: len(list(out.glob("paused-*"))) == 3  # noqa: E731
         _wait_until(paused, nodes, tmp, f"world 3 at step {GROW_PAUSE}", seconds)
         grown_at = time.time()
-        nodes.append(_start_node(tmp, endpoint, 3, "node3-again", env, victim=False))
+        nodes.append(_start_node(tmp, endpoint, 3, "node3-again", env, False, waits))
         _wait_until(lambda: all(n.poll() is not None for n in nodes), nodes, tmp, "the end", seconds)
     finally:
         for node in nodes:

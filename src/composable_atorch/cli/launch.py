@@ -25,10 +25,20 @@ rendezvous store there (pick a port free on node 0)::
 Global ranks are assigned by the rendezvous (node by node). ``--max-restarts K`` restarts the
 whole group after a failure, up to K times: a script that resumes with
 ``composable_atorch.load_state`` from its last checkpoint then continues where it stopped.
-With restarts, every round gets a fresh rendezvous store (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``): with
-torchrun's default, one store shared across rounds, a restart after a killed rank failed about
-half the time here (gloo "connectFullMesh ... Connection refused", or a hang before the first
-resumed step); with a store per round it passed every time (see benchmarks/restarts.py).
+
+Elastic: ``--nnodes MIN:MAX`` runs with any number of nodes from MIN to MAX. A lost node makes the
+others restart without it (one of ``--max-restarts``); a node started later with the same
+``--rdzv-endpoint``/``--rdzv-id`` makes them restart with it (free). Each restart runs the script
+again at the new ``WORLD_SIZE``: it applies its plan there and ``load_state`` reshards the last
+checkpoint. ``--last-call``, ``--node-timeout`` and ``--join-timeout`` bound the waits (see
+cli/elastic.py, which also records what each restart cost for ``report_resumed``). Node 0 hosts
+the rendezvous store: it must stay up (losing it ends the job).
+
+With restarts or MIN < MAX, every round gets a fresh rendezvous store
+(``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``): with torchrun's default, one store shared across
+rounds, a restart after a killed rank failed about half the time here (gloo "connectFullMesh ...
+Connection refused", or a hang before the first resumed step); with a store per round it passed
+every time (see benchmarks/restarts.py and, for membership changes, benchmarks/elastic.py).
 
 ``--timeout SECONDS`` (default 300) bounds how long a rank waits for a peer that stopped: the
 script's ``init_distributed()`` or ``parallel_mode`` reads it (``COMPOSABLE_ATORCH_TIMEOUT``), and
