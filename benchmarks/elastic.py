@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 import tempfile
@@ -34,6 +35,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "scripts"))
 
 import elastic_scenario as sc  # noqa: E402
+
+#: the lines of a failed node's log that say why
+ERROR = re.compile(r"EADDRINUSE|refused|Timeout|timed out|Error:|connectFullMesh")
 
 
 def equal_to_reference(run: dict, out: Path, reference) -> bool:
@@ -69,7 +73,10 @@ def main() -> None:
             try:
                 run = sc.run(tmp, env_changes=env, last_call=ns.last_call, node_timeout=ns.node_timeout)
             except sc.ScenarioError as exc:
-                cause = "EADDRINUSE" if "EADDRINUSE" in str(exc) else str(exc).splitlines()[0]
+                cause = str(exc).splitlines()[0]
+                errors = [line.strip()[:200] for line in str(exc).splitlines() if ERROR.search(line)]
+                if errors:
+                    cause += f": {errors[0]}"
                 outcomes.append({"recovered": False, "error": cause})
                 print(f"run {i + 1}: FAILED ({cause})", flush=True)
                 continue

@@ -79,11 +79,11 @@ def _wait_until(condition, nodes, tmp: Path, what: str, seconds: float) -> None:
 
 
 def run(
-    tmp: Path, *, env_changes: dict | None = None, seconds: float = 150, last_call: int = 1, node_timeout: int = 3
+    tmp: Path, *, env_changes: dict | None = None, seconds: float = 150, last_call: int = 2, node_timeout: int = 3
 ) -> dict:
     """The scenario in ``tmp``: ``{"records", "killed_at", "grown_at", "logs"}``; ScenarioError if it failed.
 
-    The short rendezvous waits (``launch --last-call 1 --node-timeout 3``) keep the test fast; a
+    The short rendezvous waits (``launch --last-call 2 --node-timeout 3``) keep the test fast; a
     lost node on localhost is noticed at once (its sockets close), so they are safe here.
     """
     waits = (last_call, node_timeout)
