@@ -59,10 +59,11 @@ def test_elastic_command_line_and_environment(monkeypatch):
 def test_the_restart_record_and_the_resumed_line(monkeypatch, capsys, tmp_path):
     from types import SimpleNamespace as Metric
 
-    monkeypatch.delenv(elastic.RESTART_ENV, raising=False)
+    monkeypatch.setenv(elastic.RESTART_ENV, "")  # restored (unset) after the test: the recorder writes it
     recorder = elastic.RestartRecorder()
     for name, when, value in [
         ("LocalElasticAgent._monitor_workers.duration.ms", 99.0, 1),
+        ("workers.default.remaining_restarts", 100.0, 2),
         ("workers.default.failed", 100.0, 1),
         ("LocalElasticAgent._stop_workers.duration.ms", 100.5, 400),
         ("SimpleElasticAgent._rendezvous.duration.ms", 104.0, 3500),
@@ -72,6 +73,14 @@ def test_the_restart_record_and_the_resumed_line(monkeypatch, capsys, tmp_path):
     assert record == {"cause": "failure", "at": 100.0, "stopped_s": 0.4, "rendezvous_s": 3.5}
     recorder.emit(Metric(name="LocalElasticAgent._stop_workers.duration.ms", timestamp=200.0, value=500))
     assert json.loads(os.environ[elastic.RESTART_ENV])["cause"] == "membership"
+    assert json.loads(os.environ[elastic.RESTART_ENV])["at"] == 199.5
+    said = capsys.readouterr().err
+    assert "this node's ranks failed; restarting them (1 restart(s) left after this)" in said
+    assert "rendezvous done in 3.5 s" in said and "the rendezvous has nodes waiting" in said
+    for name, value in [("workers.default.remaining_restarts", 0), ("workers.default.failed", 1)]:
+        recorder.emit(Metric(name=name, timestamp=300.0, value=value))
+    recorder.emit(Metric(name="LocalElasticAgent._stop_workers.duration.ms", timestamp=301.0, value=10))
+    assert "no restart is left" in capsys.readouterr().err  # the last failure: no restart record
     assert json.loads(os.environ[elastic.RESTART_ENV])["at"] == 199.5
 
     monkeypatch.setattr(elastic, "_reported", False)

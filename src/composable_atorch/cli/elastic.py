@@ -34,6 +34,7 @@ import argparse
 import json
 import math
 import os
+import sys
 import time
 from typing import Any
 
@@ -121,33 +122,52 @@ def is_elastic(ns: argparse.Namespace) -> bool:
 class RestartRecorder:
     """Turns torchelastic's agent metrics into the restart record restarted ranks inherit.
 
-    The agent publishes ``workers.<role>.failed`` (or ``unhealthy``) when it finds its group
-    failed, then the duration of ``_stop_workers`` and of ``_rendezvous``; a restart for a new node
-    publishes only the last two. All of them come before the agent starts the next workers, which
-    copy the launcher's environment when they start.
+    Every monitoring pass the agent publishes ``workers.<role>.remaining_restarts`` and then its
+    group's state (``workers.<role>.failed`` or ``unhealthy`` when it failed); a restart then
+    publishes the duration of ``_stop_workers`` and of ``_rendezvous``, a restart for a new node
+    only those two. All of them come before the agent starts the next workers, which copy the
+    launcher's environment when they start. The launcher also says on stderr what it is doing:
+    torchrun logs restarts at INFO, which it does not show.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, out=None) -> None:
         self.failed_at: float | None = None
+        self.remaining: int | None = None
         self.restart: dict[str, Any] | None = None
+        self.out = out
 
     def emit(self, metric) -> None:
         name, when, value = metric.name, metric.timestamp, metric.value
-        if name.endswith((".failed", ".unhealthy")) and name.startswith("workers.") and value:
+        if name.startswith("workers.") and name.endswith(".remaining_restarts"):
+            self.remaining = value
+        elif name.startswith("workers.") and name.endswith((".failed", ".unhealthy")) and value:
             self.failed_at = self.failed_at or when
         elif name.endswith("_stop_workers.duration.ms"):
+            failed, self.failed_at = self.failed_at, None
+            if failed is not None and not self.remaining:
+                self._say("this node's ranks failed and no restart is left (--max-restarts): the job ends")
+                return
             # membership: the rendezvous has nodes waiting (new ones, or peers whose ranks failed first)
-            cause = "failure" if self.failed_at is not None else "membership"
-            started = self.failed_at if self.failed_at is not None else when - value / 1000
+            cause = "failure" if failed is not None else "membership"
+            started = failed if failed is not None else when - value / 1000
             self.restart = {"cause": cause, "at": started, "stopped_s": round(value / 1000, 3)}
-            self.failed_at = None
             self._publish()
+            if failed is not None:
+                self._say(
+                    f"this node's ranks failed; restarting them ({self.remaining - 1} restart(s) left after this)"
+                )
+            else:
+                self._say("the rendezvous has nodes waiting (new, or peers that failed): restarting at the new size")
         elif name.endswith("_rendezvous.duration.ms") and self.restart is not None:
             self.restart["rendezvous_s"] = round(value / 1000, 3)
             self._publish()
+            self._say(f"rendezvous done in {value / 1000:.1f} s; the ranks resume from the last checkpoint")
 
     def _publish(self) -> None:
         os.environ[RESTART_ENV] = json.dumps(self.restart)
+
+    def _say(self, text: str) -> None:
+        print(f"composable_atorch launch: {text}", file=self.out or sys.stderr, flush=True)
 
 
 def install_recorder() -> RestartRecorder:
