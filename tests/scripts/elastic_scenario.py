@@ -92,8 +92,12 @@ def run(
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     env.update(env_changes or {})
     endpoint = f"127.0.0.1:{_free_port()}"
-    # the non-host nodes first: they wait for node 0's store
-    nodes = [_start_node(tmp, endpoint, r, f"node{r}", env, r == 3, waits) for r in (1, 2, 3, 0)]
+    # the non-host nodes first, and node 0 (the rendezvous store) once they had time to start
+    # Python: they then join together when the store comes up, well within the last call. A node
+    # later than that would make a first round at world 3 (the job is elastic), not what is tested
+    nodes = [_start_node(tmp, endpoint, r, f"node{r}", env, r == 3, waits) for r in (1, 2, 3)]
+    time.sleep(3)
+    nodes.append(_start_node(tmp, endpoint, 0, "node0", env, False, waits))
     victim = next(n for n in nodes if n.name == "node3")
     try:
         _wait_until(lambda: (out / "victim.pid").exists(), nodes, tmp, f"node 3 at step {VICTIM_PAUSE}", seconds)
