@@ -180,7 +180,9 @@ def install_recorder() -> RestartRecorder:
         def emit(self, metric_data) -> None:
             recorder.emit(metric_data)
 
-    os.environ.pop(RESTART_ENV, None)  # a first round has no restart behind it
+    # a first round's ranks resume too when their node joins a running job (or the whole job is
+    # started again): their clock starts with this launcher
+    os.environ[RESTART_ENV] = json.dumps({"cause": "start", "at": time.time()})
     metrics.configure(Handler(), group="torchelastic")
     return recorder
 
@@ -214,16 +216,17 @@ def _checkpoint_info(checkpoint_dir) -> dict[str, Any]:
 def _resumed_line(info: dict[str, Any]) -> str:
     world, saved_world = info["world"], info.get("saved_world")
     if saved_world is None or saved_world == world:
-        why = "after a failure" if info["cause"] == "failure" else "after a membership change"
+        why = {"failure": "after a failure", "start": "started again"}.get(info["cause"], "after a membership change")
     else:
         why = "a node lost" if world < saved_world else "a node joined"
     line = f"composable_atorch: resumed at world {world} ({why}"
     if saved_world is not None:
         line += f"; checkpoint of step {info['saved_step']} saved at world {saved_world}"
-    line += f"): step {info['step']} done {info['seconds']:.1f} s after this node's restart began"
+    since = "this node's launcher started" if info["cause"] == "start" else "this node's restart began"
+    line += f"): step {info['step']} done {info['seconds']:.1f} s after {since}"
     if info["rendezvous_s"] is not None:
         line += f" (rendezvous {info['rendezvous_s']:.1f} s)"
-    if saved_world is not None:
+    if "redone_s" in info:
         line += f"; the {info['redone_s']:.1f} s of training since that checkpoint were done again"
     return line
 
@@ -234,9 +237,11 @@ def report_resumed(step: int, checkpoint_dir=None, *, now: float | None = None) 
     Rank 0 prints one line, e.g. ``composable_atorch: resumed at world 3 (a node lost; checkpoint of
     step 2 saved at world 4): step 3 done 11.2 s after this node's restart began (rendezvous 3.3 s);
     the 2.0 s of training since that checkpoint were done again``. Every rank returns the figures
-    as a dict (None when this is not a restarted round, and after the first call: later calls cost
-    nothing). ``checkpoint_dir`` is the directory given to save_state; its latest checkpoint is the
-    one resumed from as long as this round has not saved yet (hence: before saving).
+    as a dict (None when nothing was resumed, and after the first call: later calls cost nothing).
+    Ranks of a node that joins a running job (or of a job started again) resumed too: they report
+    the seconds since their launcher started, when ``checkpoint_dir`` holds a checkpoint.
+    ``checkpoint_dir`` is the directory given to save_state; its latest checkpoint is the one
+    resumed from as long as this round has not saved yet (hence: before saving).
     """
     global _reported
     if _reported:
@@ -257,9 +262,12 @@ def report_resumed(step: int, checkpoint_dir=None, *, now: float | None = None) 
     saved = _checkpoint_info(checkpoint_dir)
     if saved and saved["step"] is not None and saved["step"] >= step:  # saved by this round already
         saved = {}
+    if record.get("cause") == "start" and not saved:
+        return None  # a fresh start: nothing was resumed
     if saved:
         info.update(saved_step=saved["step"], saved_world=saved["world"])
-        info["redone_s"] = round(max(0.0, record["at"] - saved["saved_at"]), 2)
+        if record.get("cause") != "start":  # a joining node's start says nothing about the others' work
+            info["redone_s"] = round(max(0.0, record["at"] - saved["saved_at"]), 2)
     if os.environ.get("RANK", "0") == "0":
         print(_resumed_line(info), flush=True)
     return info
