@@ -287,4 +287,6 @@ def _say_resumed(path: Path, meta: dict[str, Any], position: dict[str, Any] | No
     line = f"composable_atorch: resumed from {path.name} at step {meta['step']}"
     if position is not None:
         line += f"; skipping the {position['batches']} batch(es) of epoch {position['epoch']} already seen"
+        if "samples" in position:
+            line += f" ({position['samples']} samples of the global order)"
     print(line, flush=True)
