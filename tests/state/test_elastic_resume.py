@@ -4,12 +4,13 @@ The same plan expression is applied at each world (the data size refits), a run 
 and a new process group of another size loads it and continues. Each step's global batch (the
 sample ids every rank read), its loss and the final weights are compared with one process training
 on the run's global order (the DistributedSampler's permutation of seed 0 and the epoch, read 12
-at a time): sample sets exactly, losses and weights to fp32 reduction order. SGD and AdamW.
+at a time): sample sets exactly, losses and weights to fp32 reduction order. SGD and AdamW, under
+an LR scheduler saved and restored with the run.
 
 Groups (spawned in this order; each batches every case that runs at its size):
-world 4 (fsdp, tensor 2 x data 2 + fsdp, pipeline 2 x data 2: steps 1-3) -> world 3 (fsdp: 4-6; the
-global batch 8 refused; a failed load changes nothing) -> world 2 (tensor 2 x data 1 and pipeline 2 x
-data 1: 4-8; ddp: 1-3) -> world 4 (fsdp: 7-8; ddp: 4-8).
+world 4 (fsdp with and without accumulate(2), tensor 2 x data 2 + fsdp, pipeline 2 x data 2: steps
+1-3) -> world 3 (fsdp: 4-6; the global batch 8 refused; a failed load changes nothing) -> world 2
+(tensor 2 x data 1 and pipeline 2 x data 1: 4-8; ddp: 1-3) -> world 4 (fsdp: 7-8; ddp: 4-8).
 """
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ PLANS = {
     ),
     "pp": lambda: ca.compose(ca.pipeline_parallel(microbatches=2), ca.parallel_mode([("pipeline", 2), ("data", 2)])),
     "ddp": lambda: ca.compose(ca.ddp()),
+    # accumulate(2): at data 4 the share of 3 refits to 3 micro-batches of 1, at data 3 it is 2 of 2,
+    # so the saved position (in loader batches) differs per world and resumes from global samples
+    "fsdp_acc": lambda: ca.compose(ca.fsdp(wrap=(Block,)), ca.accumulate(2)),
 }
 #: case -> [(world, first step, last step)]: each phase saves at its last step, the next loads it
 PHASES = {
@@ -54,6 +58,7 @@ PHASES = {
     "tp_fsdp": [(4, 1, 3), (2, 4, 8)],
     "pp": [(4, 1, 3), (2, 4, 8)],
     "ddp": [(2, 1, 3), (4, 4, 8)],
+    "fsdp_acc": [(4, 1, 3), (3, 4, 6), (4, 7, 8)],
 }
 
 
@@ -76,6 +81,11 @@ def loader(batch=BATCH):
     return DataLoader(Indexed(), batch_size=batch, shuffle=True)
 
 
+def schedule(optim):
+    """The LR halves every 3 steps: a scheduler that did not come back at the new world changes the weights."""
+    return torch.optim.lr_scheduler.StepLR(optim, step_size=3, gamma=0.5)
+
+
 def global_order(epoch: int) -> list[int]:
     """The run's global order: what one process reads, at any data size."""
     sampler = DistributedSampler(Indexed(), num_replicas=1, rank=0, shuffle=True, seed=0)
@@ -87,6 +97,7 @@ def reference(opt: str):
     """One process, plain torch, on the run's global batches: (losses, ids per step, final weights)."""
     model = gpt()
     optim = OPTIMIZERS[opt](model.parameters())
+    sched = schedule(optim)
     data = Indexed()
     losses, ids = [], []
     for step in range(TOTAL):
@@ -98,6 +109,7 @@ def reference(opt: str):
         loss.backward()
         optim.step()
         optim.zero_grad()
+        sched.step()
         losses.append(loss.item())
         ids.append(sorted(batch))
     return losses, ids, {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
@@ -117,21 +129,28 @@ def run_phase(case: str, opt: str, directory: str, first: int, last: int) -> dic
     model = gpt()
     plan = PLANS[case]()
     model, optim, data = plan(model, OPTIMIZERS[opt](model.parameters()), loader())
+    sched = schedule(optim)
     step = 0
     if first > 1:
-        step, _ = ca.load_state(f"{directory}/{case}-{opt}", model, optim, data, verbose=False)
+        step, _ = ca.load_state(f"{directory}/{case}-{opt}", model, optim, data, scheduler=sched, verbose=False)
         assert step == first - 1
-    epoch, record = data.epoch, []
+    epoch, record, window = data.epoch, [], []
     while step < last:
         data.sampler.set_epoch(epoch)
         for ids, tokens in data:
             loss = ca.train_step(model, optim, tokens[:, :-1], tokens[:, 1:], lm_loss)
+            window.append((loss, ids.tolist()))
+            if optim.micro_step:  # inside an accumulation window
+                continue
+            sched.step()
             step += 1
-            record.append((step, loss, ids.tolist()))
+            # equal micro-batches: the mean of their mean losses is the global batch's mean loss
+            record.append((step, sum(x for x, _ in window) / len(window), [i for _, b in window for i in b]))
+            window = []
             if step >= last:
                 break
         epoch += 1
-    ca.save_state(f"{directory}/{case}-{opt}", model, optim, data, step=last)
+    ca.save_state(f"{directory}/{case}-{opt}", model, optim, data, step=last, scheduler=sched)
     notes = plan.explain()
     return {"record": record, "params": _full_params(model), "data_size": data.sampler.num_replicas, "plan": notes}
 
@@ -282,3 +301,30 @@ def test_plan_refits_the_data_size_and_says_why():
     with pytest.raises(ConfigError, match=r"nearest layout is tensor 1 x pipeline 1 x data 3"):
         ca.compose(ca.mixed_parallel(tensor=2, pipeline=2), env=ca.Environment(world_size=3))
     assert nearest_model_degrees((("tensor", 4), ("pipeline", 2)), 6) == (("tensor", 2), ("pipeline", 1))
+
+
+def test_accumulation_refits_to_the_per_rank_share():
+    from composable_atorch.transforms.loop import refit_steps
+
+    # global 12 with accumulate(2): at data 4 the share of 3 is read as 3 micro-batches of 1
+    assert [refit_steps(share, 2) for share in (12, 6, 4, 3)] == [2, 2, 2, 3]
+    assert refit_steps(10, 4) == 5 and refit_steps(3, 4) == 3
+
+
+def test_a_stateless_optimizer_gets_its_scheduled_lr_back(tmp_path):
+    """SGD without momentum has no state for DCP to carry its groups' LR: the scheduler's step would
+    come back (last_epoch) while the LR went back to the constructor's."""
+
+    def setup():
+        model = gpt()
+        optim = torch.optim.SGD(model.parameters(), lr=0.2)
+        return model, optim, schedule(optim)
+
+    model, optim, sched = setup()
+    for _ in range(3):
+        optim.step()
+        sched.step()
+    ca.save_state(tmp_path, model, optim, step=3, scheduler=sched)
+    model, optim, sched = setup()
+    ca.load_state(tmp_path, model, optim, scheduler=sched, verbose=False)
+    assert optim.param_groups[0]["lr"] == sched.get_last_lr()[0] == 0.1

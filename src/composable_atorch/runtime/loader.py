@@ -99,8 +99,8 @@ def check_global_batch(loader: DataLoader, layout: Any) -> int:
         raise ConfigError(
             "loader batch_size (the global batch)",
             batch,
-            f"a multiple of the data size {parts} ({layout.describe()}): the global batch is split into {parts} "
-            f"equal per-rank batches and is kept at any world size; world sizes where {batch} divides: "
+            f"a multiple of the data-parallel size {parts} ({layout.describe()}): the global batch is split into "
+            f"{parts} equal per-rank batches and is kept at any world size; world sizes where {batch} divides: "
             f"{', '.join(map(str, fitting_worlds(batch, others)))}",
         )
     return batch

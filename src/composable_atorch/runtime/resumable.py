@@ -14,6 +14,13 @@ class for a subclass — keeping the object, its sampler and every setting:
   batches already consumed at the index level (no data is loaded for them), and then puts the
   RNG states of the moment of the save back, so training continues bitwise.
 
+At another world size or layout the saved position is read as *global samples* consumed in the
+epoch (:func:`resume_batches`): a ``DistributedSampler`` reads the same global order at any replica
+count (:func:`order_of`), so each rank skips ``samples / (its batch x the data ranks)`` batches and
+the run continues with the very next global batch; per-rank RNG states do not carry over there.
+A loader that reads another order, or batches that the consumed samples do not fill, is a
+ConfigError rather than a resume that repeats or skips samples.
+
 The loader does not call ``set_epoch`` for you: keep calling it as torch documents. A resumed
 pass uses the saved epoch whatever was set before it; ``loader.epoch`` tells a resumed loop
 which epoch it is in. Everything here is JSON-able (base64 for RNG bytes): no pickle.

@@ -35,6 +35,7 @@ from composable_atorch.state.save import (
     _split_optimizer,
     _state_optimizer,
     _sync_hyperparameters,
+    restore_hyperparameters,
 )
 from composable_atorch.transforms.parallel.tensor import load_layout
 
@@ -204,6 +205,8 @@ def load_state(
         sd.set_model_state_dict(model, state["model"], options=options)
         if local is not None:
             local.state.clear()
+            # a stateless optimizer (SGD without momentum): DCP had no state to carry its groups' LR
+            restore_hyperparameters(inner, meta["optimizer"].get("hyperparameters"))
     if meta["micro_step"]:
         _restore_grads(model, state["grads"], rank)
     for hook, hook_state in _match_hooks(
