@@ -21,7 +21,7 @@ class Windows(torch.utils.data.Dataset):
 
 
 def causal_lm_loss(data, output):
-    """The seed's ``loss_func(input, output)``: a HF causal LM computes its loss from ``labels``."""
+    """ATorch's ``loss_func(input, output)``: a HF causal LM computes its loss from ``labels``."""
     return output.loss
 
 

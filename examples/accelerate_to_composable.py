@@ -1,6 +1,6 @@
-"""Seed 004's walk-through, with this library in place of HF Accelerate.
+"""HF Accelerate's migration walk-through, with this library in place of HF Accelerate.
 
-The seed starts from a plain DDP script (``ddp_train``) and marks every line it changes to use
+The walk-through starts from a plain DDP script (``ddp_train``) and marks every line it changes to use
 Accelerate; here the same marks show the lines that change to use composable_atorch
 (``composable_train``):
 
@@ -104,7 +104,7 @@ def composable_train(args) -> None:
     from composable_atorch.state.save import latest_checkpoint
     from composable_atorch.state.trackers import init_trackers
 
-    # step4.B the plan (Accelerator() in the seed); IV.A mixed precision; V.A gradient accumulation
+    # step4.B the plan (Accelerator() in Accelerate's); IV.A mixed precision; V.A gradient accumulation
     plan = ca.ddp() | ca.amp("bf16") | ca.accumulate(args.accumulate) | ca.checkpoint(Block)
     model, optimizer = get_model(args)
     loader = get_dataloader(args)  # step4.E no DistributedSampler: the plan makes it (the global batch)
@@ -142,7 +142,7 @@ def composable_train(args) -> None:
     acc = accuracy(model, get_dataloader(args, "val", distributed_sampler=True))
     tracking.log({"val_accuracy": acc}, step=step)
     tracking.finish()  # VI.C end tracking
-    save_pretrained(model, os.path.join(args.out, "model"))  # VII.A save (seed: unwrap_model(m).save_pretrained)
+    save_pretrained(model, os.path.join(args.out, "model"))  # VII.A save (Accelerate: unwrap_model(m).save_pretrained)
     if dist.get_rank() == 0:
         print(f"[composable] step {step} loss {loss.item():.3f} val accuracy {acc:.3f}")  # step4.I report
 

@@ -1,4 +1,4 @@
-"""Seed 002's fully automatic example: ``auto_accelerate`` with no load_strategy searches the plan.
+"""ATorch's fully automatic example: ``auto_accelerate`` with no load_strategy searches the plan.
 
 An optuna study measures a few plans (each in fresh worker processes at this world size, with a
 time limit: a crash or a hang is a failed trial, never a dead study), prints the trials table, and
@@ -8,7 +8,7 @@ Tiny, on this CPU (3 trials of a 2-layer Llama from a config; about a minute)::
 
     python -m composable_atorch launch --nproc 2 examples/auto_llama2.py --out runs/auto_llama2
 
-Full size on GPUs (the seed's Llama2-7B on 8 GPUs; a longer budget and a memory limit per rank)::
+Full size on GPUs (ATorch's Llama2-7B on 8 GPUs; a longer budget and a memory limit per rank)::
 
     MODEL_NAME_OR_PATH=meta-llama/Llama-2-7b-hf python -m composable_atorch launch --nproc 8 \\
         examples/auto_llama2.py --trials 30 --time-limit 3600 --trial-timeout 600 \\

@@ -1,8 +1,10 @@
-"""Seed 002's DS 3D example: a Hugging Face Llama in DeepSpeed pipeline x tensor x data parallelism.
+"""ATorch's DS 3D example, the library's way: a Hugging Face Llama in DeepSpeed pipeline x tensor x data parallelism.
+
+(ATorch's script itself, ported in its imports only, is ``atorch_llama2/ds_3d_llama2.py``.)
 
 The model is built unmodified on the meta device (``record_module_init``); ``ds_3d_parallel`` turns
 it into a DeepSpeed ``PipelineEngine`` whose stages build only their own layers, sharded over the
-tensor ranks per the TPInfo. The seed's environment knobs set the degrees (the data size is the
+tensor ranks per the TPInfo. ATorch's environment knobs set the degrees (the data size is the
 rest of the world): ``PIPELINE_PARALLEL_SIZE`` (default 2), ``MODEL_PARALLEL_SIZE`` (tensor, default
 1), ``MICRO_BATCH_SIZE`` (default 2), ``ACCU_STEPS`` (micro-batches per step, default 4).
 
@@ -11,7 +13,7 @@ Tiny, on this CPU (a 4-layer Llama from a config, byte tokens of text every Pyth
     python -m composable_atorch launch --nproc 4 examples/ds_3d_llama2.py                          # pp2 x dp2
     MODEL_PARALLEL_SIZE=2 python -m composable_atorch launch --nproc 4 examples/ds_3d_llama2.py    # tp2 x pp2
 
-Full size (the seed's run: 8 GPUs, mp 2 x pp 2 x dp 2, a DeepSpeed JSON config)::
+Full size (ATorch's run: 8 GPUs, mp 2 x pp 2 x dp 2, a DeepSpeed JSON config)::
 
     PIPELINE_PARALLEL_SIZE=2 MODEL_PARALLEL_SIZE=2 MODEL_NAME_OR_PATH=meta-llama/Llama-2-7b-hf \\
         python -m composable_atorch launch --nproc 8 examples/ds_3d_llama2.py \\
@@ -46,7 +48,7 @@ args = parser.parse_args()
 
 
 def get_llama_tpinfo() -> TPInfo:
-    """The seed's Llama TPInfo (transformers 5 reshapes heads by head_dim, so nothing needs shrinking)."""
+    """ATorch's Llama TPInfo (transformers 5 reshapes heads by head_dim, so nothing needs shrinking)."""
     info = TPInfo()
     info.shard_col("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
     info.shard_row("self_attn.o_proj", "mlp.down_proj")
@@ -82,7 +84,7 @@ def main():
     model_path = os.environ.get("MODEL_NAME_OR_PATH")
     if model_path:
         config = AutoConfig.from_pretrained(model_path)
-    else:  # tied embeddings: the seed's tie_first (the embedding computes the logits on the last stage)
+    else:  # tied embeddings: ATorch's tie_first (the embedding computes the logits on the last stage)
         config = LlamaConfig(
             vocab_size=256,
             hidden_size=64,

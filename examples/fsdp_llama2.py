@@ -1,4 +1,4 @@
-"""Seed 002's FSDP example: a Hugging Face Llama through ``auto_accelerate`` with a load_strategy.
+"""ATorch's FSDP example: a Hugging Face Llama through ``auto_accelerate`` with a load_strategy.
 
 fsdp wrapping the decoder layer, amp_native bf16, activation checkpointing of the decoder layer;
 ``USE_LORA=1`` trains a peft LoRA adapter (frozen base sharded per layer, the trainable adapter in
@@ -11,7 +11,7 @@ Tiny, on this CPU (a 2-layer Llama from a config, byte tokens of text every Pyth
     USE_LORA=1 python -m composable_atorch launch --nproc 2 examples/fsdp_llama2.py
     USE_FP8=1  python -m composable_atorch launch --nproc 2 examples/fsdp_llama2.py   # emulated on CPU
 
-Full size on GPUs (the seed's Llama2-7B on 8 GPUs; fp8 needs transformer-engine or torchao on
+Full size on GPUs (ATorch's Llama2-7B on 8 GPUs; fp8 needs transformer-engine or torchao on
 sm89+; pass ``--nnodes/--node-rank/--rdzv-endpoint`` for several nodes)::
 
     MODEL_NAME_OR_PATH=meta-llama/Llama-2-7b-hf python -m composable_atorch launch --nproc 8 \\

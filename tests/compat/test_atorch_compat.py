@@ -106,6 +106,26 @@ def _compat_cases(rank, world, _):
     (ref * torch.arange(15.0).view(3, 5)).sum().backward()
     out["vce_loss_err"] = float((loss - ref).abs().max())
     out["vce_grad_err"] = float((part.grad - ref_full.grad.chunk(world, dim=-1)[rank]).abs().max())
+
+    # ATorch's logit helper (the compat DeepSpeed3DParallelConfig's default with a vocabulary-parallel
+    # embedding) leaves each rank its vocabulary slice; vocab_parallel_cross_entropy of the slices is
+    # the full model's loss, and the hidden states get the full gradient
+    from composable_atorch.compat.atorch.auto.opt_lib.ds_3d_parallel_optimization import (
+        vocab_parallel_logit_helper,
+    )
+    from composable_atorch.transforms.parallel.ds3d.tp import VocabParallelEmbedding
+
+    whole = nn.Embedding(16, 8)
+    embed = VocabParallelEmbedding(whole, atorch_dist.parallel_group("tensor"), rank, world)
+    hidden = torch.randn(3, 5, 8, requires_grad=True)
+    sliced = vocab_parallel_logit_helper(embed, (hidden,))
+    out["helper_shape"] = tuple(sliced.shape)
+    vocab_parallel_cross_entropy(sliced, target).mean().backward()
+    ref_hidden = hidden.detach().clone().requires_grad_(True)
+    ref_loss = F.cross_entropy(F.linear(ref_hidden, whole.weight).view(-1, 16), target.view(-1))
+    ref_loss.backward()
+    out["helper_loss_err"] = abs(float(vocab_parallel_cross_entropy(sliced, target).mean()) - float(ref_loss))
+    out["helper_grad_err"] = float((hidden.grad - ref_hidden.grad).abs().max())
     atorch_dist.destroy_parallel_group()
     out["after_destroy"] = atorch_dist.parallel_group_size("tensor")
 
@@ -139,6 +159,8 @@ def test_compat_namespace_and_fsdp_policy_at_world_2():
         assert r["init"] is True and (r["rank"], r["world"], r["local_rank"]) == (rank, 2, rank)
         assert (r["tensor_size"], r["tensor_rank"], r["model_alias"]) == (2, rank, 2)
         assert r["vce_loss_err"] < 1e-5 and r["vce_grad_err"] < 1e-6, r
+        assert r["helper_shape"] == (3, 5, 16 // 2), r
+        assert r["helper_loss_err"] < 1e-5 and r["helper_grad_err"] < 1e-6, r
         assert r["after_destroy"] is None
         assert r["status"] and r["data"] == (2, rank) and r["partition"] == (rank, 2) and r["instances"] == (1, 0)
         # the user's FSDP1 policy chose what fully_shard wrapped, as FSDP1's own walk would
@@ -180,11 +202,9 @@ def test_compat_names_and_typed_errors_one_process():
     )
     from composable_atorch.compat.atorch.utils.util_func import divide as divide2
 
-    assert (
-        Strategy is atorch.AtorchStrategy
-        and TPInfo is ca.TPInfo
-        and DeepSpeed3DParallelConfig is ca.DeepSpeed3DParallelConfig
-    )
+    assert Strategy is atorch.AtorchStrategy and TPInfo is ca.TPInfo
+    # ATorch's config: the library's, with ATorch's sliced logits by default (test_atorch_tp_shrink.py)
+    assert issubclass(DeepSpeed3DParallelConfig, ca.DeepSpeed3DParallelConfig)
     assert record_module_init is ca.record_module_init
     assert divide(12, 4) == divide2(12, 4) == 3
     with pytest.raises(ConfigError, match="divisible by 5"):

@@ -40,6 +40,7 @@ from composable_atorch.compat.request import (
     Request,
     default_prepare_input,
 )
+from composable_atorch.compat.tp_shrink import resolve_shrinks
 from composable_atorch.core import strategy
 from composable_atorch.core.plan import Plan
 from composable_atorch.environment import Environment
@@ -187,6 +188,7 @@ def auto_accelerate(
     :class:`AtorchStrategy` (a Plan, reusable as ``load_strategy``), saved as JSON to
     ``save_strategy_to_file`` when given (never pickle).
     """
+    load_strategy, shrink_notes = resolve_shrinks(model, load_strategy)  # ATorch's transformers 4 TPInfo
     req = Request.of(
         model,
         kargs,
@@ -216,7 +218,7 @@ def auto_accelerate(
 
     local = _unserializable(req, loaded)
     if local is not None:  # every rank applies the plan it loaded itself (it holds functions: not JSON)
-        plan = AtorchStrategy.of(local, req.notes())
+        plan = AtorchStrategy.of(local, req.notes() + shrink_notes)
     else:
         payload = _decide(req, loaded, env) if _rank() == 0 else None
         decided = json.loads(_broadcast(payload))
@@ -226,7 +228,7 @@ def auto_accelerate(
             if opts["verbose"] and _rank() == 0:
                 print(f"auto_accelerate: no plan: {decided['failure']}")
             return False, None, None
-        plan = AtorchStrategy.of(Plan.from_json(decided["plan"], env=env), req.notes())
+        plan = AtorchStrategy.of(Plan.from_json(decided["plan"], env=env), req.notes() + shrink_notes)
     if save_strategy_to_file:
         if _rank() == 0:
             strategy.dump(plan, save_strategy_to_file)
