@@ -10,7 +10,8 @@ an LR scheduler saved and restored with the run.
 Groups (spawned in this order; each batches every case that runs at its size):
 world 4 (fsdp with and without accumulate(2), tensor 2 x data 2 + fsdp, pipeline 2 x data 2: steps
 1-3) -> world 3 (fsdp: 4-6; the global batch 8 refused; a failed load changes nothing) -> world 2
-(tensor 2 x data 1 and pipeline 2 x data 1: 4-8; ddp: 1-3) -> world 4 (fsdp: 7-8; ddp: 4-8).
+(tensor 2 x data 1 and pipeline 2 x data 1: 4-8; ddp: 1-3; pipeline 1 x data 2 syncs gradients) ->
+world 4 (fsdp: 7-8; ddp: 4-8).
 """
 
 from __future__ import annotations
@@ -183,6 +184,19 @@ def refusals(rank, world, directory):
     return out
 
 
+def pipeline_of_one(rank, world, directory):
+    """pipeline_parallel owns gradient sync: at a pipeline size of 1 it still averages over the data ranks."""
+    model = gpt()
+    plan = ca.compose(ca.pipeline_parallel(microbatches=2), ca.parallel_mode([("pipeline", 1), ("data", 2)]))
+    model, optim, data = plan(model, OPTIMIZERS["sgd"](model.parameters()), loader())
+    losses = []
+    for _, tokens in data:
+        losses.append(ca.train_step(model, optim, tokens[:, :-1], tokens[:, 1:], lm_loss))
+        if len(losses) == 2:
+            break
+    return {"losses": losses, "params": _full_params(model)}
+
+
 @pytest.mark.dist
 def test_resume_at_other_worlds_and_layouts_trains_every_sample_once_on_the_same_math(tmp_path):
     directory = str(tmp_path)
@@ -194,7 +208,7 @@ def test_resume_at_other_worlds_and_layouts_trains_every_sample_once_on_the_same
     for world, wanted, extra in (
         (4, phases(4, 0), None),
         (3, phases(3, 1), refusals),
-        (2, phases(2, 1) + phases(2, 0), None),
+        (2, phases(2, 1) + phases(2, 0), pipeline_of_one),
         (4, phases(4, 2) + phases(4, 1), None),
     ):
         per_rank = run_world(group, world, directory, wanted, extra, timeout=900)
@@ -204,6 +218,9 @@ def test_resume_at_other_worlds_and_layouts_trains_every_sample_once_on_the_same
     refused = results["extra"][0]
     assert "global batch" in refused["batch8"] and "world sizes where 8 divides: 1, 2, 4, 8" in refused["batch8"]
     assert "24 samples" in refused["load"] and refused["unchanged"]
+
+    one_stage = results["extra"][1]  # rank 0's; the step-2 loss is off unless step 1 averaged gradients
+    assert max(abs(a - b) for a, b in zip(one_stage["losses"], reference("sgd")[0][:2])) < 1e-5
 
     for opt in OPTIMIZERS:
         ref_losses, ref_ids, ref_params = reference(opt)
