@@ -199,8 +199,20 @@ def restore_hyperparameters(inner: torch.optim.Optimizer, saved: list[dict[str, 
         if not isinstance(values, dict):
             continue
         for k, v in values.items():
-            if k in group and k != "params" and _plain(v):
-                group[k] = tuple(v) if isinstance(group[k], tuple) and isinstance(v, list) else v
+            if k in group and k != "params" and _plain(v) and _same_kind(group[k], v):
+                group[k] = tuple(v) if isinstance(group[k], tuple) else v
+
+
+def _same_kind(current: Any, saved: Any) -> bool:
+    """A checkpoint is untrusted: a saved value replaces only one of its own kind (a number a
+    number, a tuple of n numbers a list of n), so a crafted file cannot put a string into ``lr``."""
+    if isinstance(current, tuple):
+        return isinstance(saved, list) and len(saved) == len(current)
+    if isinstance(current, bool) or current is None:
+        return type(saved) is type(current)
+    if isinstance(current, int | float):
+        return isinstance(saved, int | float) and not isinstance(saved, bool)
+    return type(saved) is type(current)
 
 
 def _has_fsdp(model: torch.nn.Module) -> bool:
