@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from composable_atorch.cli import elastic, launch
+from composable_atorch.state import restarts
 
 SCRIPTS = Path(__file__).parent.parent / "scripts"
 SCRIPT = SCRIPTS / "train_elastic.py"
@@ -83,22 +84,22 @@ def test_the_restart_record_and_the_resumed_line(monkeypatch, capsys, tmp_path):
     assert "no restart is left" in capsys.readouterr().err  # the last failure: no restart record
     assert json.loads(os.environ[elastic.RESTART_ENV])["at"] == 199.5
 
-    monkeypatch.setattr(elastic, "_reported", False)
+    monkeypatch.setattr(restarts, "_reported", False)
     monkeypatch.setenv(elastic.RESTART_ENV, json.dumps(record))
     monkeypatch.setenv("WORLD_SIZE", "3")
     monkeypatch.setenv("RANK", "0")
-    info = elastic.report_resumed(5, now=107.25)
+    info = restarts.report_resumed(5, now=107.25)
     assert info == {"cause": "failure", "world": 3, "step": 5, "seconds": 7.25, "rendezvous_s": 3.5}
     line = capsys.readouterr().out
     assert "resumed at world 3 (after a failure): step 5 done 7.2 s after this node's restart began" in line
     assert "(rendezvous 3.5 s)" in line
-    assert elastic.report_resumed(6) is None  # once per process
-    monkeypatch.setattr(elastic, "_reported", False)
+    assert restarts.report_resumed(6) is None  # once per process
+    monkeypatch.setattr(restarts, "_reported", False)
     monkeypatch.delenv(elastic.RESTART_ENV)
-    assert elastic.report_resumed(1) is None  # not launched elastic: nothing to report
-    monkeypatch.setattr(elastic, "_reported", False)
+    assert restarts.report_resumed(1) is None  # not launched elastic: nothing to report
+    monkeypatch.setattr(restarts, "_reported", False)
     monkeypatch.setenv(elastic.RESTART_ENV, json.dumps({"cause": "start", "at": 100.0}))
-    assert elastic.report_resumed(1, tmp_path) is None  # a fresh start: no checkpoint, nothing resumed
+    assert restarts.report_resumed(1, tmp_path) is None  # a fresh start: no checkpoint, nothing resumed
 
 
 # -- the run ---------------------------------------------------------------------------------------

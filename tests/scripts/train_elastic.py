@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.utils.data import DataLoader, Dataset
 
 import composable_atorch as ca
-from composable_atorch.cli.elastic import report_resumed
+from composable_atorch import report_resumed
 from composable_atorch.state.files import latest_checkpoint
 
 SAMPLES, BATCH, FEATURES = 48, 12, 8
