@@ -18,6 +18,7 @@ from composable_atorch.runtime.record_init import record_module_init
 from composable_atorch.runtime.resumable import resumable
 from composable_atorch.runtime.train_step import train_step
 from composable_atorch.state.load import load_state
+from composable_atorch.state.restarts import report_resumed
 from composable_atorch.state.save import save_state
 from composable_atorch.transforms.compile import compile_ as compile  # noqa: A004 - the package's own name, not the builtin
 from composable_atorch.transforms.fp8 import fp8
@@ -76,6 +77,7 @@ __all__ = [
     "DeepSpeed3DParallelConfig",
     "ds_3d_parallel",
     "load_state",
+    "report_resumed",
     "resumable",
     "save_state",
 ]

@@ -53,10 +53,11 @@ def test_torchrun_command_lines():
         ["--nnodes", "2", "--node-rank", "1", "--nproc", "8", "--rdzv-endpoint", "10.0.0.1:29400", "t.py"]
     )
     args = launch.torchrun_args(ns)
-    assert args[: args.index("--nproc-per-node")] == [
+    assert args[: args.index("--rdzv-conf")] == [
         "--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "10.0.0.1:29400",
-        "--rdzv-id", "composable_atorch", "--rdzv-conf", "is_host=0",
+        "--rdzv-id", "composable_atorch",
     ]  # fmt: skip
+    assert args[args.index("--rdzv-conf") + 1].startswith("is_host=0,")  # node 0 hosts the store
 
 
 def run_launch(*args, env_changes, out: Path):

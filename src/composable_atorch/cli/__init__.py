@@ -14,7 +14,7 @@ COMMANDS = {
     "search": ("composable_atorch.cli.search", "auto-search the fastest plan that fits memory"),
     "estimate": ("composable_atorch.cli.estimate", "predict per-rank memory of a plan (nothing real allocated)"),
     "explain": ("composable_atorch.cli.explain", "print explain() of a saved plan JSON"),
-    "launch": ("composable_atorch.cli.launch", "run a training script on N processes (thin layer over torchrun)"),
+    "launch": ("composable_atorch.cli.launch", "run a script on N processes or MIN:MAX elastic nodes (torchrun)"),
 }
 
 

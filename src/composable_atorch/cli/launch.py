@@ -25,10 +25,20 @@ rendezvous store there (pick a port free on node 0)::
 Global ranks are assigned by the rendezvous (node by node). ``--max-restarts K`` restarts the
 whole group after a failure, up to K times: a script that resumes with
 ``composable_atorch.load_state`` from its last checkpoint then continues where it stopped.
-With restarts, every round gets a fresh rendezvous store (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``): with
-torchrun's default, one store shared across rounds, a restart after a killed rank failed about
-half the time here (gloo "connectFullMesh ... Connection refused", or a hang before the first
-resumed step); with a store per round it passed every time (see benchmarks/restarts.py).
+
+Elastic: ``--nnodes MIN:MAX`` runs with any number of nodes from MIN to MAX. A lost node makes the
+others restart without it (one of ``--max-restarts``); a node started later with the same
+``--rdzv-endpoint``/``--rdzv-id`` makes them restart with it (free). Each restart runs the script
+again at the new ``WORLD_SIZE``: it applies its plan there and ``load_state`` reshards the last
+checkpoint. ``--last-call``, ``--node-timeout`` and ``--join-timeout`` bound the waits (see
+cli/elastic.py, which also records what each restart cost for ``report_resumed``). Node 0 hosts
+the rendezvous store: it must stay up (losing it ends the job).
+
+With restarts or MIN < MAX, every round gets a fresh rendezvous store
+(``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``): with torchrun's default, one store shared across
+rounds, a restart after a killed rank failed about half the time here (gloo "connectFullMesh ...
+Connection refused", or a hang before the first resumed step); with a store per round it passed
+every time (see benchmarks/restarts.py and, for membership changes, benchmarks/elastic.py).
 
 ``--timeout SECONDS`` (default 300) bounds how long a rank waits for a peer that stopped: the
 script's ``init_distributed()`` or ``parallel_mode`` reads it (``COMPOSABLE_ATORCH_TIMEOUT``), and
@@ -41,6 +51,7 @@ import argparse
 import os
 import sys
 
+from composable_atorch.cli import elastic
 from composable_atorch.runtime.liveness import DEFAULT_TIMEOUT_S, TIMEOUT_ENV
 
 PROG = "python -m composable_atorch launch"
@@ -98,10 +109,10 @@ def rank_environment(ns: argparse.Namespace) -> dict[str, str]:
     # two ranks with several threads each on a small machine ran 5-10x slower (CPU_FACTS); torchrun
     # itself only sets this with more than one process per node
     env = {"OMP_NUM_THREADS": "1"}
-    if ns.max_restarts > 0:
-        # a store per restart round: the shared one broke about half the restarts (module docstring).
-        # Only with restarts: rank 0 then binds a port the agent picked and closed, which another
-        # process can take meanwhile (seen once in ~30 runs on a busy machine: EADDRINUSE)
+    if elastic.is_elastic(ns):
+        # a store per round (restarts and membership changes): the shared one broke about half the
+        # restarts (module docstring). Only then: rank 0 binds a port the agent picked and closed,
+        # which another process can take meanwhile (seen once in ~30 runs on a busy machine: EADDRINUSE)
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     if ns.timeout is not None:
         env[TIMEOUT_ENV] = repr(ns.timeout)
@@ -113,15 +124,20 @@ def rank_environment(ns: argparse.Namespace) -> dict[str, str]:
 def parser() -> argparse.ArgumentParser:
     p = _Parser(prog=PROG, description="Run a training script on N processes (a thin layer over torchrun).")
     p.add_argument("--nproc", type=_positive, required=True, help="processes on this node (e.g. one per GPU)")
-    p.add_argument("--nnodes", type=_positive, default=1, help="number of nodes (default 1)")
+    p.add_argument(
+        "--nnodes",
+        type=elastic.nnodes,
+        default=(1, 1),
+        help="number of nodes, or MIN:MAX for an elastic job that goes on with MIN to MAX nodes (default 1)",
+    )
     p.add_argument(
         "--node-rank",
         type=_non_negative,
         default=0,
-        help="this node's index, 0..nnodes-1 (node 0 hosts the rendezvous)",
+        help="this node's index, 0..MAX-1 (node 0 hosts the rendezvous and must stay up)",
     )
     p.add_argument(
-        "--rdzv-endpoint", type=_endpoint, default=None, help="HOST:PORT of node 0, required with --nnodes > 1"
+        "--rdzv-endpoint", type=_endpoint, default=None, help="HOST:PORT of node 0, required with several nodes"
     )
     p.add_argument("--rdzv-id", default="composable_atorch", help="job id shared by all nodes of one run")
     p.add_argument(
@@ -133,6 +149,7 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         help="seconds a rank may wait for a stopped peer before the job ends naming it (default 300)",
     )
+    elastic.add_arguments(p)
     p.add_argument("script", help="the training script (a .py file)")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     return p
@@ -141,26 +158,26 @@ def parser() -> argparse.ArgumentParser:
 def torchrun_args(ns: argparse.Namespace) -> list[str]:
     """The torchrun command line (without the program name) for parsed launch arguments."""
     common = ["--nproc-per-node", str(ns.nproc), "--max-restarts", str(ns.max_restarts)]
-    if ns.nnodes == 1 and ns.rdzv_endpoint is None:
+    low, high = ns.nnodes
+    if high == 1 and ns.rdzv_endpoint is None:
         return ["--standalone", *common, ns.script, *ns.args]
-    # c10d assigns ranks by arrival (torchrun ignores --node-rank with it); the node rank says who
-    # hosts the rendezvous store, so two "nodes" on one machine do not race for the port
-    is_host = "1" if ns.node_rank == 0 else "0"
     return [
-        "--nnodes", str(ns.nnodes),
+        "--nnodes", str(low) if low == high else f"{low}:{high}",
         "--rdzv-backend", "c10d",
         "--rdzv-endpoint", ns.rdzv_endpoint,
         "--rdzv-id", ns.rdzv_id,
-        "--rdzv-conf", f"is_host={is_host}",
+        "--rdzv-conf", elastic.rdzv_conf(ns),
         *common, ns.script, *ns.args,
     ]  # fmt: skip
 
 
 def _check(ns: argparse.Namespace) -> None:
-    if ns.nnodes > 1 and ns.rdzv_endpoint is None:
-        raise _UsageError(f"--nnodes {ns.nnodes} needs --rdzv-endpoint HOST:PORT (the address of node 0)")
-    if ns.node_rank >= ns.nnodes:
-        raise _UsageError(f"--node-rank {ns.node_rank} must be below --nnodes {ns.nnodes}")
+    low, high = ns.nnodes
+    shown = str(low) if low == high else f"{low}:{high}"
+    if high > 1 and ns.rdzv_endpoint is None:
+        raise _UsageError(f"--nnodes {shown} needs --rdzv-endpoint HOST:PORT (the address of node 0)")
+    if ns.node_rank >= high:
+        raise _UsageError(f"--node-rank {ns.node_rank} must be below --nnodes {shown} (at most {high} nodes)")
     if not os.path.isfile(ns.script):
         raise _UsageError(f"script {ns.script!r} not found")
 
@@ -177,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:  # --help
         return int(exc.code or 0)
     os.environ.update(rank_environment(ns))
+    if elastic.is_elastic(ns):
+        elastic.install_recorder()
 
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError

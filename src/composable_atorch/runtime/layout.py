@@ -158,7 +158,7 @@ def plan_layout(groups: Any, world_size: int, rank_order: Any = None, instances:
                 "parallel_mode.groups",
                 list(dims),
                 f"sizes whose non-data product divides the world size: {_arith(others)} = {fixed}, "
-                f"and {world_size} / {fixed} is not an integer, so no data size fits",
+                f"and {world_size} / {fixed} is not an integer, so no data size fits; {refit_hint(others, world_size)}",
             )
         dims = tuple((n, world_size // fixed if n == "data" else s) for n, s in dims)
     elif fixed != world_size:
@@ -169,6 +169,60 @@ def plan_layout(groups: Any, world_size: int, rank_order: Any = None, instances:
             "add ('data', n) to let the data size absorb the rest",
         )
     return Layout(dims=dims, world_size=world_size, rank_order=_rank_order(rank_order, world_size))
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def nearest_model_degrees(others, world_size: int) -> tuple[tuple[str, int], ...]:
+    """The model-parallel sizes closest to ``others`` whose product divides ``world_size``.
+
+    Each size shrinks to one of its divisors (a divisor of a tensor degree still divides the head
+    counts, fewer pipeline stages still cut the same blocks); the largest product wins (the per-rank
+    memory closest to the planned one), ties to the earlier (faster-varying) dimensions kept larger.
+    Not applied by itself: the model-parallel sizes are the user's memory plan, so a world they do
+    not divide is a ConfigError that names this layout and the world sizes that keep the plan.
+    """
+    best: tuple = ()
+    best_key = None
+    combos = [()]
+    for name, size in others:
+        combos = [(*c, (name, d)) for c in combos for d in _divisors(size)]
+    for combo in combos:
+        product = math.prod(d for _, d in combo)
+        if world_size % product:
+            continue
+        key = (product, tuple(d for _, d in combo))
+        if best_key is None or key > best_key:
+            best, best_key = combo, key
+    return best
+
+
+def refit_hint(others, world_size: int) -> str:
+    """What would fit: the nearest model-parallel sizes at this world, or the world sizes that keep them."""
+    fixed = math.prod(s for _, s in others)
+    below, above = world_size // fixed * fixed, (world_size // fixed + 1) * fixed
+    worlds = " or ".join(str(w) for w in (below, above) if w >= 1)
+    nearest = nearest_model_degrees(others, world_size)
+    data = world_size // math.prod(d for _, d in nearest)
+    return (
+        f"at world {world_size} the nearest layout is {_arith((*nearest, ('data', data)))} (give those sizes), "
+        f"or run at world {worlds} (a multiple of {fixed}) to keep {_arith(others)}"
+    )
+
+
+def refit_note(given, layout: Layout) -> str | None:
+    """explain()'s line for a data size refitted to the world (None when nothing changed)."""
+    given = dict(given)
+    if given.get("data") == layout.size("data") or "data" not in given:
+        return None
+    kept = _arith([(n, s) for n, s in layout.dims if n != "data"])
+    return (
+        f"refitted to world {layout.world_size}: data {given['data']} -> {layout.size('data')}"
+        + (f", {kept} kept as given" if kept != "(no dimensions)" else "")
+        + f" ({layout.describe()}); the same global batch is split over {layout.batch_split} data rank(s)"
+    )
 
 
 def _rank_order(rank_order: Any, world_size: int) -> tuple[int, ...]:

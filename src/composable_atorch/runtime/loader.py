@@ -84,6 +84,62 @@ def split_batch(loader: DataLoader, parts: int, *, what: str) -> int:
     return batch // parts
 
 
+def fitting_worlds(batch: int, others: int, limit: int = 8) -> list[int]:
+    """World sizes at which ``batch`` divides over the data size: ``others`` (the product of the
+    non-data sizes) times each divisor of the batch, smallest first (at most ``limit``)."""
+    return [others * d for d in range(1, batch + 1) if batch % d == 0][:limit]
+
+
+def check_global_batch(loader: DataLoader, layout: Any) -> int:
+    """The global batch; ConfigError naming the world sizes that would work when it does not divide
+    over the layout's data size (the global batch is kept at any world size: it is the math)."""
+    batch, parts = loader_batch_size(loader), layout.batch_split
+    if batch % parts:
+        others = layout.world_size // parts
+        raise ConfigError(
+            "loader batch_size (the global batch)",
+            batch,
+            f"a multiple of the data-parallel size {parts} ({layout.describe()}): the global batch is split into "
+            f"{parts} equal per-rank batches and is kept at any world size; world sizes where {batch} divides: "
+            f"{', '.join(map(str, fitting_worlds(batch, others)))}",
+        )
+    return batch
+
+
+def split_over_data(loader: DataLoader, layout: Any, rank: int, *, distributed: bool, sampler_cls=None):
+    """``(loader, per-rank batch)``: the global batch split over the layout's data dimension.
+
+    The sampler is a ``DistributedSampler`` (or ``sampler_cls``) over the data ranks whenever a
+    process group exists, *also at a data size of 1*: its order (a permutation drawn from its seed
+    and the epoch, read by rank ``r`` at positions ``r, r + n, ...``) is the same global order at
+    every data size, so a run resumed at another world or layout continues that order (see
+    runtime/resumable.py); and every rank of a tensor or pipeline group reads the same samples
+    without relying on equal RNG states. Without a process group (one process, not launched) the
+    loader is left as it is. The split is refused, naming the world sizes that would work, when the
+    global batch does not divide over the data size: changing the global batch changes the math.
+    """
+    from torch.utils.data.distributed import DistributedSampler
+
+    parts = layout.batch_split
+    if parts == 1 and not distributed:
+        return loader, loader_batch_size(loader)
+    if isinstance(loader.sampler, DistributedSampler):
+        raise ConfigError(
+            "loader.sampler",
+            type(loader.sampler).__name__,
+            "a plain sampler: pass the loader with the global batch; the plan adds the distributed sampler",
+        )
+    batch = check_global_batch(loader, layout)
+    sampler = (sampler_cls or DistributedSampler)(
+        loader.dataset,
+        num_replicas=parts,
+        rank=layout.batch_rank(rank),
+        shuffle=is_shuffled(loader),
+        drop_last=bool(loader.drop_last),
+    )
+    return rebuild_loader(loader, batch_size=batch // parts, sampler=sampler), batch // parts
+
+
 def rebuild_loader(loader: DataLoader, *, batch_size: int | None = None, sampler: Any = None) -> DataLoader:
     """The same loader with a new batch size and/or sampler; every other setting kept."""
     if isinstance(loader.batch_sampler, BatchSampler) is False and loader.batch_size is None:

@@ -14,6 +14,13 @@ class for a subclass — keeping the object, its sampler and every setting:
   batches already consumed at the index level (no data is loaded for them), and then puts the
   RNG states of the moment of the save back, so training continues bitwise.
 
+At another world size or layout the saved position is read as *global samples* consumed in the
+epoch (:func:`resume_batches`): a ``DistributedSampler`` reads the same global order at any replica
+count (:func:`order_of`), so each rank skips ``samples / (its batch x the data ranks)`` batches and
+the run continues with the very next global batch; per-rank RNG states do not carry over there.
+A loader that reads another order, or batches that the consumed samples do not fill, is a
+ConfigError rather than a resume that repeats or skips samples.
+
 The loader does not call ``set_epoch`` for you: keep calling it as torch documents. A resumed
 pass uses the saved epoch whatever was set before it; ``loader.epoch`` tells a resumed loop
 which epoch it is in. Everything here is JSON-able (base64 for RNG bytes): no pickle.
@@ -99,8 +106,94 @@ class DataPosition:
     #: set by resume_at(): what the next pass replays
     pending: dict[str, Any] | None = None
 
+    #: global samples per batch this loader hands out (its batch x the data ranks); None: unknown
+    per_batch: int | None = None
+    #: the global sample order the loader reads (see :func:`order_of`)
+    order: dict[str, Any] | None = None
+
     def to_json(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "batches": self.batches, "passes": self.passes, "pass_rng": self.pass_rng}
+        out = {"epoch": self.epoch, "batches": self.batches, "passes": self.passes, "pass_rng": self.pass_rng}
+        if self.per_batch is not None:
+            out.update(samples=self.batches * self.per_batch, per_batch=self.per_batch, order=self.order)
+        return out
+
+
+# -- the position as global samples --------------------------------------------------------------
+def order_of(loader: DataLoader) -> tuple[dict[str, Any] | None, int | None]:
+    """``(order, global samples per batch)`` of a loader, or ``(None, None)`` for a custom sampler.
+
+    A ``DistributedSampler`` reads one global order whatever its replica count: the permutation
+    of its seed and epoch (or the dataset's order), rank ``r`` taking positions ``r, r + n, ...``;
+    so the data ranks' ``k``-th batches together are positions ``k * B .. (k + 1) * B - 1`` of
+    that order (``B`` = per-rank batch x replicas, the global batch or micro-batch). A position
+    counted in those global samples is therefore the same point of the run at any data size.
+    """
+    from torch.utils.data import RandomSampler, SequentialSampler
+    from torch.utils.data.distributed import DistributedSampler
+
+    batch, sampler = loader.batch_size, loader.sampler
+    if batch is None:
+        return None, None
+    if isinstance(sampler, DistributedSampler):
+        order = {"kind": "distributed", "shuffle": bool(sampler.shuffle), "seed": int(sampler.seed)}
+        order["drop_last"] = bool(sampler.drop_last)
+        return order, batch * int(sampler.num_replicas)
+    if isinstance(sampler, SequentialSampler):
+        return {"kind": "sequential"}, batch
+    if isinstance(sampler, RandomSampler):
+        return {"kind": "random"}, batch
+    return None, None
+
+
+def _same_order(saved: dict[str, Any] | None, mine: dict[str, Any] | None) -> bool:
+    """Whether two loaders read the same global order (a DistributedSampler that does not shuffle
+    reads the dataset's order, as a SequentialSampler does; a RandomSampler's order is its own)."""
+    if not isinstance(saved, dict) or mine is None:
+        return False
+
+    def plain(order):
+        if order.get("kind") == "distributed" and not order.get("shuffle"):
+            return {"kind": "sequential"}
+        return {k: v for k, v in order.items() if k != "drop_last"}
+
+    return plain(saved) == plain(mine)
+
+
+def resume_batches(loader: DataLoader, saved: dict[str, Any]) -> int:
+    """How many of its batches ``loader`` skips to continue the saved position; ConfigError if it cannot.
+
+    With the saved split (the same global samples per batch) it is the saved batch count: the
+    bitwise path. At another split (the global batch divided into other micro-batches) the skip
+    is derived from the global samples consumed, which is exact only if both loaders read the same
+    global order and the samples fill whole batches; otherwise resuming would repeat or skip
+    samples, and that is refused rather than done silently.
+    """
+    order, per_batch = order_of(loader)
+    if "samples" not in saved:  # a position saved before positions counted samples: its batch count
+        return int(saved.get("batches", 0))
+    saved_order = saved.get("order")
+    both_random = (saved_order or {}).get("kind") == (order or {}).get("kind") == "random"
+    if not (both_random or _same_order(saved_order, order)):  # random: replayed from its generator's state
+        raise ConfigError(
+            "loader sample order",
+            order,
+            f"the saved run's order {saved_order}: a plan applied under a process group (torchrun, "
+            "composable_atorch launch) reads it at any world size; or load_state(..., loader=None) to start the "
+            "epoch anew",
+        )
+    if saved.get("per_batch") == per_batch:
+        return int(saved.get("batches", 0))
+    samples = saved["samples"]
+    if not isinstance(samples, int) or isinstance(samples, bool) or samples < 0:
+        raise ConfigError("saved data position samples", samples, "an integer >= 0")
+    if per_batch is None or samples % per_batch:
+        raise ConfigError(
+            "loader batch at resume",
+            per_batch,
+            f"a global (micro-)batch dividing the {samples} samples already consumed this epoch "
+            f"(saved with {saved.get('per_batch')} per batch)",
+        )
+    return samples // per_batch
 
 
 class _SkipFirst:
@@ -205,10 +298,10 @@ def _resumable_class(base: type) -> type:
 
             With ``replay`` the RNG states of the start of the saved pass are put back first, so the
             pass shuffles and seeds its workers as it did; ``rng`` (the states at the save) is put
-            back once the pass is set up. Without ``replay`` (another world size) only the epoch and
-            the batch count carry over.
+            back once the pass is set up. Without ``replay`` (another world size) the epoch and the
+            global samples consumed carry over (:func:`resume_batches`): per-rank RNG states do not.
             """
-            epoch, batches = int(saved["epoch"]), int(saved["batches"])
+            epoch, batches = int(saved["epoch"]), resume_batches(self, saved)
             pass_rng = saved["pass_rng"] if replay else None
             self.position.pending = {
                 "epoch": epoch,
@@ -237,6 +330,7 @@ def _resumable_class(base: type) -> type:
                     sampler.set_epoch(resume["epoch"])
                 skip = resume["batches"]
             position.pass_rng = self._pass_rng()
+            position.order, position.per_batch = order_of(self)
             position.passes = position.passes + 1 if resume is None else max(1, resume["passes"])
             if resume is not None:
                 position.epoch = resume["epoch"]
@@ -293,5 +387,6 @@ def resumable(loader: DataLoader) -> DataLoader:
     if cls not in _CLASSES:
         _CLASSES[cls] = _resumable_class(cls)
     loader.__class__ = _CLASSES[cls]
-    loader.__dict__["_ca_position"] = DataPosition()
+    order, per_batch = order_of(loader)
+    loader.__dict__["_ca_position"] = DataPosition(order=order, per_batch=per_batch)
     return loader

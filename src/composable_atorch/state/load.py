@@ -20,6 +20,7 @@ import torch
 from composable_atorch.errors import CheckpointError, ConfigError
 from composable_atorch.runtime import resumable as _resumable
 from composable_atorch.runtime.optim import PlanOptimizer
+from composable_atorch.runtime.train_step import PIPELINE_ATTR
 from composable_atorch.state import verify
 from composable_atorch.state.files import FORMAT, META, VERSION, latest_checkpoint
 from composable_atorch.state.save import (
@@ -34,6 +35,7 @@ from composable_atorch.state.save import (
     _split_optimizer,
     _state_optimizer,
     _sync_hyperparameters,
+    restore_hyperparameters,
 )
 from composable_atorch.transforms.parallel.tensor import load_layout
 
@@ -47,13 +49,22 @@ def _fresh(value: Any) -> Any:
     return torch.empty_like(value) if isinstance(value, torch.Tensor) else value
 
 
+def _is_stage(model: torch.nn.Module) -> bool:
+    """A pipeline stage holds a subset of the saved model (every stage's ranks wrote their own part)."""
+    return getattr(model, PIPELINE_ATTR, None) is not None
+
+
 def _check_model(model: torch.nn.Module, metadata, path: Path) -> dict[str, Any]:
-    """The model's state dict; ConfigError when its names or shapes differ from the checkpoint's."""
+    """The model's state dict; ConfigError when its names or shapes differ from the checkpoint's.
+
+    A pipeline stage may lack the checkpoint's other stages' names (at another pipeline layout
+    its stage holds other blocks), never one of its own.
+    """
     _, sd, options = _dcp()
     model_sd = sd.get_model_state_dict(model, options=options)
     saved = {k[len("model.") :]: v for k, v in metadata.state_dict_metadata.items() if k.startswith("model.")}
     missing = sorted(set(model_sd) - set(saved))
-    unexpected = sorted(set(saved) - set(model_sd))
+    unexpected = [] if _is_stage(model) else sorted(set(saved) - set(model_sd))
     shapes = [
         f"{k} {tuple(getattr(saved[k], 'size', ()))} vs {tuple(v.shape)}"
         for k, v in model_sd.items()
@@ -71,7 +82,7 @@ def _check_model(model: torch.nn.Module, metadata, path: Path) -> dict[str, Any]
     return model_sd
 
 
-def _check_optimizer(inner, hooks: list, saved: dict | None, hook_states: list, path: Path) -> None:
+def _check_optimizer(inner, hooks: list, saved: dict | None, hook_states: list, path: Path, stage: bool) -> None:
     if inner is None:
         return
     if saved is None:
@@ -79,7 +90,9 @@ def _check_optimizer(inner, hooks: list, saved: dict | None, hook_states: list, 
             f"checkpoint {path}", "no optimizer state", "load_state(..., optim=None) for a checkpoint saved without one"
         )
     mine = _optimizer_shape(inner, hooks)
-    for key in ("class", "group_sizes"):
+    # a pipeline stage's groups hold its own stage's parameters: their sizes differ per stage (DCP
+    # still reads every one of its parameters' states by name, or fails before anything changes)
+    for key in ("class",) if stage else ("class", "group_sizes"):
         if mine[key] != saved[key]:
             raise ConfigError(f"checkpoint {path} optimizer {key}", mine[key], f"{saved[key]!r}, as saved")
     unmatched = _match_hooks(hooks, saved["hooks"], hook_states)[1]
@@ -145,7 +158,7 @@ def load_state(
     reader = verify.safe_reader(path, files)
     metadata = reader.read_metadata()
     model_sd = _check_model(model, metadata, path)
-    _check_optimizer(inner, hooks, meta["optimizer"], rank_state["hooks"], path)
+    _check_optimizer(inner, hooks, meta["optimizer"], rank_state["hooks"], path, _is_stage(model))
     if meta["micro_step"] and not same_world:
         raise ConfigError(
             f"checkpoint {path}",
@@ -168,6 +181,8 @@ def load_state(
             "no data position",
             "load_state(..., loader=None) for a checkpoint saved without a loader",
         )
+    if loader is not None:  # the data position must fit this loader's layout before anything changes
+        _resumable.resume_batches(loader, rank_state["loader"])
 
     # -- checked: read everything into fresh tensors ---------------------------------------------
     saved_optim = inner is not None and meta["optimizer"]["has_state"]
@@ -190,6 +205,8 @@ def load_state(
         sd.set_model_state_dict(model, state["model"], options=options)
         if local is not None:
             local.state.clear()
+            # a stateless optimizer (SGD without momentum): DCP had no state to carry its groups' LR
+            restore_hyperparameters(inner, meta["optimizer"].get("hyperparameters"))
     if meta["micro_step"]:
         _restore_grads(model, state["grads"], rank)
     for hook, hook_state in _match_hooks(

@@ -28,9 +28,28 @@ Why it resumes bitwise
     Weights and optimizer state come back through ``get_state_dict`` / ``set_state_dict`` (which
     handle DDP, FSDP2 and plain modules alike); RNG states come back per rank; the loader (made
     resumable by the plan, see resumable.py) continues with exactly the next batch, replaying its
-    pass's shuffle. At another world size DCP reshards the weights and optimizer state; the epoch
-    and batch count carry over (exact for a DistributedSampler at the same global batch), the
-    per-rank RNG states cannot and are left alone.
+    pass's shuffle, and the LR scheduler's state (JSON) comes back as saved.
+
+At another world size or layout (elastic restarts)
+    The user's script does not change: the same plan expression, applied at the new world,
+    refits its data size (``parallel_mode``'s data dimension absorbs the world; tensor and
+    pipeline sizes are kept, and a world they do not divide is a ConfigError naming the nearest
+    layout and the worlds that keep them; explain() says what was refitted). Then load_state:
+
+    * weights and optimizer state: DCP reshards them across DDP / FSDP / tensor / pipeline layouts
+      (a pipeline stage reads its own blocks' part of the checkpoint);
+    * the data position: under a process group a plan reads one global order at every data size
+      (a DistributedSampler of the same seed, also at a data size of 1), and the position is saved
+      as the global samples consumed in the epoch (resumable.py); each rank derives its skip from
+      the new layout, so every sample is trained once per epoch and each step sees the same global
+      batch (the global batch is kept; one that does not divide over the new data size is a
+      ConfigError naming the world sizes that work, before any work);
+    * the LR scheduler: its state is world-independent and comes back as saved;
+    * the loss and weights then follow the uninterrupted run to fp32 reduction order (not bitwise:
+      another data size sums the gradients in another order);
+    * RNG: per-rank states cannot carry over to another rank count and are left as the new run
+      seeded them: dropout masks (and anything else drawing per rank) differ from the
+      uninterrupted run after the resume. Same world, same layout: everything is bitwise.
 
 Why a damaged or crafted checkpoint is refused
     ``checkpoint.json`` lists every file with its size and blake2b digest and carries its own;
@@ -153,6 +172,49 @@ def _optimizer_shape(inner: torch.optim.Optimizer, hooks: list) -> dict[str, Any
     }
 
 
+def _plain(value: Any) -> bool:
+    if isinstance(value, list | tuple):
+        return all(isinstance(v, int | float) and not isinstance(v, bool) for v in value)
+    return value is None or isinstance(value, bool | int | float | str)
+
+
+def group_hyperparameters(inner: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Each param group's plain hyperparameters (lr, momentum, betas...) as JSON.
+
+    DCP saves them with the optimizer's state, which a stateless optimizer (SGD without momentum)
+    never has: without this copy its LR, as an LR scheduler left it, would come back as the
+    constructor's while the scheduler's own state says otherwise.
+    """
+    return [
+        {k: list(v) if isinstance(v, tuple) else v for k, v in g.items() if k != "params" and _plain(v)}
+        for g in inner.param_groups
+    ]
+
+
+def restore_hyperparameters(inner: torch.optim.Optimizer, saved: list[dict[str, Any]] | None) -> None:
+    """Put :func:`group_hyperparameters` back (tuples stay tuples), for an optimizer loaded without state."""
+    if not isinstance(saved, list) or len(saved) != len(inner.param_groups):
+        return
+    for group, values in zip(inner.param_groups, saved):
+        if not isinstance(values, dict):
+            continue
+        for k, v in values.items():
+            if k in group and k != "params" and _plain(v) and _same_kind(group[k], v):
+                group[k] = tuple(v) if isinstance(group[k], tuple) else v
+
+
+def _same_kind(current: Any, saved: Any) -> bool:
+    """A checkpoint is untrusted: a saved value replaces only one of its own kind (a number a
+    number, a tuple of n numbers a list of n), so a crafted file cannot put a string into ``lr``."""
+    if isinstance(current, tuple):
+        return isinstance(saved, list) and len(saved) == len(current)
+    if isinstance(current, bool) or current is None:
+        return type(saved) is type(current)
+    if isinstance(current, int | float):
+        return isinstance(saved, int | float) and not isinstance(saved, bool)
+    return type(saved) is type(current)
+
+
 def _has_fsdp(model: torch.nn.Module) -> bool:
     from torch.distributed.fsdp import FSDPModule
 
@@ -257,7 +319,13 @@ def save_state(
             "step": step,
             "world_size": world,
             "extra": extra,
-            "optimizer": None if inner is None else {**_optimizer_shape(inner, hooks), "has_state": has_optim_state},
+            "optimizer": None
+            if inner is None
+            else {
+                **_optimizer_shape(inner, hooks),
+                "has_state": has_optim_state,
+                "hyperparameters": group_hyperparameters(inner),
+            },
             "micro_step": micro_step,
             "loader": position is not None,
             "scheduler": scheduler_state,
@@ -287,4 +355,6 @@ def _say_resumed(path: Path, meta: dict[str, Any], position: dict[str, Any] | No
     line = f"composable_atorch: resumed from {path.name} at step {meta['step']}"
     if position is not None:
         line += f"; skipping the {position['batches']} batch(es) of epoch {position['epoch']} already seen"
+        if "samples" in position:
+            line += f" ({position['samples']} samples of the global order)"
     print(line, flush=True)

@@ -13,7 +13,7 @@ import torch
 from composable_atorch.core.contract import Contract, Stage
 from composable_atorch.core.transform import ApplyContext, TrainState, Transform
 from composable_atorch.errors import ConfigError
-from composable_atorch.runtime.loader import rebuild_loader, split_batch
+from composable_atorch.runtime.loader import loader_batch_size, rebuild_loader, split_batch
 from composable_atorch.runtime.optim import OptimizerHook
 
 
@@ -60,12 +60,34 @@ class Accumulate(Transform):
         return f"accumulate({self.steps} micro-batches per step)"
 
     def apply(self, state: TrainState, ctx: ApplyContext) -> TrainState:
-        if state.loader is not None and self.steps > 1:
-            micro = split_batch(state.loader, self.steps, what="accumulate.steps")
+        steps = self.steps
+        if state.loader is not None and steps > 1:
+            share = loader_batch_size(state.loader)  # this rank's share of the global batch
+            whole = getattr(state.loader, "global_batch_size", share)
+            if whole % steps == 0:  # valid for the global batch: only this world's split does not divide
+                steps = refit_steps(share, steps)
+            if steps != self.steps:
+                state.note(
+                    self.name,
+                    f"{self.steps} micro-batches do not divide this rank's share of {share} (the global batch over "
+                    f"this world's data ranks): {steps} micro-batches of {share // steps} instead, so the global "
+                    "batch and the update stay the same",
+                )
+            micro = split_batch(state.loader, steps, what="accumulate.steps")
             state.loader = rebuild_loader(state.loader, batch_size=micro)
-            state.note(self.name, f"loader yields micro-batches of {micro}; the optimizer steps every {self.steps}")
-        state.hooks.append(AccumulateHook(self.steps))
+            state.note(self.name, f"loader yields micro-batches of {micro}; the optimizer steps every {steps}")
+        state.hooks.append(AccumulateHook(steps))
         return state
+
+
+def refit_steps(share: int, steps: int) -> int:
+    """The accumulation steps for a per-rank share of the global batch: ``steps`` when it divides, else
+    the smallest divisor of the share above it (micro-batches no larger than planned: the memory the
+    plan was sized for), or the share itself (micro-batches of 1). An elastic restart at another data
+    size changes the share; the global batch, and so the math, is kept."""
+    if share % steps == 0:
+        return steps
+    return min(d for d in range(1, share + 1) if share % d == 0 and d >= min(steps, share))
 
 
 def accumulate(steps: int) -> Accumulate:

@@ -19,8 +19,8 @@ from typing import Any
 from composable_atorch.core.contract import Conflict, Contract, Stage
 from composable_atorch.core.transform import ApplyContext, TrainState, Transform
 from composable_atorch.errors import ConfigError, RequirementError
-from composable_atorch.runtime.layout import ParallelContext, make_context, plan_layout
-from composable_atorch.runtime.loader import is_shuffled, loader_batch_size, rebuild_loader
+from composable_atorch.runtime.layout import ParallelContext, make_context, plan_layout, refit_hint
+from composable_atorch.runtime.loader import check_global_batch, split_over_data
 from composable_atorch.runtime.optim import rebuild_optimizer
 from composable_atorch.runtime.train_step import mark_loss_group
 from composable_atorch.transforms.parallel.data.common import GRAD_SYNC, DataGradSync, broadcast_local, parallel_context
@@ -48,25 +48,6 @@ def _degrees_differ(mine, pm) -> bool:
     return any(
         d is not None and groups.get(n, 1) != d for n, d in (("tensor", mine.tensor), ("pipeline", mine.pipeline))
     )
-
-
-def _split_loader(loader, pc: ParallelContext):
-    """The loader with a DistributedSampler over the data dimension and the per-rank batch."""
-    from torch.utils.data.distributed import DistributedSampler
-
-    batch, parts = loader_batch_size(loader), pc.data_size
-    if batch % parts:
-        raise ConfigError(
-            "loader batch_size", batch, f"a multiple of the data size {parts} (the loader's batch is the global batch)"
-        )
-    sampler = DistributedSampler(
-        loader.dataset,
-        num_replicas=parts,
-        rank=pc.data_rank,
-        shuffle=is_shuffled(loader),
-        drop_last=bool(loader.drop_last),
-    )
-    return rebuild_loader(loader, batch_size=batch // parts, sampler=sampler)
 
 
 def _has_pipeline(mine, _accumulate) -> bool:
@@ -159,10 +140,11 @@ class MixedParallel(Transform):
         if self.tensor is not None or self.pipeline is not None:
             fixed = (self.tensor or 1) * (self.pipeline or 1)
             if env.world_size % fixed:
+                others = (("tensor", self.tensor or 1), ("pipeline", self.pipeline or 1))
                 raise ConfigError(
                     "mixed_parallel degrees",
                     f"tensor {self.tensor} x pipeline {self.pipeline}",
-                    f"a product dividing the world size {env.world_size}",
+                    f"a product dividing the world size {env.world_size}; {refit_hint(others, env.world_size)}",
                 )
         return self, None
 
@@ -184,10 +166,13 @@ class MixedParallel(Transform):
                 "mixed_parallel(tensor=t, pipeline=p)",
             )
         groups = [("tensor", self.tensor or 1), ("pipeline", self.pipeline or 1), ("data", 1)]
-        pc = make_context(plan_layout(groups, ctx.env.world_size), ctx.env.device)
+        layout = plan_layout(groups, ctx.env.world_size)
+        if state.loader is not None and layout.batch_split > 1:
+            check_global_batch(state.loader, layout)  # before the mesh's groups exist
+        pc = make_context(layout, ctx.env.device)
         state.parallel = pc
-        if state.loader is not None and pc.data_size > 1:
-            state.loader = _split_loader(state.loader, pc)
+        if state.loader is not None and (pc.data_size > 1 or pc.distributed):
+            state.loader = split_over_data(state.loader, layout, pc.rank, distributed=pc.distributed)[0]
         state.note(
             self.name,
             f"layout {pc.layout.describe()}; device mesh {pc.layout.mesh_dim_names}; loader split over the data dim of "

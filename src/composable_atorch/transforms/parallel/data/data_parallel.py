@@ -25,9 +25,9 @@ import torch
 from composable_atorch.core.contract import Conflict, Contract, Cost, DefaultOwner, Implication, MinWorldSize, Stage
 from composable_atorch.core.transform import ApplyContext, TrainState, Transform
 from composable_atorch.errors import ConfigError
-from composable_atorch.runtime.layout import ParallelContext, make_context, normalize_groups, plan_layout
+from composable_atorch.runtime.layout import make_context, normalize_groups, plan_layout, refit_note
 from composable_atorch.runtime.liveness import collective_timeout, watch
-from composable_atorch.runtime.loader import dataset_size, loader_batch_size, padding_note, rebuild_loader
+from composable_atorch.runtime.loader import check_global_batch, dataset_size, padding_note, split_over_data
 from composable_atorch.transforms.parallel.data.common import (
     DDP_VS_FSDP,
     DDP_VS_ZERO2,
@@ -52,36 +52,6 @@ from composable_atorch.transforms.parallel.data.probe import unused_parameters
 # ---------------------------------------------------------------------------------------------
 # parallel_mode
 # ---------------------------------------------------------------------------------------------
-
-
-def _distributed_loader(loader, pc: ParallelContext, sampler_cls):
-    """The loader rebuilt with a distributed sampler and the per-rank batch (strong scaling)."""
-    from torch.utils.data.distributed import DistributedSampler
-
-    from composable_atorch.runtime.loader import is_shuffled
-
-    if isinstance(loader.sampler, DistributedSampler):
-        raise ConfigError(
-            "loader.sampler",
-            type(loader.sampler).__name__,
-            "a plain sampler: pass the loader with the global batch; the plan adds the distributed sampler",
-        )
-    batch, parts = loader_batch_size(loader), pc.data_size
-    if batch % parts:
-        raise ConfigError(
-            "loader batch_size",
-            batch,
-            f"a multiple of the data-parallel size {parts} (the loader's batch is the global batch, split into {parts} "
-            "per-rank batches)",
-        )
-    sampler = (sampler_cls or DistributedSampler)(
-        loader.dataset,
-        num_replicas=parts,
-        rank=pc.data_rank,
-        shuffle=is_shuffled(loader),
-        drop_last=bool(loader.drop_last),
-    )
-    return rebuild_loader(loader, batch_size=batch // parts, sampler=sampler), batch // parts
 
 
 @dataclass(frozen=True)
@@ -168,10 +138,12 @@ class ParallelMode(Transform):
             return self, (f"{n} independent instances of {self.describe()}: {layout.describe()}" if n > 1 else None)
         if layout.dims == self.groups:
             return self, None
-        return replace(self, groups=layout.dims), f"data size adjusted to the world size: {layout.describe()}"
+        return replace(self, groups=layout.dims), refit_note(self.groups, layout)
 
     def apply(self, state: TrainState, ctx: ApplyContext) -> TrainState:
         layout = self.layout(ctx.env.world_size)
+        if state.loader is not None and layout.batch_split > 1:
+            check_global_batch(state.loader, layout)  # before the mesh's groups exist
         pc = make_context(layout, ctx.env.device)
         state.parallel = pc
         where = f"device mesh {layout.mesh_dim_names}" if pc.distributed else "no process group (single process)"
@@ -182,12 +154,15 @@ class ParallelMode(Transform):
             f"{layout.describe()}; {where}; this rank {pc.rank} is data shard {pc.data_rank} of {pc.data_size}"
             + (f" in instance {pc.instance_index} of {pc.instance_num}" if pc.instance_num > 1 else ""),
         )
-        if state.loader is not None and pc.data_size > 1:
-            state.loader, per_rank = _distributed_loader(state.loader, pc, self.distributed_sampler_cls)
+        if state.loader is not None and (pc.data_size > 1 or pc.distributed):
+            state.loader, per_rank = split_over_data(
+                state.loader, layout, pc.rank, distributed=pc.distributed, sampler_cls=self.distributed_sampler_cls
+            )
             kind = (self.distributed_sampler_cls or torch.utils.data.distributed.DistributedSampler).__name__
             state.note(
                 self.name,
-                f"loader: {kind}, per-rank batch {per_rank} = global {per_rank * pc.data_size} / {pc.data_size}",
+                f"loader: {kind}, per-rank batch {per_rank} = global {per_rank * pc.data_size} / {pc.data_size}"
+                + ("" if pc.data_size > 1 else " (one global order every rank reads, at any world size)"),
             )
             padding = padding_note(dataset_size(state.loader), pc.data_size, bool(state.loader.drop_last))
             if padding is not None and self.distributed_sampler_cls is None:

@@ -327,6 +327,12 @@ class PipelineParallel(Transform):
             )
         if not pc.distributed or pp == 1:
             state.note(self.name, "pipeline size 1: model left whole")
+            if pc.distributed and pc.data_size > 1:  # this step owns gradient sync: the data ranks must agree
+                group = pc.data_group()
+                broadcast_local(model, group)
+                state.hooks.append(DataGradSync(model, group, pc.data_size))
+                mark_loss_group(model, group, pc.data_size)
+                state.note(self.name, f"gradients averaged over the data dim of {pc.data_size} before each step")
             return state
         index = pc.layout.coordinate(pc.rank, "pipeline")
         n_stages = pp * self.stages_per_rank
