@@ -260,3 +260,23 @@ def test_a_baseline_predicted_to_lose_is_not_run_and_the_table_says_why_in_full(
     assert slower[0].reason in text  # whole, not cut at a column width
     row = next(r for r in report.rows(result) if r["status"] == "ok")
     assert row["predicted_step_s"] is not None and "predicted s" in text
+
+
+def test_a_failure_reason_with_brackets_is_printed_as_text(capsys):
+    """gloo's messages hold "[/path/pair.cc:553]": printed as rich markup they raised MarkupError and
+    stopped the whole search."""
+
+    def runner(plan, *, timeout):
+        return TrialResult(status="failed", reason="RuntimeError: [/gloo/tcp/pair.cc:553] Connection closed by peer")
+
+    result = search(
+        workload(),
+        trial=TrialSettings(world_size=2),
+        budget=Budget(n_trials=2),
+        space=SpaceOptions(excluded=tuple(sorted(set(ca.registry()) - set(KEPT)))),
+        study=StudyOptions(seed=0, preflight=False, predict=False),
+        runner=runner,
+        progress=True,
+    )
+    assert len(result.measured) == 2 and all(r.status == "failed" for r in result.measured)
+    assert "[/gloo/tcp/pair.cc:553]" in capsys.readouterr().out

@@ -21,6 +21,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from rich.markup import escape
+
 from composable_atorch.auto.policy import (
     Budget,
     SpaceOptions,
@@ -439,7 +441,7 @@ class _Loop:
         self._skip(trial, point.key)
         self.study.tell(trial, state=optuna.trial.TrialState.PRUNED)
         self.bar.console.print(
-            f"  #{trial.number} {TrialRecord(trial.number, '', dict(point.assignment)).plan_label}: "
+            f"  #{trial.number} {escape(TrialRecord(trial.number, '', dict(point.assignment)).plan_label)}: "
             f"[dim]predicted over the budget, not run[/dim]"
         )
 
@@ -474,7 +476,8 @@ class _Loop:
         self.study.tell(trial, state=optuna.trial.TrialState.FAIL)
         if not cut:
             self.seen[point.key] = trial.number
-        self.bar.console.print(f"  #{trial.number} {label}: [red]failed[/red] — {result.reason}")
+        # the reason is the worker's text (gloo writes "[.../pair.cc:553]"): not rich markup
+        self.bar.console.print(f"  #{trial.number} {escape(label)}: [red]failed[/red] — {escape(result.reason or '')}")
         self.bar.update(self.task, advance=1)
 
     def _tell_measured(self, trial, point: Point, result: TrialResult, label: str) -> None:
@@ -491,7 +494,7 @@ class _Loop:
         self.study.tell(trial, result.samples_per_s)
         mem = "" if peak is None else f", peak {peak / 2**20:.1f} MiB"
         flag = " [yellow]over budget[/yellow]" if over else ""
-        self.bar.console.print(f"  #{trial.number} {label}: {result.samples_per_s:.1f} samples/s{mem}{flag}")
+        self.bar.console.print(f"  #{trial.number} {escape(label)}: {result.samples_per_s:.1f} samples/s{mem}{flag}")
         best = best_record([TrialRecord.from_frozen(t) for t in self.study.trials])
         self.bar.update(self.task, advance=1, best=f"best {best.result.samples_per_s:.1f} samples/s" if best else "")
 
