@@ -1,8 +1,11 @@
 """A user's own GPT-like model (not the library's): 4 blocks, d 256, sequence 128, SDPA attention.
 
-Module-level builders only, so trial workers and torchrun scripts can import them."""
+Module-level builders only, so trial workers and torchrun scripts can import them. ``small=True``
+(benchmarks' ``--small``) is the same model at 2 blocks, d 128, sequence 64, for runs in minutes."""
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import nn
@@ -70,3 +73,22 @@ class Tokens(torch.utils.data.Dataset):
 
     def __getitem__(self, i):
         return self.data[i, :-1], self.data[i, 1:]
+
+
+#: the ``--small`` variant's sizes (the global batch stays GLOBAL_BATCH)
+SMALL = {"dim": 128, "layers": 2, "seq": 64}
+
+
+def builders(small: bool = False):
+    """``(model_fn, dataset)`` of the default or the small variant (picklable: trial workers get them)."""
+    if not small:
+        return model_fn, Tokens()
+    return functools.partial(UserGPT, **SMALL), Tokens(seq=SMALL["seq"])
+
+
+def workload(small: bool = False):
+    """The benchmark's Workload: the user's factories, data, loss and criterion, global batch GLOBAL_BATCH."""
+    from composable_atorch.auto import Workload
+
+    model, data = builders(small)
+    return Workload(model, optim_fn, data, loss_fn, GLOBAL_BATCH, criterion=criterion)

@@ -99,7 +99,9 @@ def measure_plan(name: str, world: int, steps: int) -> float | None:
 
     env = ca.Environment.detect().with_(world_size=world)
     plan = ca.compose(plans()[name], env=env)
-    settings = TrialSettings(world_size=world, warmup_steps=3, measure_steps=steps, timeout=600, measure_memory=False)
+    settings = TrialSettings(
+        world_size=world, warmup_steps=3, measure_steps=steps, timeout=600, measure_memory=False, max_measure_s=10.0
+    )
     result = run_trial(plan.to_json(), workload(), settings)
     if not result.ok:
         print(f"  {name}: failed — {result.reason}")
@@ -124,6 +126,32 @@ def measure_accelerate(mixed: str, world: int, steps: int, port: int) -> float |
             print(f"  accelerate {mixed}: ran {data['processes']} process(es), not {world}")
             return None
         return statistics.median(data["step_times"])
+
+
+def versus_accelerate(plan: str, mixed: str, rounds: int, block: int, port: int) -> dict | None:
+    """``plan`` and Accelerate (``mixed``) in the same processes, alternating blocks of steps
+    (``_accelerate_run.py --versus``): medians of seconds per step, and the ratio."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "out.json")
+        env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(SRC)}
+        cmd = [
+            *(sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}"),
+            *(str(HERE / "_accelerate_run.py"), "--mixed-precision", mixed, "--versus", plan),
+            *("--steps", str(rounds), "--block", str(block), "--out", out),
+        ]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+        if proc.returncode or not os.path.exists(out):
+            print(f"  {plan} versus accelerate {mixed}: failed — {proc.stderr[-500:]}")
+            return None
+        data = json.loads(Path(out).read_text())
+    ours, theirs = statistics.median(data["versus"][plan]), statistics.median(data["step_times"])
+    return {
+        "plan_s": ours,
+        "accelerate_s": theirs,
+        "speedup": theirs / ours,
+        "steps_each": len(data["step_times"]),
+        "load_average": data["load_average"],
+    }
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:
@@ -171,7 +199,24 @@ def main(argv=None) -> int:
     parser.add_argument("--cached", action="store_true", help="reuse the cached calibration")
     parser.add_argument("--no-llama", action="store_true")
     parser.add_argument("--no-accelerate", action="store_true")
+    parser.add_argument(
+        "--ab-rounds",
+        type=int,
+        default=10,
+        help="the pick and Accelerate alternating in the same processes, blocks of 5 steps (0: not run)",
+    )
+    parser.add_argument("--ab-only", action="store_true", help="only the same-process comparison of ddp+amp")
     args = parser.parse_args(argv)
+    if args.ab_only:
+        for mixed in ("bf16", "no"):
+            r = versus_accelerate("ddp+amp", mixed, args.ab_rounds or 10, 5, 29650)
+            if r:
+                print(
+                    f"ddp+amp {r['plan_s']:.4f} s vs Accelerate {mixed} {r['accelerate_s']:.4f} s per step: "
+                    f"{r['speedup']:.2f}x (medians of {r['steps_each']} steps each, same processes; "
+                    f"load {r['load_average'][0]:.1f})"
+                )
+        return 0
     world = 2
     from composable_atorch.estimate.calibrate import calibration
 
@@ -233,6 +278,16 @@ def main(argv=None) -> int:
         )
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({"rows": table, "calibration": cal.to_dict()}, indent=1))  # kept if the 7B part fails
+    ab = {}
+    if args.ab_rounds and not args.no_accelerate:
+        for mixed in ("bf16", "no"):
+            ab[mixed] = versus_accelerate(pick, mixed, args.ab_rounds, 5, 29660 + len(ab))
+            if ab[mixed]:
+                r = ab[mixed]
+                print(
+                    f"same processes, alternating blocks: {pick} {r['plan_s']:.4f} s vs Accelerate {mixed} "
+                    f"{r['accelerate_s']:.4f} s per step: {r['speedup']:.2f}x ({r['steps_each']} steps each)"
+                )
     llama = None if args.no_llama else llama_seconds()
     load_end = os.getloadavg()
     summary = {
@@ -244,6 +299,7 @@ def main(argv=None) -> int:
         "pick_vs_accelerate": table[configs.index(pick)]["vs_accelerate"],
         "pick_vs_accelerate_bf16": table[configs.index(pick)]["vs_accelerate_bf16"],
         "llama7b_world8_estimate_s": llama,
+        "pick_vs_accelerate_same_processes": ab,
         "calibration_s": cal_s,
         "load_average_start": load_start,
         "load_average_end": load_end,

@@ -3,6 +3,7 @@
 from dataclasses import dataclass
 
 import pytest
+import torch
 
 import composable_atorch as ca
 from composable_atorch.auto.space import ABSENT, SearchSpace, block_classes, dimensions, plan_key
@@ -149,3 +150,35 @@ def test_budget_takes_the_same_units_as_the_estimate():
     assert parse_bytes("1TiB", "limit_bytes", required=True) == 2**40
     with pytest.raises(ConfigError, match="limit_bytes"):
         parse_bytes(None, "limit_bytes", required=True)
+
+
+class _Dense(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def test_module_replace_is_refused_at_no_cost_where_the_model_holds_nothing_it_replaces():
+    """Nothing to replace: the plan would train exactly as without the step, so the search's planning
+    check refuses it (half the space would be copies); a model holding a replaceable module keeps it."""
+    from composable_atorch.auto.space import planning_admit
+
+    def plans_of(model):
+        env = Environment.detect().with_(world_size=1)
+        context = SearchContext(env=env, block_classes=block_classes(model), batch_size=8)
+        return SearchSpace(context, admit=planning_admit(model)).enumerate()
+
+    plain = torch.nn.Sequential(_Dense(), _Dense())
+    found = plans_of(plain)
+    assert found.valid and not any("module_replace" in p.plan.names for p in found.valid.values())
+    refused = [p for p in found.invalid if "module_replace" in (p.error or "")]
+    assert refused and "holds none" in refused[0].error
+    with pytest.raises(ConfigError, match="holds none"):
+        ca.module_replace().check(plain)
+    with torch.device("meta"):
+        gpt = GPT()  # its attention has registered pairs
+    assert ca.module_replace().check(gpt) == []
+    assert any("module_replace" in p.plan.names for p in plans_of(gpt).valid.values())

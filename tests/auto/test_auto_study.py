@@ -106,6 +106,8 @@ def test_study_at_world_2_records_crash_and_hang_and_leaves_no_process(tmp_path)
     assert len(ok) == 2 and all(r.result.samples_per_s > 0 and r.result.peak_bytes > 0 for r in ok)
     # each sample counted once across the two ranks: the global batch of 8 per step, never 16
     assert all(r.result.samples_per_step == 8 for r in ok)
+    # each trial timed at least measure_steps, then on until its figure was precise or a cap hit
+    assert all(2 <= r.result.measured_steps <= 40 and r.result.relative_error is not None for r in ok)
     assert result.best is not None and result.best.status == "ok"
     # nothing left behind: no child of ours, no rank, no grandchild the hanging rank started
     assert multiprocessing.active_children() == []

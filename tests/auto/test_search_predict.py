@@ -237,3 +237,46 @@ def test_a_prediction_that_hangs_is_abandoned_and_the_plan_measured_instead():
     assert time.monotonic() - started < 5
     with time_limit(5):  # no alarm left behind
         time.sleep(0.1)
+
+
+class SlowBaseline(Stub):
+    """The plan of no request (fp32, no checkpoint) predicted at half the speed of the others."""
+
+    def __call__(self, plan, *args, **kwargs):
+        est = super().__call__(plan, *args, **kwargs)
+        if not {"amp", "checkpoint"} & set(plan.names):
+            est.step_time_s *= 2
+        return est
+
+
+def test_a_baseline_predicted_to_lose_is_not_run_and_the_table_says_why_in_full():
+    result, runner = run(estimator=SlowBaseline(), n_trials=3, prior=2)
+    slower = [r for r in result.records if r.status == "predicted-slower"]
+    assert len(slower) == 1 and slower[0].reason.startswith("the baseline: predicted")
+    assert not {"amp", "checkpoint"} & set(slower[0].steps)
+    ran = [r for r in result.records if r.status == "ok"]
+    assert ran and all({"amp", "checkpoint"} & set(r.steps) for r in ran)  # no trial on the baseline
+    text = report.text_table(result)
+    assert slower[0].reason in text  # whole, not cut at a column width
+    row = next(r for r in report.rows(result) if r["status"] == "ok")
+    assert row["predicted_step_s"] is not None and "predicted s" in text
+
+
+def test_a_failure_reason_with_brackets_is_printed_as_text(capsys):
+    """gloo's messages hold "[/path/pair.cc:553]": printed as rich markup they raised MarkupError and
+    stopped the whole search."""
+
+    def runner(plan, *, timeout):
+        return TrialResult(status="failed", reason="RuntimeError: [/gloo/tcp/pair.cc:553] Connection closed by peer")
+
+    result = search(
+        workload(),
+        trial=TrialSettings(world_size=2),
+        budget=Budget(n_trials=2),
+        space=SpaceOptions(excluded=tuple(sorted(set(ca.registry()) - set(KEPT)))),
+        study=StudyOptions(seed=0, preflight=False, predict=False),
+        runner=runner,
+        progress=True,
+    )
+    assert len(result.measured) == 2 and all(r.status == "failed" for r in result.measured)
+    assert "[/gloo/tcp/pair.cc:553]" in capsys.readouterr().out

@@ -120,4 +120,29 @@ def test_search_skips_only_plans_predicted_to_lose_by_more_than_the_error():
     assert check.loses(Prediction(1, step_time_s=0.27)) is None  # 0.648 s: within the error of the best 0.6 s
     assert "slower than the best measured" in check.loses(Prediction(1, step_time_s=0.4))  # 0.96 s
     assert check.loses(Prediction(1)) is None  # no step time predicted: measured
+    # the estimate failed (a simulated step that cannot run, as the plans that crash do): not run
+    failed = Prediction(reason="EstimateError: one training step of the plan cannot run on fake tensors")
+    assert "no step-time prediction (EstimateError" in check.loses(failed)
+    assert StepTimeCheck().loses(failed) is None  # before the model is held to any trial: measured
     assert "+140%" in check.pick_note(Prediction(1, step_time_s=0.25), ok(0.6))
+
+
+def test_the_attention_backward_has_its_own_curve_and_older_calibrations_fall_back():
+    """The CPU's attention backward costs several times the forward per FLOP: traced as its own kind,
+    priced on its own curve where the calibration has one, else on the forward's (older files load)."""
+    from composable_atorch.estimate.steptime import price_op
+
+    q = torch.randn(2, 2, 16, 8, requires_grad=True)
+    trace = OpTrace()
+    with trace:
+        torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
+    kinds = {kind for kind, _, _ in trace.ops}
+    assert {"sdpa", "sdpa_bwd"} <= kinds
+    bwd = next(size for kind, _, size in trace.ops if kind == "sdpa_bwd")
+    old = synthetic()
+    assert "sdpa_bwd_float32" not in old.curves
+    assert price_op(old, "sdpa_bwd", "float32", bwd) == pytest.approx(bwd * RATE["sdpa"])
+    slow = old.to_dict()
+    slow["curves"]["sdpa_bwd_float32"] = [[1.0, 4e-9], [1e12, 4e-9 * 1e12]]
+    assert price_op(Calibration.from_dict(slow), "sdpa_bwd", "float32", bwd) == pytest.approx(4 * bwd * RATE["sdpa"])
+    assert trace.flops() >= bwd

@@ -117,3 +117,16 @@ def test_world2_every_rank_skips_the_poisoned_step_and_ranks_stay_equal():
     a, b = run_world(world2_poisoned, 2)
     for name in a:
         assert all(np.array_equal(a[name][k], b[name][k]) for k in a[name]), name
+
+
+def test_the_check_is_exact_where_a_sum_overflows_or_cancels():
+    """The check sums each gradient first: huge finite gradients whose sum overflows still step, and
+    an inf next to a -inf (a nan sum) or a lone nan are still caught."""
+    from composable_atorch.transforms.precision import _all_finite
+
+    big = torch.full((4,), 3e38)
+    assert _all_finite([big, big.clone()])  # the float32 sum is inf, every element finite
+    assert _all_finite([torch.ones(3, dtype=torch.bfloat16), torch.zeros(0)])
+    assert not _all_finite([torch.tensor([float("inf"), -float("inf")])])
+    assert not _all_finite([torch.ones(3), torch.tensor([1.0, float("nan")], dtype=torch.bfloat16)])
+    assert _all_finite([])

@@ -142,8 +142,14 @@ class StudyOptions:
 @dataclass(frozen=True)
 class TrialSettings:
     """How one plan is measured: ``world_size`` worker processes, ``warmup_steps`` optimizer steps,
-    then ``measure_steps`` timed ones; ``timeout`` seconds from spawn to exit (a trial still running
-    then is a hang); ``measure_memory`` adds one more step under the memory tracker."""
+    then at least ``measure_steps`` timed ones; ``timeout`` seconds from spawn to exit (a trial still
+    running then is a hang); ``measure_memory`` adds one more step under the memory tracker.
+
+    A few steps are noise on a shared machine, so a trial goes on measuring until its figure is
+    precise: until the relative standard error of its mean step (``std / sqrt(n) / mean``) is at
+    most ``precision`` (0.01: about +-2% at 95%), or ``max_measure_steps`` steps, or ``max_measure_s``
+    seconds of timed steps, whichever comes first. ``precision=None`` measures ``measure_steps`` only.
+    """
 
     world_size: int = 2
     warmup_steps: int = 2
@@ -151,10 +157,23 @@ class TrialSettings:
     #: seconds one trial may take, spawn to exit; a trial still running then is a hang
     timeout: float = 120.0
     measure_memory: bool = True
+    precision: float | None = 0.01
+    max_measure_steps: int = 40
+    max_measure_s: float = 20.0
 
     def __post_init__(self):
         if not isinstance(self.world_size, int) or self.world_size < 1:
             raise ConfigError("world_size", self.world_size, "an integer >= 1")
+        if self.precision is not None and (
+            isinstance(self.precision, bool)
+            or not isinstance(self.precision, int | float)
+            or not 0 < self.precision < 1
+        ):
+            raise ConfigError("precision", self.precision, "None or a fraction > 0 and < 1, e.g. 0.01")
+        if not isinstance(self.max_measure_steps, int) or self.max_measure_steps < 1:
+            raise ConfigError("max_measure_steps", self.max_measure_steps, "an integer >= 1")
+        if not isinstance(self.max_measure_s, int | float) or self.max_measure_s <= 0:
+            raise ConfigError("max_measure_s", self.max_measure_s, "a positive number of seconds")
         for name in ("warmup_steps", "measure_steps"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < (0 if name == "warmup_steps" else 1):

@@ -204,9 +204,9 @@ class StepTimeCheck:
     The model's seconds are this machine's calibrated kernels, not the trial's (other load, the
     trial's own overheads): each measured plan gives the ratio measured / predicted; their median
     is the model's *scale* and their largest relative departure from it the model's *error*. A plan
-    whose scaled prediction is slower than the best measured step by more than that error (never
-    less than ``min_error``: two trials do not tell an error) cannot be expected to win and is not
-    run. Until ``min_observed`` plans are measured nothing is skipped.
+    whose prediction, scaled by the lowest ratio (the most favourable to it), is slower than the best
+    measured step by more than that error (never less than ``min_error``: two trials do not tell an
+    error) cannot be expected to win and is not run. Until ``min_observed`` plans are measured nothing is skipped.
     """
 
     min_error: float = 0.1
@@ -238,15 +238,37 @@ class StepTimeCheck:
 
     def loses(self, prediction: Prediction | None) -> str | None:
         """Why ``prediction``'s plan is not worth a trial, or None (run it)."""
-        if prediction is None or not prediction.step_time_s or len(self.ratios) < self.min_observed:
+        if prediction is None or len(self.ratios) < self.min_observed:
             return None
-        expected = prediction.step_time_s * self.scale
+        if not prediction.step_time_s:
+            # the model ranks the measured plans; one it could not estimate cannot be expected to beat
+            # them (a simulated step that fails is how most plans that crash in a trial show up here)
+            if not prediction.reason:
+                return None
+            return f"no step-time prediction ({prediction.reason[:160]}); the model ranks the plans that have one"
+        # the most favourable scale the trials showed: a plan is skipped only when even that says it
+        # loses by more than the error (two trials on a busy machine can disagree by 2x)
+        favourable = min(self.ratios)
+        expected = prediction.step_time_s * favourable
         if self.best_step_s is None or expected <= self.best_step_s * (1.0 + self.error):
             return None
         return (
-            f"predicted {expected:.3f} s per step (model x {self.scale:.2f} from {len(self.ratios)} trials), "
+            f"predicted {expected:.3f} s per step (model x {favourable:.2f}, the lowest of {len(self.ratios)} trials), "
             f"slower than the best measured {self.best_step_s:.3f} s by more than the model's error "
             f"{self.error:.0%}; not run"
+        )
+
+    def loses_unmeasured(self, prediction: Prediction | None, others: list[Prediction]) -> str | None:
+        """Before any trial: why ``prediction``'s plan is not worth one, or None. It loses when predicted
+        slower than the fastest of ``others`` by more than the model's least error (``min_error``):
+        with nothing measured yet, the model's own ranking is all there is."""
+        times = [p.step_time_s for p in others if p.step_time_s]
+        mine = None if prediction is None else prediction.step_time_s
+        if not mine or not times or mine <= min(times) * (1.0 + self.min_error):
+            return None
+        return (
+            f"predicted {mine:.3f} s per step, slower than the fastest predicted {min(times):.3f} s by more "
+            f"than the model's least error {self.min_error:.0%}; not run"
         )
 
     def pick_note(self, prediction: Prediction | None, result) -> str:

@@ -55,6 +55,8 @@ def rows(result: SearchResult) -> list[dict]:
                 "predicted_mib": _mib(pred.peak_bytes) if pred else None,
                 "peak_mib": None if not res or res.peak_bytes is None else round(res.peak_bytes / MiB, 2),
                 "predicted_step_s": None if not pred or pred.step_time_s is None else round(pred.step_time_s, 4),
+                "step_s": None if not res or res.step_time is None else round(res.step_time, 4),
+                "step_rel_error": None if not res or res.relative_error is None else round(res.relative_error, 4),
                 "status": r.status,
                 "reason": r.reason or "",
                 "best": result.best is not None and r.number == result.best.number,
@@ -101,6 +103,8 @@ def table(result: SearchResult) -> Table:
         ("plan", "left"),
         ("samples/s", "right"),
         ("tokens/s", "right"),
+        ("predicted s/step", "right"),
+        ("s/step", "right"),
         ("predicted MiB", "right"),
         ("peak MiB", "right"),
         ("status", "left"),
@@ -118,10 +122,12 @@ def table(result: SearchResult) -> Table:
             row["plan"] + ("  ← best" if row["best"] else ""),
             _num(row["samples_per_s"]),
             _num(row["tokens_per_s"], 0),
+            _num(row["predicted_step_s"], 4),
+            _step(row),
             _num(row["predicted_mib"]),
             _num(row["peak_mib"]),
             row["status"],
-            row["reason"][:120],
+            row["reason"],  # whole: the column folds long reasons (a "predicted slower" note is the point)
             style=style,
         )
     return t
@@ -151,14 +157,26 @@ def _num(value, digits: int = 1) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
+def _step(row: dict) -> str:
+    """The measured seconds per step with the precision of the figure (+- one relative standard error)."""
+    if row["step_s"] is None:
+        return "-"
+    err = row.get("step_rel_error")
+    return f"{row['step_s']:.4f}" + ("" if err is None else f" ±{100 * err:.1f}%")
+
+
 def text_table(result: SearchResult) -> str:
     """The trials table as plain text (logs, files)."""
-    lines = [_title(result), f"{'#':>4}  {'plan':<48} {'samples/s':>10} {'predicted MiB':>13} {'peak MiB':>9}  status"]
+    lines = [
+        _title(result),
+        f"{'#':>4}  {'plan':<48} {'samples/s':>10} {'predicted s':>11} {'s/step':>14} {'predicted MiB':>13} "
+        f"{'peak MiB':>9}  status",
+    ]
     for r in rows(result):
+        predicted = f"{_num(r['predicted_step_s'], 4):>11} {_step(r):>14} {_num(r['predicted_mib']):>13}"
         lines.append(
-            f"{r['trial']:>4}  {r['plan'][:48]:<48} {_num(r['samples_per_s']):>10} {_num(r['predicted_mib']):>13} "
-            f"{_num(r['peak_mib']):>9}  "
-            f"{r['status']}{' (best)' if r['best'] else ''} {r['reason'][:80]}"
+            f"{r['trial']:>4}  {r['plan'][:48]:<48} {_num(r['samples_per_s']):>10} {predicted} "
+            f"{_num(r['peak_mib']):>9}  {r['status']}{' (best)' if r['best'] else ''} {r['reason']}"
         )
     return "\n".join(lines)
 

@@ -21,6 +21,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from rich.markup import escape
+
 from composable_atorch.auto.policy import (
     Budget,
     SpaceOptions,
@@ -193,7 +195,7 @@ class _Loop:
         self.counts = {"measured": 0, "invalid": 0, "duplicate": 0, "dry_invalid": 0, "skipped": 0}
         self.repeats = 0
         first = [start_from] if start_from is not None else []
-        if study.baseline_first:
+        if study.baseline_first and not self._baseline_loses():
             first.append(None)  # the plan with no transforms: the reference every other plan is against
         for plan in first:
             self._enqueue_first(plan)
@@ -224,6 +226,25 @@ class _Loop:
                 self._skip(trial, key)
                 self.study.tell(trial, state=optuna.trial.TrialState.PRUNED)
         self.prediction_s = time.monotonic() - start
+
+    def _baseline_loses(self) -> bool:
+        """The baseline predicted to lose before any trial (:meth:`~.predict.StepTimeCheck.loses_unmeasured`):
+        recorded as predicted slower, not run (a trial the budget cannot spare)."""
+        point = self.space.baseline(self.enumeration)
+        if self.predictor is None or point is None or point.key in self.seen:
+            return False
+        fits = [p for p in self.predictions.values() if not p.over(self.limit, self.margin)]
+        why = self.check.loses_unmeasured(self._prediction(point.key), fits)
+        if why is None:
+            return False
+        self.study.enqueue_trial(dict(point.assignment), skip_if_exists=False)
+        trial = self.study.ask()
+        for name, value in (("assignment", dict(point.assignment)), ("plan_key", point.key)):
+            trial.set_user_attr(name, value)
+        trial.set_user_attr("steps", list(point.plan.names))
+        self._tell_slower(trial, point, f"the baseline: {why}")
+        self.repeats = 0
+        return True
 
     def _prediction(self, key: str):
         if key not in self.predictions:
@@ -420,7 +441,7 @@ class _Loop:
         self._skip(trial, point.key)
         self.study.tell(trial, state=optuna.trial.TrialState.PRUNED)
         self.bar.console.print(
-            f"  #{trial.number} {TrialRecord(trial.number, '', dict(point.assignment)).plan_label}: "
+            f"  #{trial.number} {escape(TrialRecord(trial.number, '', dict(point.assignment)).plan_label)}: "
             f"[dim]predicted over the budget, not run[/dim]"
         )
 
@@ -455,7 +476,8 @@ class _Loop:
         self.study.tell(trial, state=optuna.trial.TrialState.FAIL)
         if not cut:
             self.seen[point.key] = trial.number
-        self.bar.console.print(f"  #{trial.number} {label}: [red]failed[/red] — {result.reason}")
+        # the reason is the worker's text (gloo writes "[.../pair.cc:553]"): not rich markup
+        self.bar.console.print(f"  #{trial.number} {escape(label)}: [red]failed[/red] — {escape(result.reason or '')}")
         self.bar.update(self.task, advance=1)
 
     def _tell_measured(self, trial, point: Point, result: TrialResult, label: str) -> None:
@@ -472,7 +494,7 @@ class _Loop:
         self.study.tell(trial, result.samples_per_s)
         mem = "" if peak is None else f", peak {peak / 2**20:.1f} MiB"
         flag = " [yellow]over budget[/yellow]" if over else ""
-        self.bar.console.print(f"  #{trial.number} {label}: {result.samples_per_s:.1f} samples/s{mem}{flag}")
+        self.bar.console.print(f"  #{trial.number} {escape(label)}: {result.samples_per_s:.1f} samples/s{mem}{flag}")
         best = best_record([TrialRecord.from_frozen(t) for t in self.study.trials])
         self.bar.update(self.task, advance=1, best=f"best {best.result.samples_per_s:.1f} samples/s" if best else "")
 

