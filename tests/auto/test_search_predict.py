@@ -171,8 +171,10 @@ def test_a_low_prediction_costs_a_run_over_the_budget_and_it_is_counted():
 def test_the_first_trials_are_the_plans_predicted_fastest_among_those_that_fit():
     result, runner = run(memory_limit="20MiB", estimator=Stub(), n_trials=3, prior=2, baseline_first=False)
     first = [r for r in result.records if r.status == "ok"][:2]
-    # the fitting plans (checkpoint) predicted fastest: amp + checkpoint (85 samples/s against 80)
-    assert all({"amp", "checkpoint"} <= set(r.steps) for r in first) and len({r.plan_label for r in first}) == 2
+    # the fitting plans (checkpoint) predicted fastest, one per compute precision: amp + checkpoint (85 samples/s,
+    # bf16) then checkpoint alone (80, fp32) -- across dtypes the model errs most, so each dtype's best is measured
+    assert {"amp", "checkpoint"} <= set(first[0].steps) and "amp" not in first[1].steps
+    assert "checkpoint" in first[1].steps and len({r.plan_label for r in first}) == 2
     assert list(result.prior_labels) == [r.plan_label for r in first]
     assert result.measured_now == 3
     # no memory limit: the prior is the fastest plans overall; the baseline, when asked for, still runs first

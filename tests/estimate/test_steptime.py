@@ -125,6 +125,31 @@ def test_search_skips_only_plans_predicted_to_lose_by_more_than_the_error():
     assert "no step-time prediction (EstimateError" in check.loses(failed)
     assert StepTimeCheck().loses(failed) is None  # before the model is held to any trial: measured
     assert "+140%" in check.pick_note(Prediction(1, step_time_s=0.25), ok(0.6))
+    # trials in bf16 say nothing about the model's error in fp32: an fp32 plan is not skipped on them
+    bf16 = StepTimeCheck(min_error=0.1)
+    bf16.observe(Prediction(1, step_time_s=0.1, precision="bf16"), ok(0.2))
+    bf16.observe(Prediction(1, step_time_s=0.1, precision="bf16"), ok(0.21))
+    assert "bf16 trials" in bf16.loses(Prediction(1, step_time_s=0.2, precision="bf16"))  # 0.4 s vs 0.2 s
+    assert bf16.loses(Prediction(1, step_time_s=0.2)) is None  # fp32: no trial in its dtype yet
+    bf16.observe(Prediction(1, step_time_s=0.2), ok(0.19))  # fp32 measured: its own scale, ~0.95
+    assert bf16.loses(Prediction(1, step_time_s=0.18)) is None and "fp32 trials" in bf16.loses(
+        Prediction(1, step_time_s=0.5)
+    )
+    # before any trial, a plan is held only to the predictions of its own dtype
+    others = [Prediction(1, step_time_s=0.1, precision="bf16"), Prediction(1, step_time_s=0.3)]
+    assert StepTimeCheck().loses_unmeasured(Prediction(1, step_time_s=0.25), others) is None  # fastest fp32
+    assert "slower than the fastest predicted" in StepTimeCheck().loses_unmeasured(
+        Prediction(1, step_time_s=0.2, precision="bf16"), others
+    )
+
+
+def test_a_plan_predicts_in_the_dtype_of_its_matmuls():
+    from composable_atorch.auto.predict import compute_precision
+
+    env = ca.Environment.detect()
+    assert compute_precision(ca.compose(env=env)) == "fp32"
+    assert compute_precision(ca.compose(ca.amp("bf16"), env=env)) == "bf16"
+    assert compute_precision(ca.compose(ca.half("fp16"), env=env)) == "fp16"
 
 
 def test_the_attention_backward_has_its_own_curve_and_older_calibrations_fall_back():

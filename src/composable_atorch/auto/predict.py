@@ -41,6 +41,8 @@ class Prediction:
     #: floating-point operations per step per rank (recomputation included), where counted
     flops: int | None = None
     reason: str | None = None  # why there is no prediction
+    #: the plan's compute precision ("fp32", "bf16", "fp16", "fp8"): the model's error differs per dtype
+    precision: str = "fp32"
 
     @property
     def known(self) -> bool:
@@ -100,7 +102,19 @@ def predict_plan(
         per_rank,
         None if step is None else float(step),
         None if flops is None else int(flops),
+        precision=compute_precision(plan),
     )
+
+
+def compute_precision(plan: Plan) -> str:
+    """The dtype a plan's matmuls run in: fp8 over amp/half's dtype over fp32."""
+    names = set(plan.names)
+    if "fp8" in names:
+        return "fp8"
+    for t in plan.transforms:
+        if t.name in ("amp", "half") and getattr(t, "enabled", True):
+            return str(getattr(t, "dtype", "bf16"))
+    return "fp32"
 
 
 class PredictionTimeout(Exception):
@@ -207,12 +221,18 @@ class StepTimeCheck:
     whose prediction, scaled by the lowest ratio (the most favourable to it), is slower than the best
     measured step by more than that error (never less than ``min_error``: two trials do not tell an
     error) cannot be expected to win and is not run. Until ``min_observed`` plans are measured nothing is skipped.
+
+    Ratios are kept per compute precision: the calibration's bf16 kernels can be off by another factor
+    than its fp32 ones (on this CPU bf16 was predicted about 2x too fast, fp32 about 1.3x), so trials in
+    one dtype say nothing about a plan in another, and such a plan is not skipped on their strength.
     """
 
     min_error: float = 0.1
     min_observed: int = 2
     ratios: list[float] = field(default_factory=list)
     best_step_s: float | None = None
+    #: the ratios by compute precision (``Prediction.precision``)
+    by_precision: dict[str, list[float]] = field(default_factory=dict)
 
     def observe(self, prediction: Prediction | None, result) -> None:
         """A measured trial (a ``TrialResult``) and what was predicted for its plan."""
@@ -222,6 +242,7 @@ class StepTimeCheck:
         self.best_step_s = step if self.best_step_s is None else min(self.best_step_s, step)
         if prediction is not None and prediction.step_time_s:
             self.ratios.append(step / prediction.step_time_s)
+            self.by_precision.setdefault(prediction.precision, []).append(step / prediction.step_time_s)
 
     @property
     def scale(self) -> float | None:
@@ -246,24 +267,31 @@ class StepTimeCheck:
             if not prediction.reason:
                 return None
             return f"no step-time prediction ({prediction.reason[:160]}); the model ranks the plans that have one"
-        # the most favourable scale the trials showed: a plan is skipped only when even that says it
-        # loses by more than the error (two trials on a busy machine can disagree by 2x)
-        favourable = min(self.ratios)
+        # the most favourable scale the trials of its precision showed: a plan is skipped only when even
+        # that says it loses by more than the error (two trials on a busy machine can disagree by 2x)
+        same = self.by_precision.get(prediction.precision)
+        if not same:
+            return None  # no trial in this dtype yet: the model's error for it is unknown
+        favourable = min(same)
         expected = prediction.step_time_s * favourable
         if self.best_step_s is None or expected <= self.best_step_s * (1.0 + self.error):
             return None
         return (
-            f"predicted {expected:.3f} s per step (model x {favourable:.2f}, the lowest of {len(self.ratios)} trials), "
+            f"predicted {expected:.3f} s per step (model x {favourable:.2f}, the lowest of {len(same)} "
+            f"{prediction.precision} trials), "
             f"slower than the best measured {self.best_step_s:.3f} s by more than the model's error "
             f"{self.error:.0%}; not run"
         )
 
     def loses_unmeasured(self, prediction: Prediction | None, others: list[Prediction]) -> str | None:
         """Before any trial: why ``prediction``'s plan is not worth one, or None. It loses when predicted
-        slower than the fastest of ``others`` by more than the model's least error (``min_error``):
-        with nothing measured yet, the model's own ranking is all there is."""
-        times = [p.step_time_s for p in others if p.step_time_s]
-        mine = None if prediction is None else prediction.step_time_s
+        slower than the fastest of ``others`` in its compute precision by more than the model's least error
+        (``min_error``): with nothing measured yet, the model's own ranking is all there is, and across
+        dtypes it is least to be trusted (see the class docstring)."""
+        if prediction is None or not prediction.step_time_s:
+            return None
+        mine = prediction.step_time_s
+        times = [p.step_time_s for p in others if p.step_time_s and p.precision == prediction.precision]
         if not mine or not times or mine <= min(times) * (1.0 + self.min_error):
             return None
         return (
