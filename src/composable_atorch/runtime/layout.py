@@ -215,8 +215,8 @@ def refit_hint(others, world_size: int) -> str:
 def refit_note(given, layout: Layout) -> str | None:
     """explain()'s line for a data size refitted to the world (None when nothing changed)."""
     given = dict(given)
-    if given.get("data") == layout.size("data") or "data" not in given:
-        return None
+    if given.get("data") == layout.size("data") or "data" not in given or given == {"data": 1}:
+        return None  # nothing given, or parallel_mode()'s default (data takes the world): no refit to tell
     kept = _arith([(n, s) for n, s in layout.dims if n != "data"])
     return (
         f"refitted to world {layout.world_size}: data {given['data']} -> {layout.size('data')}"
