@@ -316,3 +316,29 @@ def measured_step_s(result) -> float | None:
     if result is None or not getattr(result, "ok", False):
         return None
     return getattr(result, "step_time", None) or None
+
+
+def first_to_measure(predictions: dict[str, Prediction], seen, count: int) -> list[str]:
+    """The ``count`` plans (keys) to measure first: the predicted fastest (:attr:`Prediction.speed_key`)
+    not measured yet, the fastest of each compute precision first; ties keep the predictions' order
+    (a seeded random one). Across dtypes the model errs most (its bf16 kernels were ~2x optimistic
+    here, its fp32 ones ~1.3x), so each dtype's best is measured rather than ranked out."""
+    ranked = [(p.speed_key, i, k) for i, (k, p) in enumerate(predictions.items()) if p.speed_key and k not in seen]
+    ordered = [k for _, _, k in sorted(ranked)]
+    fastest_of: dict[str, str] = {}
+    for key in ordered:
+        fastest_of.setdefault(predictions[key].precision, key)
+    chosen = [k for k in ordered if k in fastest_of.values()][:count]
+    return chosen + [k for k in ordered if k not in chosen][: count - len(chosen)]
+
+
+def predictions_note(predictions: dict[str, Prediction], valid: int, ahead_s: float, over: int) -> str:
+    """The trials report's line on what was predicted: how many, with a step time, how many ruled out."""
+    preds = list(predictions.values())
+    known, timed = sum(p.known for p in preds), sum(p.step_time_s is not None for p in preds)
+    why = next((p.reason for p in preds if not p.known), None)
+    return (
+        f"{known} of {valid} valid plans predicted ({timed} with a step time; {ahead_s:.1f} s ahead of the "
+        f"study, the rest when proposed); {over} predicted over the budget, not run"
+        + (f"; no prediction for some: {why}" if why else "")
+    )

@@ -137,6 +137,21 @@ class Enumeration:
     def total(self) -> int:
         return len(self.valid) + len(self.invalid) + self.duplicates
 
+    def near(self, anchor: dict[str, str] | None, seen, rng) -> dict[str, str]:
+        """An untried plan's assignment one knob (or the fewest knobs) away from ``anchor``: any untried
+        plan without an anchor, any valid plan once every one was tried (measured or ruled out)."""
+        left = [point for key, point in self.valid.items() if key not in seen]
+        if not left:
+            return dict(rng.choice(list(self.valid.values())).assignment)
+        if anchor is None:
+            return dict(rng.choice(left).assignment)
+
+        def distance(point) -> int:
+            return sum(anchor.get(knob) != label for knob, label in point.assignment)
+
+        nearest = min(distance(p) for p in left)
+        return dict(rng.choice([p for p in left if distance(p) == nearest]).assignment)
+
 
 def _contenders(a: type[Transform], b: type[Transform]) -> bool:
     """Two kinds contend when they own a common role or either declares a conflict with the other."""

@@ -31,11 +31,17 @@ from composable_atorch.auto.policy import (
     make_sampler,
     policies_from_keywords,
 )
-from composable_atorch.auto.predict import Estimator, Predictor, StepTimeCheck, default_estimator
+from composable_atorch.auto.predict import (
+    Estimator,
+    Predictor,
+    StepTimeCheck,
+    default_estimator,
+    first_to_measure,
+    predictions_note,
+)
 from composable_atorch.auto.preflight import preflight, preflight_in_child
 from composable_atorch.auto.records import SearchResult, TrialRecord, best_record
 from composable_atorch.auto.space import (
-    Enumeration,
     Point,
     SearchSpace,
     block_classes,
@@ -271,22 +277,8 @@ class _Loop:
         self.seen[key] = trial.number
 
     def _enqueue_prior(self, count: int) -> tuple[str, ...]:
-        """Enqueue the ``count`` plans predicted fastest (:attr:`Prediction.speed_key`) among those
-        predicted to fit and not measured yet, the fastest of each compute precision first; ties keep
-        the seeded random order of the predictions."""
-        ranked = [
-            (p.speed_key, i, k)
-            for i, (k, p) in enumerate(self.predictions.items())
-            if p.speed_key is not None and k not in self.seen
-        ]
-        ordered = [k for _, _, k in sorted(ranked)]
-        # the fastest of each compute precision first: across dtypes the model errs most (its bf16 kernels
-        # were ~2x optimistic here, its fp32 ones ~1.3x), so each dtype's best is measured, not skipped
-        fastest_of: dict[str, str] = {}
-        for key in ordered:
-            fastest_of.setdefault(self.predictions[key].precision, key)
-        chosen = [k for k in ordered if k in fastest_of.values()][:count]
-        chosen += [k for k in ordered if k not in chosen][: count - len(chosen)]
+        """Enqueue the plans the predictions say to measure first (:func:`~.predict.first_to_measure`)."""
+        chosen = first_to_measure(self.predictions, self.seen, count)
         for key in chosen:
             self.study.enqueue_trial(dict(self.enumeration.valid[key].assignment), skip_if_exists=False)
         return tuple(TrialRecord(0, "", dict(self.enumeration.valid[k].assignment)).plan_label for k in chosen)
@@ -294,16 +286,9 @@ class _Loop:
     def prediction_note(self) -> str:
         if self.predictor is None:
             return "no predictions (no estimator)"
-        preds = list(self.predictions.values())
-        known, timed = sum(p.known for p in preds), sum(p.step_time_s is not None for p in preds)
-        why = next((p.reason for p in preds if not p.known), None)
-        return (
-            f"{known} of {len(self.enumeration.valid)} valid plans predicted ({timed} with a step time; "
-            f"{self.prediction_s:.1f} s ahead of the study, the rest when proposed); "
-            f"{sum(r == 'predicted-infeasible' for r in self._statuses())} predicted over the budget, not run"
-            + (f"; no prediction for some: {why}" if why else "")
-            + self._pick_note()
-        )
+        over = sum(r == "predicted-infeasible" for r in self._statuses())
+        counts = predictions_note(self.predictions, len(self.enumeration.valid), self.prediction_s, over)
+        return counts + self._pick_note()
 
     def _pick_note(self) -> str:
         """The step-time model against the best measured plan (auto/predict.py)."""
@@ -382,9 +367,10 @@ class _Loop:
     def _step(self, remaining: float | None) -> None:
         """Ask for one proposal and tell optuna its outcome."""
         if self.repeats >= MAX_REPEATS:
-            self.study.enqueue_trial(
-                _neighbour(self.study, self.enumeration, self.seen, self.rng), skip_if_exists=False
-            )
+            # the sampler keeps proposing seen plans: an untried one nearest the best feasible plan so far
+            best = best_record([TrialRecord.from_frozen(t) for t in self.study.trials])
+            anchor = None if best is None else best.assignment
+            self.study.enqueue_trial(self.enumeration.near(anchor, self.seen, self.rng), skip_if_exists=False)
             self.repeats = 0
         trial = self.study.ask()
         assignment = self.space.suggest(trial)
@@ -505,20 +491,3 @@ class _Loop:
         self.bar.console.print(f"  #{trial.number} {escape(label)}: {result.samples_per_s:.1f} samples/s{mem}{flag}")
         best = best_record([TrialRecord.from_frozen(t) for t in self.study.trials])
         self.bar.update(self.task, advance=1, best=f"best {best.result.samples_per_s:.1f} samples/s" if best else "")
-
-
-def _neighbour(study, enumeration: Enumeration, seen: dict[str, int], rng: random.Random) -> dict[str, str]:
-    """An untried plan one knob (or the fewest knobs) away from the best feasible plan so far."""
-    left = [enumeration.valid[k] for k in enumeration.valid if k not in seen]
-    if not left:  # every plan measured or predicted over the budget: any proposal is a repeat
-        return dict(rng.choice(list(enumeration.valid.values())).assignment)
-    best = best_record([TrialRecord.from_frozen(t) for t in study.trials])
-    if best is None:
-        return dict(rng.choice(left).assignment)
-    anchor = best.assignment
-
-    def distance(point) -> int:
-        return sum(anchor.get(knob) != label for knob, label in point.assignment)
-
-    nearest = min(distance(p) for p in left)
-    return dict(rng.choice([p for p in left if distance(p) == nearest]).assignment)
