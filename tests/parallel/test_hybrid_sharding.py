@@ -22,10 +22,10 @@ from torch.utils.data import DataLoader, TensorDataset
 import composable_atorch as ca
 from composable_atorch.environment import Environment
 from composable_atorch.errors import ConfigError, ConflictError
-
-from _dist import run_world
 from zoo import UserBlock as _ZooBlock
 from zoo import build
+
+from _dist import run_world
 
 pytestmark = pytest.mark.dist
 
