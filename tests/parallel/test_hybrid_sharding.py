@@ -268,7 +268,7 @@ def test_tiny_clip_trains_under_fsdp(world2):
 # ---------------------------------------------------------------------------------------------
 
 
-def world4_cases(rank: int, world: int) -> dict:
+def world4_cases(rank: int, world: int, tmp: str) -> dict:
     out = {}
     for name in ("user", "llama"):
         for kind in ("fsdp", "zero2"):
@@ -301,6 +301,7 @@ def world4_cases(rank: int, world: int) -> dict:
         ignore_dryrun_on_load_strategy=True,
     )
     losses = train("user", result.model, result.optim, result.dataloader)
+    out.update(composed_cases(tmp))
     out["atorch"] = {
         "status": status,
         "params": full(result.model),
@@ -310,9 +311,34 @@ def world4_cases(rank: int, world: int) -> dict:
     return out
 
 
+def composed_cases(tmp: str) -> dict:
+    """checkpoint | accumulate and amp under hybrid fsdp; save_state / load_state at the same layout."""
+    out = {}
+    hybrid = (ca.parallel_mode(HYBRID), ca.fsdp(wrap=(UserBlock,)))
+    out["ckpt_accumulate"] = _keep(run("user", "sgd", *hybrid, ca.checkpoint(UserBlock), ca.accumulate(2)))
+    out["amp"] = _keep(run("user", "adamw", *hybrid, ca.amp("bf16")))
+
+    # save after step 1, go on 2 steps; a fresh plan loads the checkpoint and goes on the same 2 steps
+    def fresh():
+        m = make("user")
+        return ca.compose(*hybrid)(m, torch.optim.AdamW(m.parameters(), lr=1e-2), loader())
+
+    m, opt, batches = fresh()
+    it = iter(batches)
+    train("user", m, opt, [next(it)])
+    ca.save_state(tmp, m, opt, batches, step=1)
+    out["resume_uninterrupted"] = train("user", m, opt, it)
+    out["resume_uninterrupted_params"] = full(m)
+    m, opt, batches = fresh()
+    ca.load_state(tmp, m, opt, batches, verbose=False)
+    out["resume_losses"] = train("user", m, opt, batches)
+    out["resume_params"] = full(m)
+    return out
+
+
 @pytest.fixture(scope="module")
-def world4():
-    return run_world(world4_cases, 4, timeout=900)
+def world4(tmp_path_factory):
+    return run_world(world4_cases, 4, str(tmp_path_factory.mktemp("hsdp")), timeout=900)
 
 
 @pytest.fixture(scope="module")
@@ -359,6 +385,37 @@ def test_hybrid_shard_from_the_world_and_through_atorch_load_strategy(world4, re
         assert _close(world4[r]["atorch"]["params"], refs["user", "adamw"]["params"]) < TOL
     assert "groups taken from the world" in world4[0]["hybrid_shard"]["explain"]
     assert world4[0]["atorch"]["local_numel"] + world4[1]["atorch"]["local_numel"] == refs["user", "adamw"]["numel"]
+
+
+def test_hybrid_composes_with_checkpoint_accumulate_amp_and_resumes(world4, refs):
+    for r in range(4):
+        out = world4[r]
+        assert _close(out["ckpt_accumulate"]["params"], refs["user", "sgd"]["params"]) < TOL
+        assert all(map(lambda x: x == x and abs(x) < 1e3, out["amp"]["losses"]))
+        assert out["resume_losses"] == out["resume_uninterrupted"]
+        assert _close(out["resume_params"], out["resume_uninterrupted_params"]) == 0.0
+    assert world4[0]["ckpt_accumulate"]["per_rank_batch"] == 1  # 8 / 4 ranks / 2 micro-batches
+    assert "all-gathered in bf16" in world4[0]["amp"]["explain"]
+
+
+def world8_cases(rank: int, world: int) -> dict:
+    out = {}
+    for optim in OPTIMS:
+        pm = ca.parallel_mode([("tensor", 2), ("zero", 2), ("data", 2)])
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+        out[optim] = _keep(run("llama", optim, pm, ca.tensor_parallel(), ca.fsdp(wrap=(LlamaDecoderLayer,))))
+    return out
+
+
+@pytest.mark.slow
+def test_hybrid_x_tensor2_at_world8_equals_one_process():
+    outs = run_world(world8_cases, 8, timeout=1200)
+    for optim in OPTIMS:
+        ref = reference("llama", optim)
+        for r in range(8):
+            assert _close(outs[r][optim]["params"], ref["params"]) < TOL
+        assert "hybrid (HSDP" in outs[0][optim]["explain"]
 
 
 def test_refusals_name_the_fix():
