@@ -353,9 +353,13 @@ class Fsdp(HasBackends, Transform):
 
     @classmethod
     def candidates(cls, search):
+        """One per block class; with several nodes also hybrid (shard inside a node, replicate across)."""
         if search.env.world_size < 2:
             return ()
-        return tuple(cls(wrap=(b,)) for b in search.block_classes)
+        flat = tuple(cls(wrap=(b,)) for b in search.block_classes)
+        if search.env.nodes > 1 and search.env.processes_per_node > 1:
+            return flat + tuple(cls(wrap=(b,), hybrid=True) for b in search.block_classes)
+        return flat
 
     def describe(self):
         policy = getattr(self.wrap_policy, "func", self.wrap_policy)  # a partial names its function
