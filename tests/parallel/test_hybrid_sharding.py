@@ -418,6 +418,45 @@ def test_hybrid_x_tensor2_at_world8_equals_one_process():
         assert "hybrid (HSDP" in outs[0][optim]["explain"]
 
 
+def test_two_launcher_nodes_on_localhost(tmp_path, refs):
+    """``launch --nnodes 2 --nproc 2`` twice on localhost: HYBRID_SHARD takes its groups from the nodes."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from _dist import free_port
+
+    script = Path(__file__).parent.parent / "scripts" / "hybrid_nodes.py"
+    endpoint = f"127.0.0.1:{free_port()}"
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    cmd = [sys.executable, "-m", "composable_atorch", "launch", "--nnodes", "2", "--nproc", "2"]
+    nodes = [
+        subprocess.Popen(
+            [*cmd, "--node-rank", str(r), "--rdzv-endpoint", endpoint, str(script), str(tmp_path)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for r in (1, 0)  # the non-host node first: it waits for node 0's store
+    ]
+    logs = [p.communicate(timeout=600)[0].decode()[-4000:] for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], logs
+    got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    ref = {k: torch.tensor(v).numpy() for k, v in refs["user", "adamw"]["params"].items()}
+    for r in got:
+        assert (r["nodes"], r["per_node"]) == (2, 2)
+        for key in ("hybrid_shard", "zero_dim"):
+            params = {k: torch.tensor(v).numpy() for k, v in r[key]["params"].items()}
+            assert _close(params, ref) < TOL
+            assert r[key]["placements"] == ["(Replicate(), Shard(dim=0))"]
+    assert (
+        got[0]["hybrid_shard"]["local_numel"] + got[1]["hybrid_shard"]["local_numel"] == refs["user", "adamw"]["numel"]
+    )
+    assert "2 nodes x 2 processes" in got[0]["hybrid_shard"]["explain"]
+
+
 def test_refusals_name_the_fix():
     env = Environment(world_size=4, packages=frozenset({"fairscale", "deepspeed"}))
     from composable_atorch.models import Block
