@@ -45,3 +45,31 @@ def test_bad_figures_are_typed_errors():
         Links(0, 1e9)
     with pytest.raises(ConfigError, match="divisor"):
         hybrid_row(1e9, 8, 2, 3, SLOW_INTER)
+
+
+def test_the_simulated_step_prices_hybrid_collectives_at_their_group_size(monkeypatch):
+    """zero 2 x data 2 at world 4: the gathers and reduce-scatters run in zero groups of 2, the
+    all-reduce across 2 replicas; none is priced as a ring of the whole world."""
+    import torch
+
+    import composable_atorch as ca
+    from composable_atorch.estimate import estimate, steptime
+    from composable_atorch.models import Block
+
+    from helpers import tiny_gpt
+
+    seen: list = []
+    price = steptime.OpTrace.price
+
+    def spy(self, cal, world=2):
+        seen.extend(self.ops)
+        return price(self, cal, world)
+
+    monkeypatch.setattr(steptime.OpTrace, "price", spy)
+    plan = ca.compose(
+        ca.parallel_mode([("zero", 2), ("data", 2)]), ca.fsdp(wrap=(Block,)), env=Environment(world_size=4)
+    )
+    estimate(plan, lambda: tiny_gpt(0, seq_len=16, d_model=32), torch.Size([8, 16]), world_size=4, device="cpu")
+    groups = {(kind, group) for kind, group, _ in seen if kind in steptime.COMM_KINDS}
+    assert {("all_gather", "2"), ("reduce_scatter", "2"), ("all_reduce", "2")} <= groups
+    assert all(group == "2" for _, group in groups)
