@@ -93,7 +93,12 @@ class Environment:
         return package in self.packages
 
     def with_(self, **changes) -> Environment:
-        """A copy with some fields changed, e.g. ``env.with_(world_size=2)``."""
+        """A copy with some fields changed, e.g. ``env.with_(world_size=2)``.
+
+        A new world size keeps the processes per node (the machines' shape) where it divides, else one node."""
+        if "world_size" in changes and "nodes" not in changes and self.nodes > 1:
+            world, per = changes["world_size"], self.processes_per_node
+            changes["nodes"] = world // per if isinstance(world, int) and world >= per and world % per == 0 else 1
         return replace(self, **changes)
 
     def describe(self) -> str:

@@ -73,3 +73,14 @@ def test_the_simulated_step_prices_hybrid_collectives_at_their_group_size(monkey
     groups = {(kind, group) for kind, group, _ in seen if kind in steptime.COMM_KINDS}
     assert {("all_gather", "2"), ("reduce_scatter", "2"), ("all_reduce", "2")} <= groups
     assert all(group == "2" for _, group in groups)
+
+
+def test_environment_nodes_from_torchrun_and_kept_per_node_on_a_new_world(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    env = Environment.detect()
+    assert (env.nodes, env.processes_per_node) == (2, 2)
+    assert "2 nodes x 2 processes" in env.describe()
+    assert env.with_(world_size=8).nodes == 4 and env.with_(world_size=3).nodes == 1
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")  # uneven: one node
+    assert Environment.detect().nodes == 1
