@@ -319,20 +319,22 @@ def composed_cases(tmp: str) -> dict:
     out["amp"] = _keep(run("user", "adamw", *hybrid, ca.amp("bf16")))
 
     # save after step 1, go on 2 steps; a fresh plan loads the checkpoint and goes on the same 2 steps
-    def fresh():
-        m = make("user")
-        return ca.compose(*hybrid)(m, torch.optim.AdamW(m.parameters(), lr=1e-2), loader())
+    for key, plan in {"resume": hybrid, "resume_zero1": (ca.parallel_mode(HYBRID), ca.ddp(), ca.zero1())}.items():
 
-    m, opt, batches = fresh()
-    it = iter(batches)
-    train("user", m, opt, [next(it)])
-    ca.save_state(tmp, m, opt, batches, step=1)
-    out["resume_uninterrupted"] = train("user", m, opt, it)
-    out["resume_uninterrupted_params"] = full(m)
-    m, opt, batches = fresh()
-    ca.load_state(tmp, m, opt, batches, verbose=False)
-    out["resume_losses"] = train("user", m, opt, batches)
-    out["resume_params"] = full(m)
+        def fresh(plan=plan):
+            m = make("user")
+            return ca.compose(*plan)(m, torch.optim.AdamW(m.parameters(), lr=1e-2), loader())
+
+        m, opt, batches = fresh()
+        it = iter(batches)
+        train("user", m, opt, [next(it)])
+        ca.save_state(f"{tmp}/{key}", m, opt, batches, step=1)
+        out[key + "_uninterrupted"] = train("user", m, opt, it)
+        out[key + "_uninterrupted_params"] = full(m)
+        m, opt, batches = fresh()
+        ca.load_state(f"{tmp}/{key}", m, opt, batches, verbose=False)
+        out[key + "_losses"] = train("user", m, opt, batches)
+        out[key + "_params"] = full(m)
     return out
 
 
@@ -392,8 +394,13 @@ def test_hybrid_composes_with_checkpoint_accumulate_amp_and_resumes(world4, refs
         out = world4[r]
         assert _close(out["ckpt_accumulate"]["params"], refs["user", "sgd"]["params"]) < TOL
         assert all(map(lambda x: x == x and abs(x) < 1e3, out["amp"]["losses"]))
-        assert out["resume_losses"] == out["resume_uninterrupted"]
+        assert out["resume_losses"] == out["resume_uninterrupted"]  # hybrid fsdp resumes bitwise
         assert _close(out["resume_params"], out["resume_uninterrupted_params"]) == 0.0
+        # zero1 resumes within 1e-6, not bitwise: measured the same with flat zero1 at world 4 (data 4), so
+        # it is not the zero groups' doing (the optimizer state is equal right after the load)
+        lost = max(abs(a - b) for a, b in zip(out["resume_zero1_losses"], out["resume_zero1_uninterrupted"]))
+        assert lost < 1e-5
+        assert _close(out["resume_zero1_params"], out["resume_zero1_uninterrupted_params"]) < 1e-5
     assert world4[0]["ckpt_accumulate"]["per_rank_batch"] == 1  # 8 / 4 ranks / 2 micro-batches
     assert "all-gathered in bf16" in world4[0]["amp"]["explain"]
 
