@@ -84,11 +84,18 @@ def make(name: str) -> nn.Module:
     if name == "user":
         torch.manual_seed(0)
         return UserModel()
+    if name == "lora":  # peft LoRA on the Llama, as tests/state/test_lora.py builds it
+        from peft import LoraConfig, get_peft_model
+
+        cfg = LoraConfig(
+            r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], init_lora_weights=False
+        )
+        return get_peft_model(build("llama"), cfg)
     return build(name)
 
 
 def block_of(name: str):
-    if name == "llama":
+    if name in ("llama", "lora"):
         from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
         return LlamaDecoderLayer
@@ -96,7 +103,7 @@ def block_of(name: str):
 
 
 def loss_of(name: str, m: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    if name == "llama":
+    if name in ("llama", "lora"):
         return m(input_ids=x, labels=x).loss
     logits = m(x)
     return nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), x[:, 1:].flatten())
@@ -275,6 +282,7 @@ def world4_cases(rank: int, world: int, tmp: str) -> dict:
             for optim in OPTIMS:
                 t = ca.fsdp(wrap=(block_of(name),)) if kind == "fsdp" else ca.zero2(wrap=(block_of(name),))
                 out[name, kind, optim] = _keep(run(name, optim, ca.parallel_mode(HYBRID), t))
+    out["lora"] = _keep(run("lora", "adamw", ca.parallel_mode(HYBRID), ca.fsdp(wrap=(block_of("lora"),))))
     out["ddp"] = _keep(run("user", "adamw", ca.parallel_mode(HYBRID), ca.ddp()))
     r = run("user", "adamw", ca.parallel_mode(HYBRID), ca.ddp(), ca.zero1())
     zro = r["opt"].optimizer
@@ -345,7 +353,9 @@ def world4(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def refs():
-    return {(name, optim): reference(name, optim) for name in ("user", "llama") for optim in OPTIMS}
+    refs = {(name, optim): reference(name, optim) for name in ("user", "llama") for optim in OPTIMS}
+    refs["lora", "adamw"] = reference("lora", "adamw")
+    return refs
 
 
 @pytest.mark.parametrize("name", ["user", "llama"])
@@ -365,6 +375,12 @@ def test_hybrid_zero2_x_data2_equals_one_process(world4, refs, name, kind, optim
     for a, b in ((0, 2), (1, 3)):
         assert _close(runs[a]["shards"], runs[b]["shards"]) == 0.0
     assert "hybrid (HSDP" in runs[0]["explain"]
+
+
+def test_hybrid_fsdp_trains_a_lora_wrapped_llama_as_one_process(world4, refs):
+    for r in range(4):
+        assert _close(world4[r]["lora"]["params"], refs["lora", "adamw"]["params"]) < TOL
+    assert world4[0]["lora"]["placements"] == ["(Replicate(), Shard(dim=0))"]
 
 
 def test_ddp_and_zero1_with_a_zero_dimension(world4, refs):
