@@ -8,6 +8,12 @@ so a model initialised differently per rank still trains as one.
 
 ``zero2`` is the same engine with ``reshard_after_forward=False`` (ATorch's default,
 SHARD_GRAD_OP), or fairscale's OSS + ShardedDataParallel with ``backend="fairscale"``.
+
+Hybrid sharding (HSDP): with a ``zero`` dimension > 1 in parallel_mode, both shard over the zero
+groups and replicate over ``data`` on torch's 2-D ``(replicate, shard)`` mesh (:func:`shard_mesh`);
+ATorch's ``sharding_strategy=HYBRID_SHARD`` without one takes the groups from the nodes. A 0-dim
+parameter (CLIP's ``logit_scale``), which fully_shard cannot shard, is kept whole on every rank and
+its gradient averaged over the data ranks before the step, like an ignored module's.
 """
 
 from __future__ import annotations
