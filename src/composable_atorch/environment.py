@@ -52,39 +52,65 @@ def package_available(name: str) -> bool:
 
 @dataclass(frozen=True)
 class Environment:
-    """World size, device kind, compute capability and installed optional packages."""
+    """World size, device kind, compute capability, installed optional packages, and nodes.
+
+    ``nodes``: how many machines the world spans (``processes_per_node = world_size / nodes``, read
+    from torchrun's ``LOCAL_WORLD_SIZE`` by :meth:`detect`). Hybrid sharding shards inside a node and
+    replicates across nodes, so plans and costs read it: ``Environment(world_size=64, nodes=8, device="cuda")``.
+    """
 
     world_size: int = 1
     device: str = "cpu"
     compute_capability: tuple[int, int] | None = None
     packages: frozenset[str] = field(default_factory=frozenset)
+    nodes: int = 1
 
     def __post_init__(self):
         from composable_atorch.errors import ConfigError
 
         if not isinstance(self.world_size, int) or self.world_size < 1:
             raise ConfigError("Environment.world_size", self.world_size, "an integer >= 1")
+        if isinstance(self.nodes, bool) or not isinstance(self.nodes, int) or self.nodes < 1:
+            raise ConfigError("Environment.nodes", self.nodes, "an integer >= 1")
+        if isinstance(self.world_size, int) and self.world_size % self.nodes:
+            raise ConfigError(
+                "Environment.nodes",
+                self.nodes,
+                f"a divisor of the world size {self.world_size} (every node runs the same number of processes)",
+            )
         if self.device not in ("cpu", "cuda"):
             raise ConfigError("Environment.device", self.device, "'cpu' or 'cuda'")
         if self.compute_capability is not None:
             object.__setattr__(self, "compute_capability", tuple(self.compute_capability))
         object.__setattr__(self, "packages", frozenset(self.packages))
 
+    @property
+    def processes_per_node(self) -> int:
+        """Ranks on one machine (torchrun's ``LOCAL_WORLD_SIZE``)."""
+        return self.world_size // self.nodes
+
     def has(self, package: str) -> bool:
         return package in self.packages
 
     def with_(self, **changes) -> Environment:
-        """A copy with some fields changed, e.g. ``env.with_(world_size=2)``."""
+        """A copy with some fields changed, e.g. ``env.with_(world_size=2)``.
+
+        A new world size keeps the processes per node (the machines' shape) where it divides, else one node."""
+        if "world_size" in changes and "nodes" not in changes and self.nodes > 1:
+            world, per = changes["world_size"], self.processes_per_node
+            changes["nodes"] = world // per if isinstance(world, int) and world >= per and world % per == 0 else 1
         return replace(self, **changes)
 
     def describe(self) -> str:
         cc = "" if self.compute_capability is None else f" sm{self.compute_capability[0]}{self.compute_capability[1]}"
         pkgs = ", ".join(sorted(self.packages)) or "none"
-        return f"world {self.world_size}, {self.device}{cc}, optional packages: {pkgs}"
+        nodes = f" ({self.nodes} nodes x {self.processes_per_node} processes)" if self.nodes > 1 else ""
+        return f"world {self.world_size}{nodes}, {self.device}{cc}, optional packages: {pkgs}"
 
     @staticmethod
     def detect() -> Environment:
-        """Read the running process: torch.distributed (or torchrun's WORLD_SIZE), CUDA, packages."""
+        """Read the running process: torch.distributed (or torchrun's WORLD_SIZE), CUDA, packages, and the
+        nodes (world / torchrun's LOCAL_WORLD_SIZE; one node when it is absent or does not divide the world)."""
         import torch
         import torch.distributed as dist
 
@@ -101,4 +127,14 @@ class Environment:
             device=device,
             compute_capability=cc,
             packages=frozenset(p for p in OPTIONAL_PACKAGES if package_available(p)),
+            nodes=_nodes(world),
         )
+
+
+def _nodes(world: int) -> int:
+    """Nodes from torchrun's LOCAL_WORLD_SIZE (processes on this node); 1 when unknown or uneven."""
+    try:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
+    except ValueError:
+        return 1
+    return world // local if 0 < local <= world and world % local == 0 else 1

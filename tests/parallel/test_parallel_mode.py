@@ -79,9 +79,12 @@ def test_seed_forms_and_json_round_trip():
     )
 
 
-def test_zero_dim_is_refused_by_data_parallel_transforms():
-    with pytest.raises(ca.errors.ConflictError, match="'zero' dimension"):
-        ca.compose(ca.parallel_mode([("zero", 2), ("data", 1)]), ca.fsdp(), env=ca.Environment(world_size=4))
+def test_zero_dim_is_hybrid_sharding_and_its_order_is_checked():
+    env = ca.Environment(world_size=4)
+    plan = ca.compose(ca.parallel_mode([("zero", 2), ("data", 1)]), ca.fsdp(), env=env)
+    assert plan.names == ("parallel_mode", "fsdp")
+    with pytest.raises(ca.errors.ConflictError, match="before \\('data', m\\)"):
+        ca.compose(ca.parallel_mode([("data", 2), ("zero", 2)]), ca.fsdp(), env=env)
 
 
 def _world4(rank, world):

@@ -13,9 +13,11 @@ step). A pipeline stage's trace holds its micro-batches; the schedule's bubble s
 
 Pricing (:meth:`OpTrace.price`): each op costs its calibrated curve at its size (:mod:`.calibrate`;
 the curves' floors hold the call cost of a tiny op), plus the framework's per-op cost (autograd,
-module hooks); collectives at world ``w`` read the world-2 curves at the ring-equivalent size
-(all-reduce moves ``2(w-1)/w`` of the tensor per rank, all-gather / reduce-scatter ``(w-1)/w``). On
-the CPU nothing is overlapped: gloo's thread competes with the compute for the same cores.
+module hooks); collectives over a group of ``w`` ranks (the group each op ran over, so a hybrid
+plan's zero-group gathers and replica all-reduces are priced at their own sizes) read the world-2
+curves at the ring-equivalent size (all-reduce moves ``2(w-1)/w`` of the tensor per rank,
+all-gather / reduce-scatter ``(w-1)/w``). On the CPU nothing is overlapped: gloo's thread
+competes with the compute for the same cores.
 """
 
 from __future__ import annotations
@@ -88,6 +90,19 @@ def _collective(name: str) -> str | None:
     return None
 
 
+def _group_size(args) -> int | None:
+    """The size of the process group a c10d op runs over (its ProcessGroup arrives as a ScriptObject)."""
+    import torch.distributed as dist
+
+    for a in args:
+        if isinstance(a, torch.ScriptObject):
+            try:
+                return dist.ProcessGroup.unbox(a).size()
+            except RuntimeError:  # a ReduceOp, or another script object
+                continue
+    return None
+
+
 class OpTrace(TorchDispatchMode):
     """Counts the ops of what runs under it: ``(kind, dtype, size) -> calls`` (see the module doc)."""
 
@@ -114,7 +129,8 @@ class OpTrace(TorchDispatchMode):
         comm = _collective(name) if ns in ("c10d", "_c10d_functional", "c10d_functional") else None
         if comm is not None:
             size = max(_sum_bytes(args[:1]), _sum_bytes(args[1:2]), _sum_bytes(out))
-            self.ops[(comm, "", float(size))] += 1
+            group = _group_size(args)  # hybrid sharding: a zero group's gathers, a replica group's all-reduce
+            self.ops[(comm, str(group) if group else "", float(size))] += 1
             return
         self.op_count += 1
         first = next((t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()), None)
@@ -135,7 +151,10 @@ class OpTrace(TorchDispatchMode):
         """Seconds by part: ``compute`` (kernels), ``comm`` (collectives), ``overhead`` (framework per op)."""
         parts = {"compute": 0.0, "comm": 0.0, "overhead": self.op_count * cal.per_op_s}
         for (kind, dtype, size), n in self.ops.items():
-            parts["comm" if kind in COMM_KINDS else "compute"] += n * price_op(cal, kind, dtype, size, world)
+            # a collective's key holds its group's size where the trace saw it (else the whole world)
+            comm = kind in COMM_KINDS
+            w = int(dtype) if comm and dtype.isdigit() else world
+            parts["comm" if comm else "compute"] += n * price_op(cal, kind, "" if comm else dtype, size, w)
         return parts
 
     def flops(self) -> int:

@@ -273,13 +273,43 @@ class ParallelContext:
     def instance_index(self) -> int:
         return self.layout.coordinate(self.rank, INSTANCE_DIM)
 
+    @property
+    def zero_size(self) -> int:
+        """Size of the ``zero`` dimension (ZeRO sharding subgroups inside data parallelism; 1 without)."""
+        return self.layout.size("zero")
+
     def data_mesh(self):
-        """The 1-D mesh over the data dimension (what DDP and FSDP synchronize over)."""
+        """The 1-D mesh over the batch dimensions (what DDP all-reduces and flat FSDP shards over):
+        ``data``, or ``data x zero`` flattened into one dimension when both are > 1 (made once, kept)."""
         if self.mesh is None:
             return None
         if self.mesh.ndim == 1:
             return self.mesh
-        return self.mesh["data"]
+        names = tuple(n for n in self.layout.mesh_dim_names if n in BATCH_DIMS and self.layout.size(n) > 1)
+        if len(names) < 2:
+            return self.mesh[names[0] if names else "data"]
+        if "batch_mesh" not in self.extras:
+            # torch's DeviceMesh._flatten (as torchtitan flattens dp_shard x cp): one group over both dims
+            self.extras["batch_mesh"] = self.mesh[names]._flatten("_".join(names))
+        return self.extras["batch_mesh"]
+
+    def hybrid_mesh(self):
+        """The 2-D ``(data, zero)`` = (replicate, shard) mesh torch's ``fully_shard`` takes for hybrid
+        sharding (HSDP), or None when ``zero`` or ``data`` is 1 (nothing to replicate or to shard).
+
+        Needs ``zero`` before ``data`` in ATorch's list (the mesh's data dimension before its zero one);
+        the data-parallel transforms' contracts refuse the other order before any work."""
+        if self.mesh is None or self.zero_size == 1 or self.layout.size("data") == 1:
+            return None
+        return self.mesh["data", "zero"]
+
+    def zero_group(self):
+        """The group sharding happens in: ``zero`` when it is > 1, else all batch ranks."""
+        if self.mesh is None:
+            return None
+        if self.zero_size > 1:
+            return (self.mesh if self.mesh.ndim == 1 else self.mesh["zero"]).get_group()
+        return self.data_group()
 
     def data_group(self):
         mesh = self.data_mesh()

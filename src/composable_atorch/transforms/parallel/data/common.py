@@ -39,17 +39,40 @@ DDP_VS_FSDP = "fsdp reduce-scatters gradients itself; DDP would all-reduce them 
 DDP_VS_ZERO2 = "zero2 reduce-scatters gradients itself; DDP would all-reduce them a second time"
 FSDP_VS_ZERO2 = "zero2 is sharding with reshard_after_forward=False; both would wrap and shard the same parameters"
 SHARDED_STATE = "already shards the optimizer state"
-ZERO_DIM_UNUSED = (
-    "the 'zero' dimension (ZeRO sharding subgroups) is laid out but not used by data-parallel transforms yet"
-)
 
 
 def _has_zero_dim(_mine, pm) -> bool:
     return any(n == "zero" and s > 1 for n, s in pm.groups)
 
 
-ZERO_DIM_CONFLICT = Conflict(
-    "parallel_mode", ZERO_DIM_UNUSED, "use ('data', n) in parallel_mode for plain data parallelism", when=_has_zero_dim
+def _zero_after_data(_mine, pm) -> bool:
+    names = [n for n, _ in pm.groups]
+    return _has_zero_dim(_mine, pm) and "data" in names and names.index("zero") > names.index("data")
+
+
+#: Hybrid sharding (HSDP) is torch's fully_shard on the 2-D (replicate, shard) = (data, zero) mesh; the mesh's
+#: dimensions are ATorch's list reversed, so the zero dimension must come first in ATorch's list.
+ZERO_ORDER_CONFLICT = Conflict(
+    "parallel_mode",
+    "hybrid sharding shards over 'zero' and replicates over 'data' on torch's 2-D (replicate, shard) mesh, which "
+    "needs 'zero' to vary faster than 'data' over the ranks",
+    "list ('zero', n) before ('data', m) in parallel_mode, e.g. [('zero', 8), ('data', 4)] (zero groups are then "
+    "neighbouring ranks: one node each when n is the processes per node)",
+    when=_zero_after_data,
+)
+ZERO_DIM_FAIRSCALE = Conflict(
+    "parallel_mode",
+    "fairscale's ShardedDataParallel shards over one group and has no replicas: it cannot shard over 'zero' and "
+    "all-reduce over 'data'",
+    "use zero2() (FSDP2 backend: hybrid sharding over the zero dimension), or ('data', n) only",
+    when=lambda mine, pm: getattr(mine, "backend", None) == "fairscale" and _has_zero_dim(mine, pm),
+)
+ZERO_DIM_DEEPSPEED = Conflict(
+    "parallel_mode",
+    "DeepSpeed's engine partitions over its own data-parallel group; hybrid sharding over the 'zero' dimension is "
+    "built on torch's FSDP2",
+    "use the torch backend (fsdp(), zero2(), zero1()) for the zero dimension, or ('data', n) only",
+    when=_has_zero_dim,
 )
 IMPLIES_PARALLEL_MODE = Implication(
     "parallel_mode",

@@ -36,7 +36,6 @@ from composable_atorch.transforms.parallel.data.common import (
     IMPLIES_PARALLEL_MODE,
     OPTIMIZER_STATE_SHARDING,
     SHARDED_STATE,
-    ZERO_DIM_CONFLICT,
     ZERO_OPTION_DEFAULTS,
     DataGradSync,
     GradSyncHook,
@@ -208,7 +207,6 @@ class Ddp(Transform):
         conflicts=(
             Conflict("fsdp", DDP_VS_FSDP, "drop ddp: fsdp synchronizes gradients itself"),
             Conflict("zero2", DDP_VS_ZERO2, "drop ddp: zero2 synchronizes gradients itself"),
-            ZERO_DIM_CONFLICT,
         ),
         # the C++ reducer needs real storage; its buckets hold one more copy of the gradients
         cost=Cost(simulated=False, grad_copies=1.0),
@@ -282,8 +280,16 @@ class Ddp(Transform):
             f"replicate (DDP) over the data group of {pc.data_size}; parameter names kept; sync skipped inside "
             "accumulation windows",
         )
+        if pc.zero_size > 1:
+            state.note(self.name, _ZERO_UNDER_DDP.format(zero=pc.zero_size, n=pc.data_size))
         return state
 
+
+#: explain()'s line for ddp with a zero dimension: plain data parallelism over data x zero
+_ZERO_UNDER_DDP = (
+    "the 'zero' dimension ({zero}) shards nothing under ddp: every rank holds the whole model and gradients are "
+    "all-reduced over data x zero = {n} ranks (fsdp / zero2 shard inside it, zero1 shards the optimizer state in it)"
+)
 
 #: parameters beyond which ddp does not probe (the probe holds a zero copy of the model in CPU memory)
 PROBE_LIMIT = 50_000_000
@@ -381,12 +387,19 @@ class Zero1(HasBackends, Transform):
                 self.name, "nothing to shard: " + ("no optimizer" if state.optim is None else "no process group")
             )
             return state
-        state.optim = sharded_optimizer(state.optim, self.backend, pc.data_group())
+        # with a zero dimension the state is sharded inside each zero group (ATorch's ZeRO subgroups); the
+        # groups of the data dimension hold equal copies (their gradients are all-reduced over data x zero)
+        size = pc.zero_size if pc.zero_size > 1 else pc.data_size
+        state.optim = sharded_optimizer(state.optim, self.backend, pc.zero_group())
         inner = type(state.optim.optim).__name__
         state.note(
             self.name,
-            f"{type(state.optim).__name__}({inner}): each of {pc.data_size} ranks keeps 1/{pc.data_size} of the "
-            "optimizer state",
+            f"{type(state.optim).__name__}({inner}): each of {size} ranks keeps 1/{size} of the optimizer state"
+            + (
+                f" (sharded inside the zero group of {size}, replicated over data {pc.layout.size('data')})"
+                if pc.zero_size > 1
+                else ""
+            ),
         )
         return state
 

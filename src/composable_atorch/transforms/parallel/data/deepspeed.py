@@ -27,6 +27,7 @@ from composable_atorch.transforms.parallel.data.common import (
     GRAD_SYNC,
     IMPLIES_PARALLEL_MODE,
     OPTIMIZER_STATE_SHARDING,
+    ZERO_DIM_DEEPSPEED,
     options_label,
     parallel_context,
 )
@@ -52,6 +53,7 @@ def deepspeed_contract() -> Contract:
         implies=(IMPLIES_PARALLEL_MODE,),
         conflicts=(
             Conflict("ddp", f"{_ENGINE}; DDP would all-reduce a second time", "drop ddp"),
+            ZERO_DIM_DEEPSPEED,
             Conflict(
                 "accumulate",
                 f"{_ENGINE}, accumulating with its own gradient_accumulation_steps, not wired to accumulate here",

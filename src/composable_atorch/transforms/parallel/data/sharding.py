@@ -8,6 +8,12 @@ so a model initialised differently per rank still trains as one.
 
 ``zero2`` is the same engine with ``reshard_after_forward=False`` (ATorch's default,
 SHARD_GRAD_OP), or fairscale's OSS + ShardedDataParallel with ``backend="fairscale"``.
+
+Hybrid sharding (HSDP): with a ``zero`` dimension > 1 in parallel_mode, both shard over the zero
+groups and replicate over ``data`` on torch's 2-D ``(replicate, shard)`` mesh (:func:`shard_mesh`);
+ATorch's ``sharding_strategy=HYBRID_SHARD`` without one takes the groups from the nodes. A 0-dim
+parameter (CLIP's ``logit_scale``), which fully_shard cannot shard, is kept whole on every rank and
+its gradient averaged over the data ranks before the step, like an ignored module's.
 """
 
 from __future__ import annotations
@@ -34,8 +40,9 @@ from composable_atorch.transforms.parallel.data.common import (
     IMPLIES_PARALLEL_MODE,
     OPTIMIZER_STATE_SHARDING,
     SHARDED_STATE,
-    ZERO_DIM_CONFLICT,
+    ZERO_DIM_FAIRSCALE,
     ZERO_OPTION_DEFAULTS,
+    ZERO_ORDER_CONFLICT,
     GradSyncHook,
     HasBackends,
     IgnoredGradSyncHook,
@@ -82,14 +89,19 @@ def shard(spec: Fsdp, who: str, state: TrainState, ctx: ApplyContext, *, sync_at
     if not pc.distributed:
         state.note(who, "no process group: a single process has nothing to shard, model left as it is")
         return state
-    model, mesh, group = state.model, pc.data_mesh(), pc.data_group()
+    model, group = state.model, pc.data_group()
+    mesh, where = shard_mesh(pc, spec, ctx, state, who)
     ignored_modules = {
         m for q, m in model.named_modules() if spec.ignored and m is not model and matches(m, q, spec.ignored)
     }
     ignored_params = {p for m in ignored_modules for p in m.parameters()}
+    ignored_ids = {id(p) for p in ignored_params}
+    # fully_shard cannot shard a 0-dim parameter (CLIP's logit_scale): kept whole like an ignored one
+    scalars = {n: p for n, p in model.named_parameters() if p.dim() == 0 and id(p) not in ignored_ids}
+    kept_whole = ignored_params | set(scalars.values())
     kwargs = dict(spec.fsdp_kwargs)
     kwargs["reshard_after_forward"] = spec.reshard_after_forward
-    kwargs["ignored_params"] = ignored_params or None
+    kwargs["ignored_params"] = kept_whole or None
     policy = PrecisionPolicy.of(ctx)
     if policy.autocast:  # amp without half: parameters stay float32 and are all-gathered in amp's dtype
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=policy.compute_dtype, reduce_dtype=torch.float32)
@@ -119,19 +131,82 @@ def shard(spec: Fsdp, who: str, state: TrainState, ctx: ApplyContext, *, sync_at
     state.note(
         who,
         f"fully_shard on {len(targets)} module(s) ({', '.join(kinds) or 'none'}) then the root, "
-        f"over {pc.data_size} ranks; reshard_after_forward={spec.reshard_after_forward}"
+        f"{where}; reshard_after_forward={spec.reshard_after_forward}"
         f"{', parameters offloaded to CPU' if spec.cpu_offload else ''}",
     )
+    trainable = [p for p in kept_whole if p.requires_grad]
+    if trainable:
+        state.hooks.append(IgnoredGradSyncHook(trainable, group, pc.data_size))
     if ignored_params:
-        trainable = [p for p in ignored_params if p.requires_grad]
-        if trainable:
-            state.hooks.append(IgnoredGradSyncHook(trainable, group, pc.data_size))
         state.note(
             who,
             f"{len(ignored_params)} parameter(s) of ignored modules kept whole; their gradients averaged before the "
             "step",
         )
+    if scalars:
+        shown = ", ".join(list(scalars)[:3]) + (" ..." if len(scalars) > 3 else "")
+        state.note(
+            who,
+            f"{len(scalars)} 0-dim parameter(s) kept whole ({shown}): fully_shard cannot shard a scalar; replicated "
+            f"on every rank, gradients averaged over the {pc.data_size} data ranks before each step",
+        )
     return state
+
+
+def shard_mesh(pc, spec: Fsdp, ctx: ApplyContext, state: TrainState, who: str):
+    """``(mesh, what explain() says)``: the mesh fully_shard shards over.
+
+    A ``zero`` dimension > 1 gives hybrid sharding (HSDP): torch's 2-D ``(replicate, shard)`` mesh
+    ``(data, zero)``, gradients reduce-scattered inside a zero group and all-reduced across the data
+    replicas. Without one, ATorch's ``sharding_strategy=HYBRID_SHARD`` (``spec.hybrid``) takes the groups
+    from the world: shard inside a node, replicate across nodes (:func:`world_hybrid_mesh`).
+    Otherwise flat sharding over all data ranks.
+    """
+    hybrid = pc.hybrid_mesh()
+    zero, data = pc.zero_size, pc.layout.size("data")
+    if hybrid is not None:
+        if spec.hybrid:
+            state.note(who, "sharding_strategy=HYBRID_SHARD: the shard groups are parallel_mode's 'zero' dimension")
+        return hybrid, (
+            f"hybrid (HSDP, 2-D mesh (data, zero)): each parameter sharded over a zero group of {zero}, replicated "
+            f"over data {data}; gradients reduce-scattered in the zero group, all-reduced across the replicas"
+        )
+    if zero > 1:
+        return pc.data_mesh(), f"over the zero group of {zero} (data 1: no replicas)"
+    if spec.hybrid:
+        return world_hybrid_mesh(pc, ctx, state, who)
+    return pc.data_mesh(), f"over {pc.data_size} ranks"
+
+
+def world_hybrid_mesh(pc, ctx: ApplyContext, state: TrainState, who: str):
+    """HYBRID_SHARD with the groups taken from the world, as FSDP1 does: a ``(nodes, processes per node)``
+    mesh of the data ranks (``Environment.nodes``, from torchrun's LOCAL_WORLD_SIZE)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    env = ctx.env
+    per, nodes = env.processes_per_node, env.nodes
+    if pc.data_size != pc.layout.world_size:
+        raise ConfigError(
+            "fsdp sharding_strategy",
+            "HYBRID_SHARD",
+            f"with model parallelism in the layout ({pc.layout.describe()}), name the shard group: "
+            "parallel_mode([('zero', n), ..., ('data', m)]) shards over zero and replicates over data",
+        )
+    if nodes == 1 or per == 1:
+        state.note(
+            who,
+            f"sharding_strategy=HYBRID_SHARD on {nodes} node(s) of {per} process(es): nothing to "
+            + ("replicate across, sharded over the node" if nodes == 1 else "shard inside a node, sharded flat"),
+        )
+        return pc.data_mesh(), f"over {pc.data_size} ranks"
+    ranks = pc.data_mesh().mesh.reshape(nodes, per)
+    mesh = DeviceMesh(env.device, ranks, mesh_dim_names=("replicate", "shard"))
+    state.note(
+        who,
+        f"sharding_strategy=HYBRID_SHARD: groups taken from the world ({env.describe()}): shard inside each node "
+        f"of {per}, replicate across {nodes} nodes (give ('zero', n) in parallel_mode to choose them)",
+    )
+    return mesh, f"hybrid (HSDP, 2-D mesh (nodes {nodes}, per node {per}))"
 
 
 def _fsdp_kwargs(kwargs) -> tuple:
@@ -176,7 +251,7 @@ class Fsdp(HasBackends, Transform):
             Conflict("ddp", DDP_VS_FSDP, "drop ddp: fsdp synchronizes gradients itself"),
             Conflict("zero2", FSDP_VS_ZERO2, "keep one of fsdp (ZeRO-3) and zero2"),
             Conflict("zero1", f"fsdp {SHARDED_STATE}", "drop zero1"),
-            ZERO_DIM_CONFLICT,
+            ZERO_ORDER_CONFLICT,
         ),
     )
 
@@ -192,6 +267,9 @@ class Fsdp(HasBackends, Transform):
     fsdp1_options: tuple = ()
     #: an FSDP1-style auto_wrap_policy(module, recurse, nonwrapped_numel) choosing the modules to shard
     wrap_policy: Any = None
+    #: ATorch's sharding_strategy=HYBRID_SHARD: shard inside a node, replicate across nodes (without a
+    #: 'zero' dimension the groups are taken from the world; with one, the zero dimension is the shard group)
+    hybrid: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "wrap", block_targets(self.wrap, "fsdp.wrap"))
@@ -238,7 +316,9 @@ class Fsdp(HasBackends, Transform):
             key = {"wrap": "atorch_wrap_cls", "min_params": "atorch_size_based_min_num_params"}
             cfg.update({key.get(k, k): v for k, v in mapped.items()})
         if "sharding_strategy" in cfg:
-            cfg["reshard_after_forward"] = from_sharding_strategy(cfg.pop("sharding_strategy"))
+            cfg["reshard_after_forward"], hybrid = from_sharding_strategy(cfg.pop("sharding_strategy"))
+            if hybrid:
+                cfg["hybrid"] = True
         if isinstance(cfg.get("wrap_trainable_outmost"), str):
             if cfg["wrap_trainable_outmost"] == "NO_SHARD":
                 raise ConfigError(
@@ -268,6 +348,7 @@ class Fsdp(HasBackends, Transform):
             "wrap_trainable_outmost",
             "backend",
             "wrap_policy",
+            "hybrid",
         }
         extra = {k: fields.pop(k) for k in list(fields) if k not in known}
         return cls(
@@ -278,9 +359,13 @@ class Fsdp(HasBackends, Transform):
 
     @classmethod
     def candidates(cls, search):
+        """One per block class; with several nodes also hybrid (shard inside a node, replicate across)."""
         if search.env.world_size < 2:
             return ()
-        return tuple(cls(wrap=(b,)) for b in search.block_classes)
+        flat = tuple(cls(wrap=(b,)) for b in search.block_classes)
+        if search.env.nodes > 1 and search.env.processes_per_node > 1:
+            return flat + tuple(cls(wrap=(b,), hybrid=True) for b in search.block_classes)
+        return flat
 
     def describe(self):
         policy = getattr(self.wrap_policy, "func", self.wrap_policy)  # a partial names its function
@@ -300,6 +385,8 @@ class Fsdp(HasBackends, Transform):
             parts.append("CPU offload")
         if self.wrap_trainable_outmost:
             parts.append("trainable parameters in the root group")
+        if self.hybrid:
+            parts.append("HYBRID_SHARD: shard inside a node or zero group, replicate across")
         if self.fsdp1_options:
             parts.append(f"FSDP1-only options read and moot in FSDP2: {', '.join(k for k, _ in self.fsdp1_options)}")
         return f"fsdp({'; '.join(parts)})"
@@ -317,9 +404,13 @@ def fsdp(
     cpu_offload=False,
     wrap_trainable_outmost=False,
     backend="torch",
+    hybrid=False,
     **fsdp_kwargs,
 ) -> Fsdp:
-    """``fsdp(wrap=(Block,))``; extra keywords go to torch's ``fully_shard``."""
+    """``fsdp(wrap=(Block,))``; extra keywords go to torch's ``fully_shard``.
+
+    With ``('zero', n)`` in parallel_mode it shards over the zero groups and replicates over data
+    (hybrid sharding); ``hybrid=True`` (ATorch's HYBRID_SHARD) does so without one, per node."""
     return Fsdp(
         wrap,
         min_params,
@@ -329,6 +420,7 @@ def fsdp(
         wrap_trainable_outmost,
         backend,
         tuple(fsdp_kwargs.items()),
+        hybrid=hybrid,
     )
 
 
@@ -360,7 +452,8 @@ class Zero2(HasBackends, Transform):
             Conflict("ddp", DDP_VS_ZERO2, "drop ddp: zero2 synchronizes gradients itself"),
             Conflict("fsdp", FSDP_VS_ZERO2, "keep one of fsdp (ZeRO-3) and zero2"),
             Conflict("zero1", f"zero2 {SHARDED_STATE}", "drop zero1"),
-            ZERO_DIM_CONFLICT,
+            ZERO_ORDER_CONFLICT,
+            ZERO_DIM_FAIRSCALE,
         ),
     )
 

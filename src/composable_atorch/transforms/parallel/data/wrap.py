@@ -60,21 +60,26 @@ def from_auto_wrap_policy(policy) -> dict:
     )
 
 
-def from_sharding_strategy(value) -> bool:
-    """FSDP1's ShardingStrategy as ``reshard_after_forward``."""
+def from_sharding_strategy(value) -> tuple[bool, bool]:
+    """FSDP1's ShardingStrategy as ``(reshard_after_forward, hybrid)``.
+
+    HYBRID_SHARD / _HYBRID_SHARD_ZERO2 are hybrid sharding: over parallel_mode's 'zero' dimension
+    when it has one, else inside each node and replicated across nodes (FSDP1's own default)."""
     name = getattr(value, "name", value)
-    if name == "FULL_SHARD":
-        return True
-    if name == "SHARD_GRAD_OP":
-        return False
-    why = {
-        "NO_SHARD": "use ddp() for unsharded data parallelism",
-        "HYBRID_SHARD": "hybrid sharding needs a 2-D mesh, not supported yet",
+    known = {
+        "FULL_SHARD": (True, False),
+        "SHARD_GRAD_OP": (False, False),
+        "HYBRID_SHARD": (True, True),
+        "_HYBRID_SHARD_ZERO2": (False, True),
     }
+    if name in known:
+        return known[name]
+    why = {"NO_SHARD": "use ddp() for unsharded data parallelism"}
     raise ConfigError(
         "fsdp sharding_strategy",
         value,
-        f"FULL_SHARD or SHARD_GRAD_OP ({why.get(name, 'FSDP1 strategies map onto reshard_after_forward')})",
+        f"FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD or _HYBRID_SHARD_ZERO2 "
+        f"({why.get(name, 'FSDP1 strategies map onto reshard_after_forward and hybrid sharding')})",
     )
 
 
