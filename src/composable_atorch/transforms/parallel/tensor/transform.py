@@ -10,7 +10,8 @@ The plan is one of
 
 * ``"auto"``: column-then-row pairs read from one traced forward of a zero-weight replica
   (:mod:`.graph`: q/k/v or a fused qkv -> o, up/gate -> down, fc1 -> fc2, GPT-2's Conv1D, BERT's
-  split attention/output modules, a plain chain of Linears), transformers' ``base_model_tp_plan``
+  split attention/output modules, a plain chain of Linears, peft LoRA wrappers as one projection:
+  :mod:`.lora`), transformers' ``base_model_tp_plan``
   where it is plain colwise/rowwise and places the same layers, head counts divided, fused
   projections strided or kept whole, per-head tables (T5's relative bias) sharded and per-head
   norms' gradients summed; the plan runs once at one rank's shapes before any weight moves
@@ -58,6 +59,8 @@ from composable_atorch.transforms.parallel.tensor.styles import (
     drop_note,
     dropout_streams,
     own_output,
+    refreeze,
+    requires_grad,
     retie,
     sequence_entry_exit,
     stride_perm,
@@ -251,7 +254,7 @@ class TensorParallel(Transform):
         mesh = pc.mesh["tensor"]
         modules = dict(model.named_modules())
         tied = tied_params(model)
-        trainable = lora.frozen(model)
+        trainable = requires_grad(model)
         sp = self.sequence_parallel
         sequence: dict[str, int] = {}
         styles: dict[str, Any] = {}
@@ -294,8 +297,8 @@ class TensorParallel(Transform):
                     styles[n] = SequenceParallel(use_local_output=False)
             sequence_entry_exit(modules[blocks[0]], modules[blocks[-1]], mesh, degree, sequence)
         parallelize_module(model, mesh, styles)
-        if lora.refreeze(model, trainable):
-            state.note(self.name, "frozen parameters kept frozen after sharding (a LoRA base model)")
+        if refreeze(model, trainable):
+            state.note(self.name, "frozen parameters (sequence-parallel norms) kept frozen after sharding")
         for n, (kind, _) in layers.items():
             if kind == "row" and not sp:
                 modules[n].register_forward_hook(own_output)
