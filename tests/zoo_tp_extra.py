@@ -47,6 +47,13 @@ def lora_llama(dropout: float = 0.1):
     return get_peft_model(_llama(), cfg)
 
 
+def dora_llama():
+    """DoRA (a LoRA variant whose weight norm reads the whole weight) on q_proj: not split."""
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(_llama(), LoraConfig(r=4, lora_alpha=8, use_dora=True, target_modules=["q_proj"]))
+
+
 def deepseek_v3():
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
@@ -161,6 +168,7 @@ class UserCNN(nn.Module):
 
 BUILDERS = {
     "lora_llama": lora_llama,
+    "dora_llama": dora_llama,
     "deepseek_v3": deepseek_v3,
     "qwen2_moe": qwen2_moe,
     "convnext": convnext,

@@ -147,6 +147,12 @@ def test_plans_and_notes():
     whole = next(n for n in notes if n.startswith("kept whole (replicated), in no column"))
     assert "self_attn.{q_a_proj, q_b_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj}" in whole
     assert any("mixture-of-experts" in n for n in notes) and any("plan verified" in n for n in notes)
+    shard, _, _ = ca.tensor_parallel().placements(zoo.build("dora_llama"), 2)  # DoRA q_proj: attention whole
+    assert sorted(shard)[:3] == [
+        f"base_model.model.model.layers.0.mlp.{p}" for p in ("down_proj", "gate_proj", "up_proj")
+    ]
+    assert not any("self_attn" in n for n in shard)
+    assert any("DoRA" in n for n in ca.tensor_parallel().check(zoo.build("dora_llama"), 2))
     plan = auto_plan(zoo.build("convnext"))
     assert ("col", "convnext.encoder.stages.0.layers.0.pwconv1", ()) in plan
     assert ("row", "blocks.1.fc2", ()) in auto_plan(zoo.build("user_cnn"))

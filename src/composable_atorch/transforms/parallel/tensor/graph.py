@@ -34,7 +34,7 @@ from composable_atorch.transforms.parallel.data.probe import (  # noqa: F401 - r
     replica,
     run,
 )
-from composable_atorch.transforms.parallel.tensor.lora import lora_base
+from composable_atorch.transforms.parallel.tensor.lora import is_wrapper, lora_base
 
 #: head counts an attention module reads to reshape its projections (divided by the degree)
 HEAD_ATTRS = (
@@ -150,9 +150,10 @@ def trace(model: nn.Module, example) -> Trace:
         if any(name.startswith(w + ".") for w in wrapped):
             continue
         lin = is_proj(m)
-        if lora_base(m) is not None:
+        wrapper = is_wrapper(m)  # a DoRA one is no projection: recorded as a layer with weights, never split
+        if wrapper:
             wrapped.append(name)
-        if not lin and not any(True for _ in m.parameters(recurse=False)):
+        if not lin and not wrapper and not any(True for _ in m.parameters(recurse=False)):
             continue
 
         def pre(mod, args, kwargs, name=name, lin=lin):
@@ -160,8 +161,8 @@ def trace(model: nn.Module, example) -> Trace:
                 seen.add(name)
                 out.calls.append(Call(name, mode.get((args, kwargs)), lin))
 
-        def post(mod, args, output, name=name, lin=lin):
-            if lin:
+        def post(mod, args, output, name=name, lin=lin or wrapper):
+            if lin:  # a DoRA wrapper's output is its own too: no group takes it for a projection's input
                 mode.set(output, frozenset({name}))
 
         handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))

@@ -27,6 +27,11 @@ from torch import nn
 from composable_atorch.transforms.parallel.data.probe import is_linear
 
 
+def is_wrapper(m: nn.Module) -> bool:
+    """A peft LoRA layer of any kind (plain, DoRA, merged): the planner never looks inside one."""
+    return getattr(m, "base_layer", None) is not None and isinstance(getattr(m, "lora_A", None), nn.ModuleDict)
+
+
 def lora_base(m: nn.Module) -> nn.Module | None:
     """The base projection of a peft LoRA wrapper of a Linear / Conv1D (plain LoRA only), else None."""
     base = getattr(m, "base_layer", None)

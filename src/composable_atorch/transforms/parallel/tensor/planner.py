@@ -257,6 +257,12 @@ def plan_with_notes(model: nn.Module, attention: bool = True) -> tuple[tuple, li
             "mixture-of-experts layers kept whole: every tensor rank holds every expert "
             "(expert parallelism is not done here)"
         )
+    variants = [n for n, m in model.named_modules() if lora.is_wrapper(m) and lora.lora_base(m) is None]
+    if variants:
+        notes.append(
+            f"{len(variants)} peft adapter layer(s) of a variant (DoRA's weight norm reads the whole weight) or "
+            f"merged are not split: kept whole with what they feed ({variants[0]} ...)"
+        )
     if not any(k in ("col", "row") for k, _, _ in entries):
         linears = [n for n, m in model.named_modules() if is_proj(m)]
         raise TensorParallelPlanError(
@@ -274,7 +280,7 @@ def _whole_note(model: nn.Module, entries) -> list[str]:
     """Which projections the plan leaves whole (replicated), grouped by block pattern (``layers.*.attn``),
     so explain() says what is not sharded (latent attention's low-rank projections, heads, routers)."""
     names = [n for n, m in model.named_modules() if n and is_proj(m)]
-    inside = {n for n, m in model.named_modules() if lora.lora_base(m) is not None}
+    inside = {n for n, m in model.named_modules() if lora.is_wrapper(m)}
     placed = {n for k, p, _ in entries if k in ("col", "row", "vocab") for n in names if name_matches(n, p)}
     groups: dict[str, list[str]] = {}
     for n in names:

@@ -154,7 +154,10 @@ class TensorParallel(Transform):
         except TensorParallelPlanError as e:
             # an attention module that reads its full width from the input (a user's block, Bloom's
             # ALiBi built for all heads) fails at local shapes: its projections stay whole, the MLPs shard
-            fallback, notes = plan_with_notes(model, attention=False)
+            try:
+                fallback, notes = plan_with_notes(model, attention=False)
+            except TensorParallelPlanError:
+                raise e from None  # nothing but the attention to shard: its failure is the reason
             if fallback == entries or not any(k in ("col", "row") for k, _, _ in fallback):
                 raise
             entries = fallback
