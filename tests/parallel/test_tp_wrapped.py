@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import composable_atorch as ca
-from composable_atorch.transforms.parallel.tensor import auto_plan, full_weight
+from composable_atorch.transforms.parallel.tensor import TensorParallelPlanError, auto_plan, full_weight
 
 from _dist import run_world
 
@@ -156,3 +156,13 @@ def test_plans_and_notes():
     plan = auto_plan(zoo.build("convnext"))
     assert ("col", "convnext.encoder.stages.0.layers.0.pwconv1", ()) in plan
     assert ("row", "blocks.1.fc2", ()) in auto_plan(zoo.build("user_cnn"))
+
+
+def test_a_model_with_no_pair_is_refused_for_that_reason():
+    """Mamba: in_proj -> conv / state-space scan -> out_proj is no column -> row pair the planner knows."""
+    from transformers import MambaConfig, MambaForCausalLM
+
+    model = MambaForCausalLM(MambaConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, state_size=8))
+    with pytest.raises(TensorParallelPlanError, match="found no column-then-row projection pair") as err:
+        auto_plan(model)
+    assert "mixer.in_proj" in str(err.value)
