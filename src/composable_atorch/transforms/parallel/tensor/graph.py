@@ -6,8 +6,10 @@ through another one (q, k, v -> o; up, gate -> down; fc1 -> fc2), and that next 
 back the width the group read (the residual stream). One forward of a zero-weight CPU replica on a
 few tokens records, per projection call, which projections its input was computed from
 (a taint carried through every torch op by a ``TorchFunctionMode``); the pairs follow from that,
-for nn.Linear and GPT-2's Conv1D alike, whatever the layers are called. A plain chain of Linears
-(ATorch's plan-free toy models) has no residual: there consecutive Linears pair col -> row.
+for nn.Linear, GPT-2's Conv1D and peft's LoRA wrappers alike, whatever the layers are called. A plain
+chain of Linears (ATorch's plan-free toy models) has no residual: there consecutive Linears pair
+col -> row, unless a layer with weights (a norm) runs between them (DeepSeek's latent attention:
+q_a -> norm -> q_b is a low-rank chain, not a pair). What no pair places stays whole (replicated).
 
 The same replica, re-made at each rank's local shapes, runs the forward again before any weight
 moves (:func:`verify`): a plan that would give a shape error is refused then, not mid-training.
@@ -15,6 +17,7 @@ moves (:func:`verify`): a plan that would give a shape error is refused then, no
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 
 import torch
@@ -23,14 +26,15 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from composable_atorch.transforms.parallel.data import probe
 from composable_atorch.transforms.parallel.data.probe import (  # noqa: F401 - re-exported
-    example_input,
     features,
     is_conv1d,
     is_linear,
     replica,
     run,
 )
+from composable_atorch.transforms.parallel.tensor.lora import is_wrapper, lora_base
 
 #: head counts an attention module reads to reshape its projections (divided by the degree)
 HEAD_ATTRS = (
@@ -51,6 +55,40 @@ PER_HEAD_FUSED = ("query_key_value",)
 PART_FUSED = ("c_attn", "qkv", "qkv_proj", "W_pack", "Wqkv", "in_proj")
 #: MLP projections fused as [gate | up]
 GATE_UP_FUSED = ("gate_up_proj",)
+
+
+def is_proj(m) -> bool:
+    """A projection the planner places: a Linear, GPT-2's Conv1D, or a LoRA wrapper of one (see :mod:`.lora`)."""
+    return is_linear(m) or lora_base(m) is not None
+
+
+def proj_features(m) -> tuple[int, int]:
+    """``(in, out)`` of a projection (a LoRA wrapper's are its base layer's)."""
+    base = lora_base(m)
+    return features(base if base is not None else m)
+
+
+def example_input(model: nn.Module) -> tuple[tuple, dict] | None:
+    """:func:`probe.example_input`, plus images for models that take them: transformers vision models
+    (``pixel_values`` at the config's image size) and a plain model whose first layer is a Conv2d."""
+    cfg = getattr(model, "config", None)
+    if cfg is not None and getattr(model, "main_input_name", None) == "pixel_values":
+        return (), {"pixel_values": _pixels(cfg)}
+    if cfg is None:
+        first = next((m for m in model.modules() if isinstance(m, nn.Embedding | nn.Conv2d) or is_linear(m)), None)
+        if isinstance(first, nn.Conv2d):
+            return (torch.zeros(1, first.in_channels, 32, 32, dtype=first.weight.dtype),), {}
+    example = probe.example_input(model)
+    vision = getattr(cfg, "vision_config", None)
+    if example is not None and vision is not None and "pixel_values" in inspect.signature(model.forward).parameters:
+        example[1]["pixel_values"] = _pixels(vision)  # a two-tower model (CLIP) takes text and an image
+    return example
+
+
+def _pixels(cfg) -> torch.Tensor:
+    size = getattr(cfg, "image_size", 32)
+    h, w = (size, size) if isinstance(size, int) else tuple(size)[:2]
+    return torch.zeros(1, int(getattr(cfg, "num_channels", 3)), h, w)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -107,9 +145,15 @@ def trace(model: nn.Module, example) -> Trace:
     out = Trace()
     seen: set[str] = set()
     handles = []
+    wrapped: list[str] = []  # LoRA wrappers: traced as one projection, their inner layers not at all
     for name, m in rep.named_modules():
-        lin = is_linear(m)
-        if not lin and not any(True for _ in m.parameters(recurse=False)):
+        if any(name.startswith(w + ".") for w in wrapped):
+            continue
+        lin = is_proj(m)
+        wrapper = is_wrapper(m)  # a DoRA one is no projection: recorded as a layer with weights, never split
+        if wrapper:
+            wrapped.append(name)
+        if not lin and not wrapper and not any(True for _ in m.parameters(recurse=False)):
             continue
 
         def pre(mod, args, kwargs, name=name, lin=lin):
@@ -117,8 +161,8 @@ def trace(model: nn.Module, example) -> Trace:
                 seen.add(name)
                 out.calls.append(Call(name, mode.get((args, kwargs)), lin))
 
-        def post(mod, args, output, name=name, lin=lin):
-            if lin:
+        def post(mod, args, output, name=name, lin=lin or wrapper):
+            if lin:  # a DoRA wrapper's output is its own too: no group takes it for a projection's input
                 mode.set(output, frozenset({name}))
 
         handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
@@ -154,16 +198,19 @@ def pairs(model: nn.Module, tr: Trace, residual: bool = True) -> list[Pair]:
     modules = dict(model.named_modules())
     placed: set[str] = set()
     out: list[Pair] = []
+    # a layer with weights (a norm) run on a column output would see one shard of it; a residual block's
+    # per-head norms are summed (partial_grad_modules), a plain chain has no such thing between its pairs
+    normed = set().union(*(c.taint for c in tr.calls if not c.linear)) if not residual else set()
     for c in tr.calls:
         if not c.linear or c.name in placed or not c.taint or c.taint & placed:
             continue
-        if not all(n in modules and is_linear(modules[n]) for n in c.taint):
+        if not all(n in modules and is_proj(modules[n]) for n in c.taint):
             continue
-        row_in, row_out = features(modules[c.name])
-        ins = {features(modules[n])[0] for n in c.taint}
+        row_in, row_out = proj_features(modules[c.name])
+        ins = {proj_features(modules[n])[0] for n in c.taint}
         if residual and ins != {row_out}:
             continue
-        if not residual and len(c.taint) != 1:
+        if not residual and (len(c.taint) != 1 or c.taint & normed):
             continue
         cols = tuple(sorted(c.taint))
         placed.update((*cols, c.name))
@@ -181,8 +228,8 @@ def fused_stride(model: nn.Module, p: Pair) -> Pair:
     if len(p.cols) != 1:
         return p
     col = p.cols[0]
-    out_f = features(modules[col])[1]
-    row_in = features(modules[p.row])[0]
+    out_f = proj_features(modules[col])[1]
+    row_in = proj_features(modules[p.row])[0]
     if out_f == row_in:
         return p
     leaf = col.rpartition(".")[2]
@@ -206,7 +253,7 @@ def fused_stride(model: nn.Module, p: Pair) -> Pair:
 def shrink_attrs(model: nn.Module, p: Pair) -> dict[str, tuple[str, ...]]:
     """The attention modules of a pair and the head counts / widths they read, to divide by the degree."""
     modules = dict(model.named_modules())
-    width = features(modules[p.row])[0]
+    width = proj_features(modules[p.row])[0]
     out: dict[str, tuple[str, ...]] = {}
     for name in {_parent(c) for c in p.cols}:
         m = modules[name]

@@ -12,8 +12,8 @@ from typing import Any
 from torch import nn
 
 from composable_atorch.errors import ConfigError
-from composable_atorch.transforms.parallel.tensor import graph
-from composable_atorch.transforms.parallel.tensor.graph import is_conv1d, is_linear
+from composable_atorch.transforms.parallel.tensor import graph, lora
+from composable_atorch.transforms.parallel.tensor.graph import is_conv1d, is_linear, is_proj  # noqa: F401
 
 KINDS = ("col", "row", "vocab", "replic_drop", "parallel_drop", "shrink", "grad_sum")
 _HF_KINDS = {
@@ -200,7 +200,7 @@ def _by_name(model: nn.Module) -> list[tuple[str, str, tuple]]:
         children = dict(m.named_children())
         for cols, row in groups:
             if row in children and all(c in children for c in cols):
-                if not all(is_linear(children[c]) for c in (*cols, row)):
+                if not all(is_proj(children[c]) for c in (*cols, row)):
                     continue
                 entries += [("col", f"{name}.{c}" if name else c, ()) for c in cols]
                 entries.append(("row", f"{name}.{row}" if name else row, ()))
@@ -257,8 +257,14 @@ def plan_with_notes(model: nn.Module, attention: bool = True) -> tuple[tuple, li
             "mixture-of-experts layers kept whole: every tensor rank holds every expert "
             "(expert parallelism is not done here)"
         )
+    variants = [n for n, m in model.named_modules() if lora.is_wrapper(m) and lora.lora_base(m) is None]
+    if variants:
+        notes.append(
+            f"{len(variants)} peft adapter layer(s) of a variant (DoRA's weight norm reads the whole weight) or "
+            f"merged are not split: kept whole with what they feed ({variants[0]} ...)"
+        )
     if not any(k in ("col", "row") for k, _, _ in entries):
-        linears = [n for n, m in model.named_modules() if is_linear(m)]
+        linears = [n for n, m in model.named_modules() if is_proj(m)]
         raise TensorParallelPlanError(
             "the auto planner found no column-then-row projection pair"
             + (f" ({'; '.join(notes)})" if notes else "")
@@ -266,7 +272,29 @@ def plan_with_notes(model: nn.Module, attention: bool = True) -> tuple[tuple, li
             linears or ["(no Linear layers)"],
             MANUAL_FORM,
         )
+    notes += _whole_note(model, entries)
     return tuple(sorted(set(entries))), notes
+
+
+def _whole_note(model: nn.Module, entries) -> list[str]:
+    """Which projections the plan leaves whole (replicated), grouped by block pattern (``layers.*.attn``),
+    so explain() says what is not sharded (latent attention's low-rank projections, heads, routers)."""
+    names = [n for n, m in model.named_modules() if n and is_proj(m)]
+    inside = {n for n, m in model.named_modules() if lora.is_wrapper(m)}
+    placed = {n for k, p, _ in entries if k in ("col", "row", "vocab") for n in names if name_matches(n, p)}
+    groups: dict[str, list[str]] = {}
+    for n in names:
+        if n in placed or any(n.startswith(w + ".") for w in inside):
+            continue
+        parent, _, leaf = n.rpartition(".")
+        key = ".".join("*" if part.isdigit() else part for part in parent.split("."))
+        if leaf not in groups.setdefault(key, []):
+            groups[key].append(leaf)
+    if not groups:
+        return []
+    shown = "; ".join(f"{k + '.' if k else ''}{{{', '.join(v)}}}" for k, v in list(groups.items())[:6])
+    more = " ..." if len(groups) > 6 else ""
+    return [f"kept whole (replicated), in no column -> row pair: {shown}{more}"]
 
 
 def auto_plan(model: nn.Module) -> tuple:
@@ -283,6 +311,12 @@ def _localize(m: nn.Module, kind: str, kw: dict, degree: int) -> None:
     """Give a replica module the shapes one rank holds under ``kind``."""
     if kind == "vocab" or kw.get("gather_output"):
         return  # the output is gathered: the shapes around it are the full ones
+    base = lora.lora_base(m)
+    if base is not None:  # a LoRA wrapper: its base layer and the adapter side that shards with it
+        mods = dict(m.named_modules())
+        for n, k in lora.parts("", m, kind):
+            _localize(mods[n.lstrip(".")], k, kw, degree)
+        return
     if isinstance(m, nn.Embedding):
         m.weight = nn.Parameter(m.weight.new_zeros(m.num_embeddings, m.embedding_dim // degree), requires_grad=False)
         m.embedding_dim //= degree

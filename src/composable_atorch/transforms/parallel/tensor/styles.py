@@ -196,3 +196,20 @@ def retie(model, tied, mesh, state) -> None:
                 )
             else:
                 raise TensorParallelPlanError("tied parameters would be split apart by this plan", [f"{mn}.{pn}"])
+
+
+def requires_grad(model: nn.Module) -> dict[str, bool]:
+    """``requires_grad`` of every parameter by name, for :func:`refreeze`."""
+    return {n: p.requires_grad for n, p in model.named_parameters()}
+
+
+def refreeze(model: nn.Module, before: dict[str, bool]) -> int:
+    """Restore ``requires_grad`` after ``parallelize_module``: torch's ``SequenceParallel`` style re-makes
+    the norms' weights as new Parameters that require grad, so a frozen norm (a LoRA base model's)
+    would start getting gradients. Returns how many were restored."""
+    count = 0
+    for n, p in model.named_parameters():
+        if n in before and p.requires_grad != before[n]:
+            p.requires_grad_(before[n])
+            count += 1
+    return count

@@ -10,7 +10,8 @@ The plan is one of
 
 * ``"auto"``: column-then-row pairs read from one traced forward of a zero-weight replica
   (:mod:`.graph`: q/k/v or a fused qkv -> o, up/gate -> down, fc1 -> fc2, GPT-2's Conv1D, BERT's
-  split attention/output modules, a plain chain of Linears), transformers' ``base_model_tp_plan``
+  split attention/output modules, a plain chain of Linears, peft LoRA wrappers as one projection:
+  :mod:`.lora`), transformers' ``base_model_tp_plan``
   where it is plain colwise/rowwise and places the same layers, head counts divided, fused
   projections strided or kept whole, per-head tables (T5's relative bias) sharded and per-head
   norms' gradients summed; the plan runs once at one rank's shapes before any weight moves
@@ -39,12 +40,14 @@ from composable_atorch.core.transform import ApplyContext, TrainState, Transform
 from composable_atorch.errors import ConfigError
 from composable_atorch.runtime.train_step import mark_loss_group
 from composable_atorch.transforms.parallel.data.common import implies_mesh_dim, parallel_context
+from composable_atorch.transforms.parallel.tensor import lora
+from composable_atorch.transforms.parallel.tensor.dropout import sequence_sliced
+from composable_atorch.transforms.parallel.tensor.graph import is_proj, proj_features
 from composable_atorch.transforms.parallel.tensor.planner import (
     MANUAL_FORM,
     TensorParallelPlanError,
     TPInfo,
     is_conv1d,
-    is_linear,
     name_matches,
     normalize_plan,
     plan_with_notes,
@@ -56,6 +59,8 @@ from composable_atorch.transforms.parallel.tensor.styles import (
     drop_note,
     dropout_streams,
     own_output,
+    refreeze,
+    requires_grad,
     retie,
     sequence_entry_exit,
     stride_perm,
@@ -149,7 +154,10 @@ class TensorParallel(Transform):
         except TensorParallelPlanError as e:
             # an attention module that reads its full width from the input (a user's block, Bloom's
             # ALiBi built for all heads) fails at local shapes: its projections stay whole, the MLPs shard
-            fallback, notes = plan_with_notes(model, attention=False)
+            try:
+                fallback, notes = plan_with_notes(model, attention=False)
+            except TensorParallelPlanError:
+                raise e from None  # nothing but the attention to shard: its failure is the reason
             if fallback == entries or not any(k in ("col", "row") for k, _, _ in fallback):
                 raise
             entries = fallback
@@ -194,10 +202,10 @@ class TensorParallel(Transform):
                 if m.embedding_dim % degree:
                     bad.append(f"{n}: {m.embedding_dim} columns not divisible by tensor degree {degree}")
                 continue
-            if not is_linear(m):
-                bad.append(f"{n}: {type(m).__name__} is not an nn.Linear or Conv1D")
+            if not is_proj(m):
+                bad.append(f"{n}: {type(m).__name__} is not an nn.Linear, Conv1D or a LoRA wrapper of one")
                 continue
-            out_f, in_f = (m.weight.shape[1], m.weight.shape[0]) if is_conv1d(m) else (m.out_features, m.in_features)
+            in_f, out_f = proj_features(m)
             size = out_f if kind == "col" else in_f
             stride = int(kw.get("stride", 1))
             if size % (degree * stride):
@@ -249,10 +257,12 @@ class TensorParallel(Transform):
         mesh = pc.mesh["tensor"]
         modules = dict(model.named_modules())
         tied = tied_params(model)
+        trainable = requires_grad(model)
         sp = self.sequence_parallel
         sequence: dict[str, int] = {}
         styles: dict[str, Any] = {}
-        for n, (kind, kw) in shard.items():
+        layers, adapters_whole, adapter_drops = lora.expand(shard, modules)  # LoRA wrappers: their parts
+        for n, (kind, kw) in layers.items():
             m = modules[n]
             stride = int(kw.get("stride", 1))
             if stride > 1:
@@ -278,7 +288,7 @@ class TensorParallel(Transform):
                 styles[n] = ColwiseParallel(input_layouts=Shard(1) if sp else Replicate())
             else:
                 styles[n] = RowwiseParallel(output_layouts=Shard(1) if sp else Replicate())
-        blocks = blocks_of(model, list(shard)) if sp else []
+        blocks = blocks_of(model, list(layers)) if sp else []
         if sp:
             if not blocks:
                 raise TensorParallelPlanError(
@@ -290,18 +300,34 @@ class TensorParallel(Transform):
                     styles[n] = SequenceParallel(use_local_output=False)
             sequence_entry_exit(modules[blocks[0]], modules[blocks[-1]], mesh, degree, sequence)
         parallelize_module(model, mesh, styles)
-        for n, (kind, _) in shard.items():
+        if refreeze(model, trainable):
+            state.note(self.name, "frozen parameters (sequence-parallel norms) kept frozen after sharding")
+        for n, (kind, _) in layers.items():
             if kind == "row" and not sp:
                 modules[n].register_forward_hook(own_output)
         retie(model, tied, mesh, state)
+        if sp:  # an adapter kept whole runs on a sequence shard: its gradient is partial
+            summed = [*summed, *adapters_whole]
+            lora.local_inputs(model, shard)
         sum_grads(model, summed, mesh, state)
+        for d, kind in adapter_drops:
+            if kind == "row":
+                lora.feature_sliced(d, degree, mesh.get_local_rank())
+            elif sp:
+                sequence_sliced(d, degree, mesh.get_local_rank(), sequence)
+        if adapters_whole:
+            state.note(
+                self.name,
+                f"{len(adapters_whole)} LoRA adapter layer(s) kept whole beside their sharded base "
+                "(A of a column layer, B of a row layer); the other adapter side shards with its base",
+            )
         for n, attrs in shrink.items():
             m = modules[n]
             for a in attrs:
                 setattr(m, a, getattr(m, a) // degree)
-        cols = sum(1 for k, _ in shard.values() if k == "col")
-        rows = sum(1 for k, _ in shard.values() if k == "row")
-        vocab = sum(1 for k, _ in shard.values() if k == "vocab")
+        cols = sum(1 for k, _ in layers.values() if k == "col")
+        rows = sum(1 for k, _ in layers.values() if k == "row")
+        vocab = sum(1 for k, _ in layers.values() if k == "vocab")
         state.note(
             self.name,
             f"DTensor parallelize_module over the tensor dim of {degree}: {cols} colwise, {rows} rowwise, {vocab} "
