@@ -167,15 +167,17 @@ def cache_guard(module) -> None:
         if not (mod.training and torch.is_grad_enabled()):
             return None
         got = find(args, kwargs)
-        if got is None or not got[1]:
+        if got is None:
             return None
         bound, found, var_kw = got
+        extra = dict(bound.arguments.get(var_kw) or {}) if var_kw else {}
+        if not found and not bound.arguments.get("use_cache") and not extra.get("use_cache"):
+            return None
         if any(_holds_state(v, indices) for v in found.values()):
             setattr(mod, _PLAIN_CALL, True)
             if not getattr(mod.forward, "_composable_atorch_reentrant", False):
                 composable_checkpoint.state(mod).enable_hook = False
             return None
-        extra = dict(bound.arguments.get(var_kw) or {}) if var_kw else {}
         for outer, name in found:
             if outer is None:
                 bound.arguments[name] = None
