@@ -47,6 +47,7 @@ TRANSFORMS = {
     "fsdp": (lambda m: (ca.fsdp(),), True),
     "zero2": (lambda m: (ca.zero2(),), True),
     "checkpoint": (lambda m: (ca.checkpoint(_block(m)), ca.ddp()), True),
+    "checkpoint_reentrant": (lambda m: (ca.checkpoint(_block(m), reentrant=True), ca.ddp()), True),
     "amp": (lambda m: (ca.amp("bf16"), ca.ddp()), True),
     "module_replace": (lambda m: (ca.module_replace(), ca.ddp()), True),
     "tensor_parallel": (lambda m: (ca.tensor_parallel(), ca.parallel_mode([("tensor", 2)])), False),
@@ -216,6 +217,18 @@ def test_zoo_matches_one_process(group):
         (explain, p0), (_, p1) = results[0]["unused"], results[1]["unused"]
         assert "spare.weight" in explain and "find_unused_parameters turned on" in explain
         assert all((p0[k] == p1[k]).all() for k in p0)
+
+
+@pytest.mark.dist
+def test_reentrant_checkpoint_with_ddp():
+    """ATorch's reentrant checkpoint under ddp, on a few families (caches on, an encoder-decoder,
+    sliding attention, the user model): ddp's probe replica (a deep copy) used to run the original
+    blocks' weights, found every block parameter unused and turned on find_unused_parameters,
+    which the reentrant checkpoint breaks ("Expected to mark a variable ready only once")."""
+    cases = _all_cases(("checkpoint_reentrant",), ("user", "llama", "t5", "gemma2"))
+    results = run_world(_world, 2, cases, timeout=900)
+    failures = _check(results, cases)
+    assert not failures, "\n".join(failures)
 
 
 @pytest.mark.dist

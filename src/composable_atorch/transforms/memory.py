@@ -17,9 +17,9 @@ transformer-engine's checkpoint needs a CUDA GPU and its package).
 
 from __future__ import annotations
 
-import functools
 import inspect
 import sys
+import types
 from dataclasses import dataclass
 
 import torch
@@ -36,30 +36,43 @@ def _target_name(t) -> str:
     return t.__name__ if isinstance(t, type) else t
 
 
-def _reentrant_forward(module, inner):
-    """``inner`` run under torch's reentrant checkpoint, keyword arguments included.
+#: the block's own forward (a bound method) under the reentrant wrapper
+_INNER = "_composable_atorch_inner"
+
+
+def _reentrant_forward(self, *args, **kwargs):
+    """The block's forward run under torch's reentrant checkpoint, keyword arguments included.
 
     The reentrant checkpoint (an autograd.Function) takes positional arguments only: keyword
     values travel positionally after the positional ones and the keys in the closure, so tensors
     among them are tracked for the backward. A call the cache hook marks to run plainly (a
     pre-filled key/value cache, see ``cache_guard``) is not checkpointed.
+
+    Bound to the block as a method (and the inner forward kept as a bound method on it), not a
+    closure over the block: a ``copy.deepcopy`` of the model (ddp's probe replica) then runs the
+    copy's own weights, not the original's (a closure left every copied block's parameters
+    without a gradient, so the probe turned on ``find_unused_parameters``, which the reentrant
+    checkpoint breaks: "Expected to mark a variable ready only once").
     """
+    inner = getattr(self, _INNER)
+    if getattr(self, _PLAIN_CALL, False) or not torch.is_grad_enabled():  # no backward: nothing to recompute
+        return inner(*args, **kwargs)
+    if not kwargs:
+        return torch_checkpoint.checkpoint(inner, *args, use_reentrant=True)
+    keys, n = tuple(kwargs), len(args)
 
-    @functools.wraps(inner)
-    def forward(*args, **kwargs):
-        if getattr(module, _PLAIN_CALL, False) or not torch.is_grad_enabled():  # no backward: nothing to recompute
-            return inner(*args, **kwargs)
-        if not kwargs:
-            return torch_checkpoint.checkpoint(inner, *args, use_reentrant=True)
-        keys, n = tuple(kwargs), len(args)
+    def run(*flat):
+        return inner(*flat[:n], **dict(zip(keys, flat[n:], strict=True)))
 
-        def run(*flat):
-            return inner(*flat[:n], **dict(zip(keys, flat[n:], strict=True)))
+    return torch_checkpoint.checkpoint(run, *args, *kwargs.values(), use_reentrant=True)
 
-        return torch_checkpoint.checkpoint(run, *args, *kwargs.values(), use_reentrant=True)
 
-    forward._composable_atorch_reentrant = True
-    return forward
+_reentrant_forward._composable_atorch_reentrant = True
+
+
+def _wrap_reentrant(module) -> None:
+    setattr(module, _INNER, module.forward)
+    module.forward = types.MethodType(_reentrant_forward, module)
 
 
 #: the names a Hugging Face block takes its key/value (or state-space) cache by: transformers 5.x's
@@ -141,7 +154,7 @@ def cache_guard(module) -> None:
     In eval mode or under ``no_grad`` nothing is recomputed and the cache is left alone.
     """
     try:
-        signature = inspect.signature(module.forward)
+        signature = inspect.signature(getattr(module, _INNER, module.forward))
     except (TypeError, ValueError):
         signature = None
     indices = _layer_indices(module)
@@ -285,7 +298,7 @@ class Checkpoint(Transform):
             if self.reentrant:
                 if getattr(module.forward, "_composable_atorch_reentrant", False):  # applied once per module
                     continue
-                module.forward = _reentrant_forward(module, module.forward)
+                _wrap_reentrant(module)
             else:
                 composable_checkpoint(module)
             cache_guard(module)
