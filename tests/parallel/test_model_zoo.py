@@ -47,6 +47,7 @@ TRANSFORMS = {
     "fsdp": (lambda m: (ca.fsdp(),), True),
     "zero2": (lambda m: (ca.zero2(),), True),
     "checkpoint": (lambda m: (ca.checkpoint(_block(m)), ca.ddp()), True),
+    "checkpoint_reentrant": (lambda m: (ca.checkpoint(_block(m), reentrant=True), ca.ddp()), True),
     "amp": (lambda m: (ca.amp("bf16"), ca.ddp()), True),
     "module_replace": (lambda m: (ca.module_replace(), ca.ddp()), True),
     "tensor_parallel": (lambda m: (ca.tensor_parallel(), ca.parallel_mode([("tensor", 2)])), False),
@@ -87,9 +88,15 @@ def _full(model) -> dict[str, torch.Tensor]:
 
 
 def _train(name, model, optim, batches, part=None):
+    """``part``: this rank's rows; one process on a family whose loss couples the batch's samples
+    (``zoo.COUPLED``) averages the losses of the world's two parts, as data parallelism trains."""
     for ids in batches:
-        ids = ids if part is None else ids[part]
-        loss = zoo.zoo_loss(name, model, ids)
+        if part is not None:
+            loss = zoo.zoo_loss(name, model, zoo.part(ids, part))
+        elif name in zoo.COUPLED:
+            loss = sum(zoo.zoo_loss(name, model, zoo.part(ids, slice(r, r + 2))) for r in (0, 2)) / 2
+        else:
+            loss = zoo.zoo_loss(name, model, ids)
         optim.backward(loss) if hasattr(optim, "backward") else loss.backward()
         optim.step()
         optim.zero_grad()
@@ -147,8 +154,13 @@ def _world(rank, world, cases, unused=False):
     return out
 
 
-def _all_cases(transforms):
-    return [(n, t, o) for t in transforms for n in zoo.ZOO for o in OPTIMS]
+def _all_cases(transforms, families=zoo.ZOO):
+    return [(n, t, o) for t in transforms for n in families for o in OPTIMS]
+
+
+#: (family, transform) -> why it fails today: another part of issue 27 being fixed elsewhere. Such a
+#: case is run and reported, not failed (as ``xfail(strict=False)``); drop the entry once it is fixed.
+KNOWN: dict[tuple[str, str], str] = {}  # none left: CLIP's 0-dim logit_scale is kept whole under fsdp / zero2
 
 
 def _check(results, cases):
@@ -157,6 +169,10 @@ def _check(results, cases):
     for case in cases:
         name, transform, opt = case
         r0, r1 = results[0][case], results[1][case]
+        if (name, transform) in KNOWN:
+            if r0[0] != "ok" or r1[0] != "ok":
+                warnings.warn(f"{case}: known failure ({KNOWN[(name, transform)]}): {str(r0[1])[:200]}", stacklevel=1)
+                continue
         if "error" in (r0[0], r1[0]):
             failures.append(f"{case}: untyped error: {r0[1] if r0[0] == 'error' else r1[1]}")
             continue
@@ -198,6 +214,30 @@ def test_zoo_matches_one_process(group):
         (explain, p0), (_, p1) = results[0]["unused"], results[1]["unused"]
         assert "spare.weight" in explain and "find_unused_parameters turned on" in explain
         assert all((p0[k] == p1[k]).all() for k in p0)
+
+
+@pytest.mark.dist
+def test_reentrant_checkpoint_with_ddp():
+    """ATorch's reentrant checkpoint under ddp, on a few families (caches on, an encoder-decoder,
+    sliding attention, the user model): ddp's probe replica (a deep copy) used to run the original
+    blocks' weights, found every block parameter unused and turned on find_unused_parameters,
+    which the reentrant checkpoint breaks ("Expected to mark a variable ready only once")."""
+    cases = _all_cases(("checkpoint_reentrant",), ("user", "llama", "t5", "gemma2"))
+    results = run_world(_world, 2, cases, timeout=900)
+    failures = _check(results, cases)
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("group", [("checkpoint", "ddp"), ("fsdp", "zero2")])
+def test_wide_zoo_matches_one_process(group):
+    """The widened zoo (zoo.WIDE: vision, two-tower, state-space, MoE with shared experts and latent
+    attention, hybrid sliding attention, LoRA, DeBERTa, CNNs) with its defaults on (caches
+    included) under checkpoint, ddp, fsdp and zero2."""
+    cases = _all_cases(group, zoo.WIDE)
+    results = run_world(_world, 2, cases, timeout=900)
+    failures = _check(results, cases)
+    assert not failures, "\n".join(failures)
 
 
 # -- planning (one process): what explain() says, and the search ruling plans out -----------------

@@ -1,5 +1,7 @@
 """checkpoint: bitwise-equal gradients, names kept, matching rules, seed forms."""
 
+import copy
+
 import pytest
 import torch
 
@@ -75,3 +77,20 @@ def test_no_match_is_a_config_error_before_changes():
     model = gpt()
     with pytest.raises(ConfigError, match="none matched"):
         ca.checkpoint("NoSuchBlock")(model)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_copy_of_a_checkpointed_model_trains_its_own_weights(reentrant):
+    """copy.deepcopy (ddp's probe replica, users' EMA copies) gives a model whose checkpointed blocks
+    run the copy's weights: the reentrant wrapper once closed over the original block."""
+    model = gpt()
+    ca.checkpoint(Block, reentrant=reentrant)(model)
+    twin = copy.deepcopy(model)
+    x = torch.randint(0, 256, (2, 32))
+    lm_loss(twin(x), x).backward()
+    assert all(p.grad is None for p in model.parameters())
+    assert all(p.grad is not None for p in twin.parameters())
+    with torch.no_grad():
+        for p in twin.blocks.parameters():
+            p.zero_()
+    assert not torch.equal(twin(x), model(x))

@@ -17,10 +17,12 @@ transformer-engine's checkpoint needs a CUDA GPU and its package).
 
 from __future__ import annotations
 
-import functools
 import inspect
+import sys
+import types
 from dataclasses import dataclass
 
+import torch
 import torch.utils.checkpoint as torch_checkpoint
 from torch.distributed._composable import checkpoint as composable_checkpoint
 
@@ -34,76 +36,186 @@ def _target_name(t) -> str:
     return t.__name__ if isinstance(t, type) else t
 
 
-def _reentrant_forward(inner):
-    """``inner`` run under torch's reentrant checkpoint, keyword arguments included.
+#: the block's own forward (a bound method) under the reentrant wrapper
+_INNER = "_composable_atorch_inner"
+
+
+def _reentrant_forward(self, *args, **kwargs):
+    """The block's forward run under torch's reentrant checkpoint, keyword arguments included.
 
     The reentrant checkpoint (an autograd.Function) takes positional arguments only: keyword
     values travel positionally after the positional ones and the keys in the closure, so tensors
-    among them are tracked for the backward.
+    among them are tracked for the backward. A call the cache hook marks to run plainly (a
+    pre-filled key/value cache, see ``cache_guard``) is not checkpointed.
+
+    Bound to the block as a method (and the inner forward kept as a bound method on it), not a
+    closure over the block: a ``copy.deepcopy`` of the model (ddp's probe replica) then runs the
+    copy's own weights, not the original's (a closure left every copied block's parameters
+    without a gradient, so the probe turned on ``find_unused_parameters``, which the reentrant
+    checkpoint breaks: "Expected to mark a variable ready only once").
     """
+    inner = getattr(self, _INNER)
+    if getattr(self, _PLAIN_CALL, False) or not torch.is_grad_enabled():  # no backward: nothing to recompute
+        return inner(*args, **kwargs)
+    if not kwargs:
+        return torch_checkpoint.checkpoint(inner, *args, use_reentrant=True)
+    keys, n = tuple(kwargs), len(args)
 
-    @functools.wraps(inner)
-    def forward(*args, **kwargs):
-        if not kwargs:
-            return torch_checkpoint.checkpoint(inner, *args, use_reentrant=True)
-        keys, n = tuple(kwargs), len(args)
+    def run(*flat):
+        return inner(*flat[:n], **dict(zip(keys, flat[n:], strict=True)))
 
-        def run(*flat):
-            return inner(*flat[:n], **dict(zip(keys, flat[n:], strict=True)))
-
-        return torch_checkpoint.checkpoint(run, *args, *kwargs.values(), use_reentrant=True)
-
-    forward._composable_atorch_reentrant = True
-    return forward
+    return torch_checkpoint.checkpoint(run, *args, *kwargs.values(), use_reentrant=True)
 
 
-#: the arguments a Hugging Face block takes its key/value cache by (older names first)
-CACHE_ARGS = ("past_key_values", "past_key_value", "layer_past")
-#: transformers 5.24 renamed the block's cache argument to plain ``cache``: a name too common to
-#: drop on sight, so it counts only in a block whose signature also has ``use_cache``
-GENERIC_CACHE_ARG = "cache"
+_reentrant_forward._composable_atorch_reentrant = True
 
 
-def no_cache_in_training(module) -> bool:
-    """Run ``module`` without a key/value cache while training (a forward pre-hook placed before
-    the checkpoint's own, so the recompute sees the same arguments); returns whether it applies.
+def _wrap_reentrant(module) -> None:
+    setattr(module, _INNER, module.forward)
+    module.forward = types.MethodType(_reentrant_forward, module)
 
-    Why: a Hugging Face model built with ``use_cache=True`` (Llama-2's and GPT-2's configs) hands
-    each decoder layer its ``DynamicCache``; the layer appends its keys and values, and the
-    backward's recompute of a checkpointed layer appends them *again*, so the cache holds every
-    layer's keys and values twice over through the backward (measured on the Llama-2-7B config
-    at 4 x 4096 tokens: about 16 GiB per rank). The gradients are unchanged (causal attention
-    reads the first copy), only memory is lost. Hugging Face's own gradient checkpointing drops
-    the cache in training for the same reason; in eval mode the cache is left alone."""
+
+#: the names a Hugging Face block takes its key/value (or state-space) cache by: transformers 5.x's
+#: ``cache`` and the older names; any argument holding a transformers ``Cache`` counts whatever its name
+CACHE_ARGS = ("cache", "past_key_values", "past_key_value", "layer_past", "cache_params")
+#: set on a block for one call that must run without checkpointing (its cache already holds tokens)
+_PLAIN_CALL = "_composable_atorch_plain_call"
+
+
+def _is_hf_cache(value) -> bool:
+    tf = sys.modules.get("transformers.cache_utils")
+    return tf is not None and isinstance(value, tf.Cache)
+
+
+def _layer_indices(module) -> tuple[int, ...]:
+    """The cache slots ``module`` writes: the ``layer_idx`` of its attention (HF's convention), if any."""
+    found = {getattr(m, "layer_idx", None) for m in module.modules()}
+    return tuple(sorted(i for i in found if isinstance(i, int) and not isinstance(i, bool)))
+
+
+def _layer_holds_state(layer) -> bool:
+    previous = getattr(layer, "has_previous_state", None)  # linear-attention / state-space layers
+    if isinstance(previous, dict) and any(previous.values()):
+        return True
+    if not getattr(layer, "is_initialized", False):
+        return False
     try:
-        signature = inspect.signature(module.forward)
+        return layer.get_seq_length() > 0
+    except (AttributeError, TypeError, ValueError):
+        return True  # a layer kind that cannot say: count it as holding state
+
+
+def _cache_holds_state(cache, indices: tuple[int, ...]) -> bool:
+    """Whether the cache holds anything the block's forward would read (at its own slots if known)."""
+    subs = [getattr(cache, n) for n in ("self_attention_cache", "cross_attention_cache") if hasattr(cache, n)]
+    if subs:  # an encoder-decoder cache: self- and cross-attention caches
+        return any(_cache_holds_state(c, indices) for c in subs)
+    layers = list(getattr(cache, "layers", ()))
+    picked = [layers[i] for i in indices if i < len(layers)] if indices else layers
+    return any(_layer_holds_state(layer) for layer in picked)
+
+
+def _holds_state(value, indices) -> bool:
+    if _is_hf_cache(value):
+        return _cache_holds_state(value, indices)
+    if isinstance(value, torch.Tensor):
+        return value.numel() > 0
+    if isinstance(value, tuple | list):
+        return any(_holds_state(v, indices) for v in value)
+    return value is not None
+
+
+def takes_cache(module) -> bool:
+    """Whether ``module.forward`` has a key/value cache argument (by name or a ``Cache`` annotation)."""
+    try:
+        params = inspect.signature(module.forward).parameters
     except (TypeError, ValueError):
         return False
-    params = signature.parameters
-    names = tuple(n for n in (*CACHE_ARGS, "use_cache") if n in params)
-    if GENERIC_CACHE_ARG in params and "use_cache" in params:
-        names = (GENERIC_CACHE_ARG, *names)
-    if not names:  # not a cache-carrying block
-        return False
+    return any(n in CACHE_ARGS or "Cache" in str(p.annotation) for n, p in params.items())
 
-    def drop_cache(mod, args, kwargs):
-        if not mod.training:
+
+def cache_guard(module) -> None:
+    """Make a checkpointed block recompute exactly what its forward saw when a cache is passed.
+
+    Hooks placed around the checkpoint's own (the pre-hook before it, the post-hook after), so
+    the recompute sees the arguments as changed here. While training with gradients:
+
+    - a cache that holds nothing for this block (what a Hugging Face model builds for itself
+      when ``use_cache`` is left on, its default: a ``DynamicCache``, Gemma 2's sliding / full
+      layers, T5's ``EncoderDecoderCache``, a state-space cache) carries nothing into the
+      block, so it is dropped (and ``use_cache`` set off): the forward computes the same, and
+      the recompute does not append the block's keys and values a second time (which doubled
+      the keys against a mask built for one copy: a shape error, or twice the cache memory).
+      Hugging Face's own gradient checkpointing drops it the same way;
+    - a cache that already holds tokens (a prefix, prefix tuning) is read by the forward and
+      dropping it would change the result, so that call runs without checkpointing: exact,
+      the cache appended once, only that call's memory saving lost.
+
+    In eval mode or under ``no_grad`` nothing is recomputed and the cache is left alone.
+    """
+    try:
+        signature = inspect.signature(getattr(module, _INNER, module.forward))
+    except (TypeError, ValueError):
+        signature = None
+    indices = _layer_indices(module)
+
+    def find(args, kwargs):
+        """(bound arguments, cache names -> values, the **kwargs name) or None."""
+        if signature is None:
             return None
         try:
             bound = signature.bind_partial(*args, **kwargs)
         except TypeError:
             return None
-        changed = False
-        for name in names:
-            value = bound.arguments.get(name)
-            if name == "use_cache" and value:
-                bound.arguments[name], changed = False, True
-            elif name != "use_cache" and value is not None:
-                bound.arguments[name], changed = None, True
-        return (bound.args, bound.kwargs) if changed else None
+        var_kw = next((n for n, p in signature.parameters.items() if p.kind is p.VAR_KEYWORD), None)
+        found = {}
+        for name, value in bound.arguments.items():
+            if name == var_kw:
+                found.update({(var_kw, k): v for k, v in value.items() if _is_cache_arg(k, v)})
+            elif _is_cache_arg(name, value):
+                found[(None, name)] = value
+        return bound, found, var_kw
 
-    module.register_forward_pre_hook(drop_cache, with_kwargs=True, prepend=True)
-    return True
+    def pre(mod, args, kwargs):
+        if not (mod.training and torch.is_grad_enabled()):
+            return None
+        got = find(args, kwargs)
+        if got is None:
+            return None
+        bound, found, var_kw = got
+        extra = dict(bound.arguments.get(var_kw) or {}) if var_kw else {}
+        if not found and not bound.arguments.get("use_cache") and not extra.get("use_cache"):
+            return None
+        if any(_holds_state(v, indices) for v in found.values()):
+            setattr(mod, _PLAIN_CALL, True)
+            if not getattr(mod.forward, "_composable_atorch_reentrant", False):
+                composable_checkpoint.state(mod).enable_hook = False
+            return None
+        for outer, name in found:
+            if outer is None:
+                bound.arguments[name] = None
+            else:
+                extra[name] = None
+        if bound.arguments.get("use_cache"):
+            bound.arguments["use_cache"] = False
+        if extra.get("use_cache"):
+            extra["use_cache"] = False
+        if var_kw and extra:
+            bound.arguments[var_kw] = extra
+        return bound.args, bound.kwargs
+
+    def post(mod, args, output):
+        if getattr(mod, _PLAIN_CALL, False):
+            setattr(mod, _PLAIN_CALL, False)
+            if not getattr(mod.forward, "_composable_atorch_reentrant", False):
+                composable_checkpoint.state(mod).enable_hook = True
+
+    module.register_forward_pre_hook(pre, with_kwargs=True, prepend=True)
+    module.register_forward_hook(post, always_call=True)
+
+
+def _is_cache_arg(name, value) -> bool:
+    return value is not None and (_is_hf_cache(value) or name in CACHE_ARGS)
 
 
 @dataclass(frozen=True)
@@ -182,12 +294,14 @@ class Checkpoint(Transform):
             found = found[: self.max_modules]
         uncached = 0
         for _, module in found:
-            uncached += no_cache_in_training(module)
+            uncached += takes_cache(module)
             if self.reentrant:
-                if not getattr(module.forward, "_composable_atorch_reentrant", False):  # applied once per module
-                    module.forward = _reentrant_forward(module.forward)
+                if getattr(module.forward, "_composable_atorch_reentrant", False):  # applied once per module
+                    continue
+                _wrap_reentrant(module)
             else:
                 composable_checkpoint(module)
+            cache_guard(module)
         if self.max_modules is not None:
             state.note(
                 self.name,
@@ -201,8 +315,10 @@ class Checkpoint(Transform):
         if uncached:
             state.note(
                 self.name,
-                f"{uncached} checkpointed block(s) take a key/value cache: dropped in training, as Hugging Face's "
-                "own gradient checkpointing does (the recompute would append every block's keys and values again)",
+                f"{uncached} checkpointed block(s) take a key/value cache: dropped in training while empty (what a "
+                "model with use_cache on builds for itself), as Hugging Face's own gradient checkpointing does (the "
+                "recompute would append every block's keys and values again); a call whose cache already holds tokens "
+                "(a prefix) runs without checkpointing, so the recompute never reads a cache the forward changed",
             )
         names = sorted({type(m).__name__ for _, m in found})
         state.note(
