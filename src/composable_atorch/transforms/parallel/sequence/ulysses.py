@@ -85,15 +85,15 @@ class Ulysses(Transform):
     def adjust_seed_list(self, transforms):
         """sp_size becomes parallel_mode's sequence size: added to its groups when they have no sequence
         dimension (the data size absorbs the rest), or parallel_mode([("sequence", sp_size), ("data", 1)])
-        when the strategy has none; a different sequence size there contradicts it."""
+        when the strategy has none and sp_size is not the implied 2; a different sequence size there contradicts it."""
         from composable_atorch.transforms.parallel.data import ParallelMode
 
         sp = self.sp_size
         if sp is None:
             return transforms
         pm = next((t for t in transforms if isinstance(t, ParallelMode)), None)
-        if pm is None:
-            return (ParallelMode(groups=(("sequence", sp), ("data", 1))), *transforms)
+        if pm is None:  # sequence 2 is what the contract's implication adds (in a world where the step runs)
+            return transforms if sp == 2 else (ParallelMode(groups=(("sequence", sp), ("data", 1))), *transforms)
         size = dict(pm.groups).get("sequence")
         if size is not None and size != sp:
             raise ConfigError("sequence_parallel.sp_size", sp, f"parallel_mode's sequence size {size}, or no sp_size")
