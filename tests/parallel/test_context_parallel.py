@@ -89,3 +89,20 @@ def test_context_2_with_data_2_and_fsdp_at_world_4():
             assert got["shapes"][0] == (_seq.BATCH // 2, _seq.SEQ // 2)
             dp, dl = _seq.close(got, ref)
             assert dp < ATOL and dl < ATOL, (key, rank, dp, dl)
+
+
+def test_estimate_activations_fall_with_the_context_degree():
+    from composable_atorch.estimate.core import estimate
+
+    batch = (torch.Size([4, 256]), torch.Size([4, 256]))
+
+    def activations(world, *transforms):
+        plan = ca.compose(*transforms, env=ca.Environment(world_size=world))
+        model = lambda: _seq.user_lm(max_len=256, d=64)  # noqa: E731
+        result = estimate(plan, model, batch, world_size=world, device="cpu", step_time=False, criterion=_seq.seq_loss)
+        return result.ranks[0].activations
+
+    one = activations(1)
+    two = activations(2, ca.parallel_mode([("context", 2)]), ca.context_parallel())
+    # half of every sequence per rank; the gathered keys/values and the (q, all keys) scores stay whole-width
+    assert two < 0.75 * one, (one, two)

@@ -101,4 +101,8 @@ class ShardCollate:
     who: str
 
     def __call__(self, samples):
-        return shard_batch(self.collate(samples), self.rank, self.n, self.balanced, self.who)
+        return self.shard(self.collate(samples))
+
+    def shard(self, batch):
+        """This rank's part of a collated batch (the estimator feeds its batch through this too)."""
+        return shard_batch(batch, self.rank, self.n, self.balanced, self.who)
