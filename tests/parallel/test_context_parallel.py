@@ -48,6 +48,15 @@ def _world2(rank, world):  # one spawned group for the four cases
         out[(model_name, optim_name)] = _seq.run(
             model_name, optim_name, ca.parallel_mode([("context", 2)]), ca.context_parallel()
         )
+    # checkpointing recomputes a transformers block through the same attention interface
+    out["llama_checkpoint"] = _seq.run(
+        "llama", "sgd", ca.parallel_mode([("context", 2)]), ca.context_parallel(), ca.checkpoint("LlamaDecoderLayer")
+    )
+    try:  # a plain model's SDPA would be recomputed outside the intercepted forward: refused
+        _seq.run("user", "sgd", ca.parallel_mode([("context", 2)]), ca.context_parallel(), ca.checkpoint("ModuleDict"))
+        out["user_checkpoint"] = "trained"
+    except ConfigError as exc:
+        out["user_checkpoint"] = str(exc)
     return out
 
 
@@ -68,6 +77,15 @@ def test_context_2_equals_one_process(world2, model_name, optim_name):
     assert "context_parallel(" in got["explain"] and "1/2 of every sequence" in got["explain"]
     if model_name == "llama":
         assert "attention interface" in got["explain"]
+
+
+@pytest.mark.dist
+def test_context_2_with_checkpoint(world2):
+    ref = _seq.reference("llama", "sgd")
+    for rank in (0, 1):
+        dp, dl = _seq.close(world2[rank]["llama_checkpoint"], ref)
+        assert dp < ATOL and dl < ATOL, (dp, dl)
+        assert "recomputation of scaled_dot_product_attention" in world2[rank]["user_checkpoint"]
 
 
 def _world4(rank, world):
