@@ -122,7 +122,11 @@ def route_name() -> str:
 
 
 def group_note(n: int, dim: str) -> str:
-    return f"gradients averaged over the {dim} group of {n} before each step (data dimension: ddp / fsdp as usual)"
+    return (
+        f"gradients averaged over the {dim} group of {n} before each step (data dimension: ddp / fsdp as usual); "
+        "each rank's loss is its part's token mean, so the mean over the group is the whole sequence's when every "
+        "part counts the same number of tokens (targets padded with ignore_index would weight the parts unevenly)"
+    )
 
 
 def seed_size(value: Any, field: str) -> None:
