@@ -75,7 +75,12 @@ def llama(seed: int = 0, heads: int = 4, kv_heads: int = 2):
     return LlamaForCausalLM(cfg)
 
 
-MODELS = {"user": user_lm, "llama": llama}
+def llama_mqa(seed: int = 0):
+    """One key/value head: fewer than the sequence size, so Ulysses repeats them before its all-to-all."""
+    return llama(seed, kv_heads=1)
+
+
+MODELS = {"user": user_lm, "llama": llama, "llama_mqa": llama_mqa}
 
 
 def seq_loss(out, targets):

@@ -50,7 +50,7 @@ def test_heads_not_divisible_is_a_config_error():
         attend(q, q, q, causal=True)
 
 
-CASES = [(m, o) for m in ("user", "llama") for o in ("sgd", "adamw")]
+CASES = [(m, o) for m in ("user", "llama") for o in ("sgd", "adamw")] + [("llama_mqa", "sgd")]
 
 
 def _world2(rank, world):  # one spawned group for every case
