@@ -48,6 +48,7 @@ def _world2(rank, world):  # one spawned group for the four cases
         out[(model_name, optim_name)] = _seq.run(
             model_name, optim_name, ca.parallel_mode([("context", 2)]), ca.context_parallel()
         )
+    out["padded"] = _seq.run("user", "adamw", ca.parallel_mode([("context", 2)]), ca.context_parallel(), padded=True)
     # checkpointing recomputes a transformers block through the same attention interface
     out["llama_checkpoint"] = _seq.run(
         "llama", "sgd", ca.parallel_mode([("context", 2)]), ca.context_parallel(), ca.checkpoint("LlamaDecoderLayer")
@@ -77,6 +78,15 @@ def test_context_2_equals_one_process(world2, model_name, optim_name):
     assert "context_parallel(" in got["explain"] and "1/2 of every sequence" in got["explain"]
     if model_name == "llama":
         assert "attention interface" in got["explain"]
+
+
+@pytest.mark.dist
+def test_padded_targets_average_over_the_whole_sequence(world2):
+    # rank 0's part holds every ignored target: sequence_cross_entropy sums token losses and counts over the group
+    ref = _seq.reference("user", "adamw", padded=True)
+    for rank in (0, 1):
+        dp, dl = _seq.close(world2[rank]["padded"], ref)
+        assert dp < ATOL and dl < ATOL, (dp, dl)
 
 
 @pytest.mark.dist

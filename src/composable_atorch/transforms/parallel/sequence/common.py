@@ -25,6 +25,7 @@ from composable_atorch.transforms.parallel.sequence.attention import (
     route_transformers,
     uses_attention_interface,
 )
+from composable_atorch.transforms.parallel.sequence.loss import SPLIT_ATTR
 from composable_atorch.transforms.parallel.sequence.shard import ShardCollate, check_length
 
 NOT_WITH_MODEL_PARALLEL = "is not built together with {other} in this version (untested: {why})"
@@ -107,6 +108,7 @@ def apply_split(transform, state: TrainState, ctx: ApplyContext, dim: str, kind:
     else:
         state.note(who, "attention: calls to scaled_dot_product_attention inside the model's forward intercepted")
     SequenceHooks(model, attend, intercept_sdpa=not interface, positions=positions)
+    setattr(model, SPLIT_ATTR, attend)  # for sequence_cross_entropy (a copy of the model gets a local one)
     if state.loader is not None:
         loader = rebuild_loader(state.loader)
         loader.collate_fn = ShardCollate(state.loader.collate_fn, rank, n, balanced, who)
@@ -125,7 +127,7 @@ def group_note(n: int, dim: str) -> str:
     return (
         f"gradients averaged over the {dim} group of {n} before each step (data dimension: ddp / fsdp as usual); "
         "each rank's loss is its part's token mean, so the mean over the group is the whole sequence's when every "
-        "part counts the same number of tokens (targets padded with ignore_index would weight the parts unevenly)"
+        "part counts the same number of tokens (with targets padded by ignore_index use sequence_cross_entropy(model))"
     )
 
 
