@@ -29,7 +29,8 @@ from composable_atorch.transforms.parallel.data import ddp, fsdp, parallel_mode,
 from composable_atorch.transforms.parallel.ds3d import DeepSpeed3DParallelConfig, ds_3d_parallel
 from composable_atorch.transforms.parallel.mixed import mixed_parallel
 from composable_atorch.transforms.parallel.pipeline import pipeline_parallel
-from composable_atorch.transforms.parallel.tensor import TPInfo, sequence_parallel, tensor_parallel
+from composable_atorch.transforms.parallel.sequence import context_parallel, sequence_cross_entropy, sequence_parallel
+from composable_atorch.transforms.parallel.tensor import TPInfo, tensor_parallel
 from composable_atorch.transforms.precision import amp, amp_native, half
 
 __version__ = "0.1.0"
@@ -68,6 +69,8 @@ __all__ = [
     "TPInfo",
     "tensor_parallel",
     "sequence_parallel",
+    "context_parallel",
+    "sequence_cross_entropy",
     "pipeline_parallel",
     "mixed_parallel",
     "train_step",

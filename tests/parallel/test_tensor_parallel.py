@@ -246,12 +246,18 @@ def _world(rank, world, directory):
         "gpt2_vocab": _case(gpt2, gpt2_tpinfo(vocab=True), 128),
         "gpt2_sp": _case(gpt2, gpt2_tpinfo(), 128, sp=True),
         "gpt2_replic_dropout": _case(gpt2_dropout, gpt2_tpinfo(), 128),
-        # ATorch's name sequence_parallel (tensor_parallel with sequence_parallel=True); dropouts in the
-        # blocks see a sequence shard
+        # Megatron-style sequence parallelism from a seed (ATorch's name sequence_parallel is Ulysses, see
+        # test_ulysses.py); dropouts in the blocks see a sequence shard
         "gpt2_replic_dropout_seq_seed_name": _case(
-            gpt2_dropout, None, 128, sp=True, transform=lookup("sequence_parallel").from_seed({"plan": gpt2_tpinfo()})
+            gpt2_dropout,
+            None,
+            128,
+            sp=True,
+            transform=lookup("tensor_parallel").from_seed({"plan": gpt2_tpinfo(), "sequence_parallel": True}),
         ),
-        "llama_seq_seed_name": _case(llama, None, 128, sp=True, transform=lookup("sequence_parallel").from_seed(None)),
+        "llama_seq_seed_name": _case(
+            llama, None, 128, sp=True, transform=lookup("tensor_parallel").from_seed({"sequence_parallel": True})
+        ),
     }
 
 

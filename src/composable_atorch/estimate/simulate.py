@@ -197,6 +197,9 @@ def simulate_rank(
         bucket_bytes = int(grad_copies * grad_bytes)
         with fake:
             inputs = fake_batch(batch, global_batch, micro)
+            shard = getattr(getattr(loader, "collate_fn", None), "shard", None)
+            if shard is not None:  # a sequence split (context / Ulysses): this rank's part of every sequence
+                inputs = shard(inputs)
             if runner is not None:
                 stage_inputs, targets = split_batch(inputs)
 

@@ -19,8 +19,10 @@ from typing import Any
 
 from composable_atorch.errors import ConfigError
 
-#: The dimension names ATorch supports. ``zero`` is a ZeRO sharding subgroup of data parallelism.
-DIM_NAMES = ("data", "zero", "tensor", "pipeline")
+#: The dimension names ATorch supports. ``zero`` is a ZeRO sharding subgroup of data parallelism;
+#: ``context`` (context parallelism) and ``sequence`` (ATorch's Ulysses) split every sequence: their
+#: ranks read the same samples, so they are not batch dimensions.
+DIM_NAMES = ("data", "zero", "tensor", "pipeline", "context", "sequence")
 #: Dimensions over which different ranks see different samples (the batch is split over them).
 BATCH_DIMS = ("data", "zero")
 #: ATorch's multiple parallel instances: the outermost (slowest) mesh dimension, one independent
@@ -30,8 +32,6 @@ INSTANCE_DIM = "instance"
 DIM_ALIASES = {"model": "tensor", "pipe": "pipeline"}
 #: Names ATorch knows whose feature is not built here: name -> what it is and what to use instead.
 DIM_NOT_BUILT = {
-    "sequence": "sequence parallelism (ATorch's Ulysses all-to-all over the sequence) is not built in this version; "
-    "use ('tensor', n) for tensor parallelism, or drop the dimension",
     "expert": "expert parallelism (ATorch's MoE groups) is not built in this version; drop the dimension",
 }
 

@@ -1,4 +1,5 @@
-"""Tensor (and sequence) parallelism on DTensor: the transform (``transform``), what it shards
+"""Tensor parallelism on DTensor (Megatron's sequence parallelism is ``tensor_parallel(sequence_parallel=True)``):
+the transform (``transform``), what it shards
 (``planner``: ``TPInfo``, plan normalisation, the auto planner over ``graph``'s traced pairs),
 dropout streams across tensor ranks (``dropout``) and checkpoints of fused projections in the
 user's layout (``layout``).
@@ -14,15 +15,12 @@ from composable_atorch.transforms.parallel.tensor.planner import (
     normalize_plan,
 )
 from composable_atorch.transforms.parallel.tensor.transform import (
-    SequenceParallel,
     TensorParallel,
     full_weight,
-    sequence_parallel,
     tensor_parallel,
 )
 
 __all__ = [
-    "SequenceParallel",
     "TPInfo",
     "TensorParallel",
     "TensorParallelPlanError",
@@ -33,6 +31,5 @@ __all__ = [
     "load_layout",
     "normalize_plan",
     "save_layout",
-    "sequence_parallel",
     "tensor_parallel",
 ]

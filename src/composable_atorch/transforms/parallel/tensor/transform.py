@@ -20,15 +20,15 @@ The plan is one of
 * a :class:`TPInfo` (ATorch's manual form);
 * a mapping ``{"blocks.*.attn.q": "colwise", ...}`` (HF's form).
 
-ATorch's name ``sequence_parallel`` is :class:`SequenceParallel`: this transform with
-``sequence_parallel=True``. Dropout streams follow the plan's ``replic_drop`` / ``parallel_drop``
+Megatron-style sequence parallelism is this transform with ``sequence_parallel=True``; ATorch's
+name ``sequence_parallel`` is Ulysses (``transforms/parallel/sequence``).
+Dropout streams follow the plan's ``replic_drop`` / ``parallel_drop``
 (see :mod:`.tp_dropout`); fused (strided) layers are checkpointed in the user's unpermuted layout
 (see :mod:`.tp_checkpoint`). ``train_step`` averages the loss over the plan's data dimension.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -361,98 +361,6 @@ def full_weight(module: nn.Module, name: str = "weight", value: torch.Tensor | N
     if full.dim() == 1:
         return full[inv]
     return full[:, inv] if is_conv1d(module) else full[inv]
-
-
-def _sp_size_differs(mine, pm) -> bool:
-    return mine.sp_size is not None and dict(pm.groups).get("tensor") != mine.sp_size
-
-
-@dataclass(frozen=True)
-class SequenceParallel(TensorParallel):
-    """ATorch's name ``sequence_parallel``: :class:`TensorParallel` with ``sequence_parallel=True``.
-
-    Megatron's sequence parallelism on the tensor dimension (the norms and dropouts between the
-    sharded layers run on a sequence shard), not ATorch's Ulysses all-to-all, which has no
-    dimension of its own here: the degree is parallel_mode's ``("tensor", n)``.
-    """
-
-    name = "sequence_parallel"
-    contract = dataclasses.replace(  # tensor_parallel's, plus: not both
-        TensorParallel.contract,
-        conflicts=(
-            *TensorParallel.contract.conflicts,
-            Conflict(
-                "tensor_parallel",
-                "sequence_parallel is tensor_parallel(sequence_parallel=True): both would shard the same layers",
-                "keep one of them",
-            ),
-            Conflict(
-                "parallel_mode",
-                "sequence_parallel's sp_size is the tensor size of parallel_mode, and the two differ",
-                "give parallel_mode ('tensor', sp_size), or drop sp_size",
-                when=_sp_size_differs,
-            ),
-        ),
-    )
-
-    sequence_parallel: bool = True
-    #: ATorch's sp_size: the tensor size of parallel_mode (None: whatever parallel_mode says)
-    sp_size: int | None = None
-
-    def __post_init__(self):
-        super().__post_init__()
-        sp = self.sp_size
-        if sp is not None and (isinstance(sp, bool) or not isinstance(sp, int) or sp < 1):
-            raise ConfigError("sequence_parallel.sp_size", sp, "an integer >= 1 (the tensor size), or None")
-        if self.sequence_parallel is not True:
-            raise ConfigError(
-                "sequence_parallel.sequence_parallel",
-                self.sequence_parallel,
-                "True (for no sequence parallelism use tensor_parallel)",
-            )
-
-    @classmethod
-    def from_seed(cls, config=None):
-        """ATorch's ``{"sp_size": n, "batch_sp_processing_fn": f}``: sp_size is the tensor size of the
-        mesh (see :meth:`adjust_seed_list`); ATorch's batch function splits the sequence for its
-        Ulysses groups, which Megatron's sequence parallelism does inside the layers, so it is not called."""
-        if isinstance(config, dict) and ("sp_size" in config or "batch_sp_processing_fn" in config):
-            return cls(**{k: v for k, v in config.items() if k != "batch_sp_processing_fn"})
-        return super().from_seed(config)
-
-    def adjust_seed_list(self, transforms):
-        """sp_size becomes parallel_mode's tensor size: added when its groups have no tensor dimension
-        (the data size absorbs the rest), or parallel_mode([("tensor", sp_size), ("data", 1)]) when the
-        strategy has none and sp_size is not the implied 2; a different tensor size there contradicts it."""
-        from composable_atorch.transforms.parallel.data import ParallelMode
-
-        sp = self.sp_size
-        if sp is None:
-            return transforms
-        pm = next((t for t in transforms if isinstance(t, ParallelMode)), None)
-        if pm is None:  # tensor 2 is what the contract's implication adds (in a world where the step runs)
-            return transforms if sp == 2 else (ParallelMode(groups=(("tensor", sp), ("data", 1))), *transforms)
-        tensor = dict(pm.groups).get("tensor")
-        if tensor is not None and tensor != sp:
-            raise ConfigError(
-                "sequence_parallel.sp_size",
-                sp,
-                f"parallel_mode's tensor size {tensor} (sequence parallelism runs over the tensor dimension), "
-                "or no sp_size",
-            )
-        if tensor is None:
-            pm2 = dataclasses.replace(pm, groups=(("tensor", sp), *pm.groups))
-            return tuple(pm2 if t is pm else t for t in transforms)
-        return transforms
-
-    def describe(self):
-        text = super().describe().replace("tensor_parallel(", "sequence_parallel(", 1)
-        return text if self.sp_size is None else text[:-1] + f", sp_size {self.sp_size} = tensor size)"
-
-
-def sequence_parallel(plan: Any = "auto") -> SequenceParallel:
-    """``sequence_parallel()``: tensor parallelism with the norms and dropouts sharded over the sequence."""
-    return SequenceParallel(plan=plan)
 
 
 def tensor_parallel(plan: Any = "auto", *, sequence_parallel: bool = False) -> TensorParallel:

@@ -1,0 +1,136 @@
+"""What context parallelism and Ulysses share: the loader's sequence split, the routing of the
+model's attention, global positions and the gradient sync over the split's group.
+
+Gradients: each rank's loss is its part's mean over equal numbers of tokens, and the
+collectives' backward sends every rank the gradients of all ranks' losses for its activations,
+so the mean of the group's gradients is the gradient of the whole sequence's mean loss (what one
+process computes). That mean is taken before the optimizer step by an all-reduce over the group
+(:class:`DataGradSync`); the data dimension is synchronized by ddp / fsdp as without the split.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from composable_atorch.core.contract import Conflict
+from composable_atorch.core.transform import ApplyContext, TrainState
+from composable_atorch.errors import ConfigError
+from composable_atorch.runtime.loader import rebuild_loader
+from composable_atorch.transforms.parallel.data.common import DataGradSync, broadcast_local, parallel_context
+from composable_atorch.transforms.parallel.sequence.attention import (
+    Attend,
+    SequenceHooks,
+    check_heads,
+    forward_takes,
+    route_transformers,
+    uses_attention_interface,
+)
+from composable_atorch.transforms.parallel.sequence.loss import SPLIT_ATTR
+from composable_atorch.transforms.parallel.sequence.shard import ShardCollate, check_length
+
+NOT_WITH_MODEL_PARALLEL = "is not built together with {other} in this version (untested: {why})"
+
+
+def model_parallel_conflicts(who: str) -> tuple[Conflict, ...]:
+    """Refusals with the families it is not built with yet (each names the true reason)."""
+    whys = {
+        "tensor_parallel": "the tensor planner traces a forward that would run the split's collectives",
+        "sequence_parallel" if who == "context_parallel" else "context_parallel": "both split every sequence",
+        "pipeline_parallel": "pipeline stages do not see the root model's positions or loader split",
+        "mixed_parallel": "its pipeline stages do not see the root model's positions or loader split",
+        "ds_3d_parallel": "DeepSpeed's pipeline engine does not see the loader split",
+    }
+    return tuple(
+        Conflict(other, f"{who} " + NOT_WITH_MODEL_PARALLEL.format(other=other, why=why), f"drop {other} or {who}")
+        for other, why in whys.items()
+    )
+
+
+def _heads(model) -> tuple[int | None, int | None]:
+    config = getattr(model, "config", None)
+    heads = getattr(config, "num_attention_heads", None)
+    return heads, getattr(config, "num_key_value_heads", None) or heads
+
+
+def _first_length(loader) -> int | None:
+    """The sequence length of the loader's first sample (map-style datasets), to refuse it before any work."""
+    dataset = getattr(loader, "dataset", None)
+    try:
+        sample = dataset[0]
+    except Exception:  # noqa: BLE001 - iterable or unindexable datasets are checked at their first batch
+        return None
+    first = sample[0] if isinstance(sample, list | tuple) and sample else sample
+    if isinstance(first, dict):
+        first = first.get("input_ids")
+    return first.size(0) if hasattr(first, "dim") and first.dim() >= 1 else None
+
+
+def apply_split(transform, state: TrainState, ctx: ApplyContext, dim: str, kind: str, positions: bool) -> TrainState:
+    """Split every sequence over the ``dim`` dimension of the mesh and route attention (``kind``)."""
+    who = transform.name
+    pc = parallel_context(state, who)
+    n = pc.layout.size(dim)
+    if n == 1 or not pc.distributed:
+        why = "no process group" if not pc.distributed else f"a {dim} dimension of 1 ({pc.layout.describe()})"
+        state.note(who, f"{why}: every rank holds whole sequences, model left as it is")
+        return state
+    model, balanced = state.model, kind == "context"
+    # -- every check before any change --
+    interface = uses_attention_interface(model)
+    if kind == "ulysses" and interface:
+        check_heads(_heads(model)[0] or 0, n, who)
+    if positions and not forward_takes(model, "position_ids"):
+        raise ConfigError(
+            f"{who}: {type(model).__name__}.forward",
+            "no position_ids argument",
+            "a forward(tokens, position_ids=None) that uses the positions it is given (each rank holds a part of "
+            f"the sequence), or {who}(positions=False) for a model without positions",
+        )
+    if interface is False and ctx.find("checkpoint") is not None:
+        raise ConfigError(
+            f"{who} with checkpoint",
+            type(model).__name__,
+            "a transformers model (its attention interface is kept when checkpointing recomputes the forward); the "
+            "recomputation of scaled_dot_product_attention runs outside the forward this split intercepts",
+        )
+    length = _first_length(state.loader) if state.loader is not None else None
+    if length is not None:
+        check_length(length, n, balanced, who)
+    # -- the changes --
+    mesh = pc.mesh[dim]
+    group = mesh.get_group()
+    rank = mesh.get_local_rank()
+    attend = Attend(kind=kind, group=group, rank=rank, n=n, who=who)
+    broadcast_local(model, group)
+    if interface:
+        before = route_transformers(model, attend)
+        state.note(who, f"attention: transformers' attention interface ({before!r} -> {route_name()!r})")
+    else:
+        state.note(who, "attention: calls to scaled_dot_product_attention inside the model's forward intercepted")
+    SequenceHooks(model, attend, intercept_sdpa=not interface, positions=positions)
+    setattr(model, SPLIT_ATTR, attend)  # for sequence_cross_entropy (a copy of the model gets a local one)
+    if state.loader is not None:
+        loader = rebuild_loader(state.loader)
+        loader.collate_fn = ShardCollate(state.loader.collate_fn, rank, n, balanced, who)
+        state.loader = loader
+    state.hooks.append(DataGradSync(model, group, n))
+    return state
+
+
+def route_name() -> str:
+    from composable_atorch.transforms.parallel.sequence.attention import IMPLEMENTATION
+
+    return IMPLEMENTATION
+
+
+def group_note(n: int, dim: str) -> str:
+    return (
+        f"gradients averaged over the {dim} group of {n} before each step (data dimension: ddp / fsdp as usual); "
+        "each rank's loss is its part's token mean, so the mean over the group is the whole sequence's when every "
+        "part counts the same number of tokens (with targets padded by ignore_index use sequence_cross_entropy(model))"
+    )
+
+
+def seed_size(value: Any, field: str) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ConfigError(field, value, "an integer >= 1, or None to read it from parallel_mode")

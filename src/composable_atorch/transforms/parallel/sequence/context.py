@@ -1,0 +1,83 @@
+"""``context_parallel()``: each rank of the ``("context", n)`` dimension holds 1/n of every sequence.
+
+The loader gives rank ``i`` chunks ``i`` and ``2n-1-i`` of ``2n`` (load balancing for causal
+masks), the model receives their global ``position_ids`` (rotary and absolute positions as in one
+process), and attention all-gathers keys and values over the context group with a causal mask over
+global positions: the same attention as one process, computed for 1/n of the queries per rank.
+Activations outside attention scale with 1/n of the sequence.
+
+torch's ``torch.distributed.tensor.experimental.context_parallel`` is not used: on this torch
+(2.13) it has no sharding rule for the CPU kernel (``_scaled_dot_product_flash_attention_for_cpu``:
+NotImplementedError on gloo) and it patches SDPA process-wide; the collectives here run on any
+backend and are scoped to the one model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from composable_atorch.core.contract import Conflict, Contract, MinWorldSize, Stage
+from composable_atorch.core.transform import ApplyContext, TrainState, Transform
+from composable_atorch.errors import ConfigError
+from composable_atorch.transforms.parallel.data.common import implies_mesh_dim
+from composable_atorch.transforms.parallel.sequence.common import apply_split, group_note, model_parallel_conflicts
+
+
+def _no_context_dim(_mine, pm) -> bool:
+    return not any(n == "context" for n, _ in pm.groups)
+
+
+@dataclass(frozen=True)
+class ContextParallel(Transform):
+    """Split every sequence over parallel_mode's ``context`` dimension (keys/values all-gathered)."""
+
+    name = "context_parallel"
+    contract = Contract(
+        stage=Stage.TENSOR_PARALLEL,
+        roles=("sequence_split",),
+        reads=("checkpoint",),
+        requires=(MinWorldSize(minimum=2, on_unmet="skip"),),
+        implies=(
+            implies_mesh_dim(
+                "context", "context parallelism splits sequences over parallel_mode's 'context' dimension"
+            ),
+        ),
+        conflicts=(
+            Conflict(
+                "parallel_mode",
+                "parallel_mode has no 'context' dimension to split sequences over",
+                "add ('context', n) to parallel_mode's groups, e.g. parallel_mode([('context', 2), ('data', 1)])",
+                when=_no_context_dim,
+            ),
+            *model_parallel_conflicts("context_parallel"),
+        ),
+    )
+
+    #: pass global ``position_ids`` to the model's forward (False: a model without positions)
+    positions: bool = True
+
+    def __post_init__(self):
+        if not isinstance(self.positions, bool):
+            raise ConfigError("context_parallel.positions", self.positions, "True or False")
+
+    def describe(self):
+        return (
+            "context_parallel(each rank holds 1/n of every sequence: load-balanced chunks i and 2n-1-i, keys and "
+            "values all-gathered for attention, positions global, loss and gradients over the whole sequence)"
+        )
+
+    def apply(self, state: TrainState, ctx: ApplyContext) -> TrainState:
+        state = apply_split(self, state, ctx, "context", "context", self.positions)
+        n = state.parallel.layout.size("context") if state.parallel is not None else 1
+        if n > 1 and state.parallel.distributed:
+            state.note(
+                self.name,
+                f"context {n}: each rank holds 1/{n} of every sequence (chunks rank and {2 * n - 1}-rank of {2 * n}); "
+                + group_note(n, "context"),
+            )
+        return state
+
+
+def context_parallel(*, positions: bool = True) -> ContextParallel:
+    """``context_parallel()`` with ``parallel_mode([("context", n), ("data", m)])``."""
+    return ContextParallel(positions=positions)

@@ -1,0 +1,129 @@
+"""ATorch's ``sequence_parallel`` (DeepSpeed-Ulysses): its own ``("sequence", n)`` group of ranks,
+independent of the data group.
+
+Each rank holds a contiguous ``1/n`` of every sequence; around attention an all-to-all turns
+"my tokens, all heads" into "all tokens, my heads" (heads must divide by ``n``) and back, so each
+rank computes exact attention over the whole sequence for ``1/n`` of the heads; everything else is
+data-parallel over the sequence (gradients averaged over the sequence group). ATorch's
+``{"sp_size": n, "batch_sp_processing_fn": f}``: ``sp_size`` is the sequence size of
+``parallel_mode``; the batch function is not needed (the plan's loader splits each sequence).
+Megatron-style sequence parallelism (norms and dropout on a sequence shard of the *tensor* group)
+is ``tensor_parallel(sequence_parallel=True)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from composable_atorch.core.contract import Conflict, Contract, MinWorldSize, Stage
+from composable_atorch.core.transform import ApplyContext, TrainState, Transform
+from composable_atorch.errors import ConfigError
+from composable_atorch.transforms.parallel.data.common import implies_mesh_dim
+from composable_atorch.transforms.parallel.sequence.common import (
+    apply_split,
+    group_note,
+    model_parallel_conflicts,
+    seed_size,
+)
+
+
+def _no_sequence_dim(_mine, pm) -> bool:
+    return not any(n == "sequence" for n, _ in pm.groups)
+
+
+def _sp_size_differs(mine, pm) -> bool:
+    return mine.sp_size is not None and dict(pm.groups).get("sequence") != mine.sp_size
+
+
+@dataclass(frozen=True)
+class Ulysses(Transform):
+    """Ulysses sequence parallelism over parallel_mode's ``sequence`` dimension (ATorch's ``sequence_parallel``)."""
+
+    name = "sequence_parallel"
+    aliases = ("ulysses",)
+    contract = Contract(
+        stage=Stage.TENSOR_PARALLEL,
+        roles=("sequence_split",),
+        reads=("checkpoint",),
+        requires=(MinWorldSize(minimum=2, on_unmet="skip"),),
+        implies=(implies_mesh_dim("sequence", "Ulysses splits sequences over parallel_mode's 'sequence' dimension"),),
+        conflicts=(
+            Conflict(
+                "parallel_mode",
+                "parallel_mode has no 'sequence' dimension to split sequences over",
+                "add ('sequence', n) to parallel_mode's groups, e.g. parallel_mode([('sequence', 2), ('data', 1)])",
+                when=_no_sequence_dim,
+            ),
+            Conflict(
+                "parallel_mode",
+                "sequence_parallel's sp_size is the sequence size of parallel_mode, and the two differ",
+                "give parallel_mode ('sequence', sp_size), or drop sp_size",
+                when=_sp_size_differs,
+            ),
+            *model_parallel_conflicts("sequence_parallel"),
+        ),
+    )
+
+    #: ATorch's sp_size: the sequence size of parallel_mode (None: whatever parallel_mode says)
+    sp_size: int | None = None
+    #: pass global ``position_ids`` to the model's forward (False: a model without positions)
+    positions: bool = True
+
+    def __post_init__(self):
+        seed_size(self.sp_size, "sequence_parallel.sp_size")
+        if not isinstance(self.positions, bool):
+            raise ConfigError("sequence_parallel.positions", self.positions, "True or False")
+
+    @classmethod
+    def from_seed(cls, config=None):
+        """ATorch's ``{"sp_size": n, "batch_sp_processing_fn": f}`` (the function is not needed here)."""
+        if isinstance(config, dict):
+            return super().from_seed({k: v for k, v in config.items() if k != "batch_sp_processing_fn"})
+        return super().from_seed(config)
+
+    def adjust_seed_list(self, transforms):
+        """sp_size becomes parallel_mode's sequence size: added to its groups when they have no sequence
+        dimension (the data size absorbs the rest), or parallel_mode([("sequence", sp_size), ("data", 1)])
+        when the strategy has none and sp_size is not the implied 2; a different sequence size there contradicts it."""
+        from composable_atorch.transforms.parallel.data import ParallelMode
+
+        sp = self.sp_size
+        if sp is None:
+            return transforms
+        pm = next((t for t in transforms if isinstance(t, ParallelMode)), None)
+        if pm is None:  # sequence 2 is what the contract's implication adds (in a world where the step runs)
+            return transforms if sp == 2 else (ParallelMode(groups=(("sequence", sp), ("data", 1))), *transforms)
+        size = dict(pm.groups).get("sequence")
+        if size is not None and size != sp:
+            raise ConfigError("sequence_parallel.sp_size", sp, f"parallel_mode's sequence size {size}, or no sp_size")
+        if size is None:
+            pm2 = dataclasses.replace(pm, groups=(("sequence", sp), *pm.groups))
+            return tuple(pm2 if t is pm else t for t in transforms)
+        return transforms
+
+    def describe(self):
+        sp = "" if self.sp_size is None else f"sp_size {self.sp_size}: "
+        return (
+            f"sequence_parallel({sp}Ulysses: each rank holds 1/n of every sequence, an all-to-all gives attention "
+            "the whole sequence for 1/n of the heads and back; the rest data-parallel over the sequence)"
+        )
+
+    def apply(self, state: TrainState, ctx: ApplyContext) -> TrainState:
+        state = apply_split(self, state, ctx, "sequence", "ulysses", self.positions)
+        n = state.parallel.layout.size("sequence") if state.parallel is not None else 1
+        if n > 1 and state.parallel.distributed:
+            state.note(
+                self.name,
+                f"sequence {n}: each rank holds a contiguous 1/{n} of every sequence and 1/{n} of the heads inside "
+                "attention; " + group_note(n, "sequence"),
+            )
+        return state
+
+
+def sequence_parallel(sp_size: int | None = None, *, positions: bool = True) -> Ulysses:
+    """ATorch's ``sequence_parallel``: Ulysses over parallel_mode's ``("sequence", n)``.
+
+    Megatron-style sequence parallelism is ``tensor_parallel(sequence_parallel=True)``.
+    """
+    return Ulysses(sp_size=sp_size, positions=positions)
