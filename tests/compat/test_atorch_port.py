@@ -340,7 +340,7 @@ def test_adjust_strategy_data_size_and_model_alias():
     assert dict(next(t for t in plan.transforms if t.name == "parallel_mode").groups) == {"pipeline": 2, "data": 2}
 
 
-@pytest.mark.parametrize("name, words", [("sequence", "sequence parallelism"), ("expert", "expert parallelism")])
+@pytest.mark.parametrize("name, words", [("sequence", "sequence parallelism")])
 def test_parallel_mode_names_not_built_say_so(name, words):
     with pytest.raises(ConfigError, match=words):
         strategy.load(

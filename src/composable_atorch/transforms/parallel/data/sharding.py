@@ -28,6 +28,8 @@ from composable_atorch.transforms._util import matches
 from composable_atorch.transforms.parallel.data.common import (
     DDP_VS_FSDP,
     DDP_VS_ZERO2,
+    EXPERT_MODULES,
+    EXPERT_REPLICA_MESH,
     FAIRSCALE,
     FSDP_VS_ZERO2,
     GRAD_SYNC,
@@ -36,6 +38,7 @@ from composable_atorch.transforms.parallel.data.common import (
     SHARDED_STATE,
     ZERO_DIM_CONFLICT,
     ZERO_OPTION_DEFAULTS,
+    ExpertGradSync,
     GradSyncHook,
     HasBackends,
     IgnoredGradSyncHook,
@@ -61,10 +64,13 @@ from composable_atorch.transforms.policy import PRECISION_READS, PrecisionPolicy
 _OWN_KWARGS = {"module", "mesh", "reshard_after_forward", "mp_policy", "offload_policy", "ignored_params"}
 
 
-def broadcast_module_states(model: nn.Module, group) -> None:
-    """Make every rank start from data-rank 0's parameters and buffers."""
+def broadcast_module_states(model: nn.Module, group, skip=()) -> None:
+    """Make every rank start from data-rank 0's parameters and buffers (except those in ``skip``)."""
+    skipped = {id(t) for t in skip}
     with torch.no_grad():
         for t in [*model.parameters(), *model.buffers()]:
+            if id(t) in skipped:
+                continue
             # model parallelism: a tensor-parallel DTensor broadcasts its local shard
             local = t._local_tensor if hasattr(t, "_local_tensor") else t.data
             dist.broadcast(local, group=group, group_src=0)
@@ -99,8 +105,9 @@ def shard(spec: Fsdp, who: str, state: TrainState, ctx: ApplyContext, *, sync_at
     kwargs["offload_policy"] = (
         CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if spec.cpu_offload else OffloadPolicy()
     )
-    if sync_at_start:
-        broadcast_module_states(model, group)
+    experts = list(pc.extras.get(EXPERT_MODULES, ()))
+    if sync_at_start:  # experts differ per expert rank: expert_parallel started them from one model already
+        broadcast_module_states(model, group, skip=[p for m in experts for p in m.parameters()])
     else:
         state.note(
             who,
@@ -110,6 +117,7 @@ def shard(spec: Fsdp, who: str, state: TrainState, ctx: ApplyContext, *, sync_at
     targets = wrap_targets(
         model, spec.wrap, spec.min_params, ignored_modules, spec.wrap_trainable_outmost, spec.wrap_policy
     )
+    _shard_experts(experts, pc, kwargs, state, who)
     for module in targets:
         fully_shard(module, mesh=mesh, **kwargs)
     fully_shard(model, mesh=mesh, **kwargs)
@@ -132,6 +140,32 @@ def shard(spec: Fsdp, who: str, state: TrainState, ctx: ApplyContext, *, sync_at
             "step",
         )
     return state
+
+
+def _shard_experts(experts: list, pc, kwargs: dict, state: TrainState, who: str) -> None:
+    """Expert parallelism (ATorch's expert_fsdp): each experts module sharded over the ranks holding the
+    same experts (the data dimension), its reduce-scattered gradient divided by all batch ranks (an
+    expert's gradient already sums every expert rank's tokens); without a data dimension the experts
+    stay whole, kept out of the parent groups, and a hook divides their gradients."""
+    from torch.distributed.fsdp import fully_shard
+
+    if not experts:
+        return
+    replicas = pc.extras.get(EXPERT_REPLICA_MESH)
+    if replicas is None:
+        params = [p for m in experts for p in m.parameters()]
+        kwargs["ignored_params"] = (kwargs.get("ignored_params") or set()) | set(params)
+        state.hooks.append(ExpertGradSync([p for p in params if p.requires_grad], None, pc.data_size))
+        state.note(who, f"{len(experts)} experts module(s) kept whole (no data dimension to shard them over)")
+        return
+    for m in experts:
+        fully_shard(m, mesh=replicas, **kwargs)
+        m.set_gradient_divide_factor(float(pc.data_size))
+    state.note(
+        who,
+        f"{len(experts)} experts module(s) sharded over the data dim of {replicas.size()} (expert_fsdp), gradients "
+        f"divided by the {pc.data_size} batch ranks; the rest over expert x data",
+    )
 
 
 def _fsdp_kwargs(kwargs) -> tuple:

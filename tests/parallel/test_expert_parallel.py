@@ -1,0 +1,176 @@
+"""expert_parallel against one process: each rank holds half of every MoE layer's experts, tokens go
+to them by all-to-all, and training matches one process on the same global batches (fp32, 1e-4)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import composable_atorch as ca
+import moe_models as mm
+from composable_atorch.errors import CompositionError
+from composable_atorch.transforms.parallel.expert import ExpertParallelError, find_experts
+
+from _dist import run_world
+
+STEPS, TOL = 3, 1e-4
+#: Adam's eps at 1e-6 as in test_model_zoo: a gradient that is zero up to reduction-order noise stays put
+OPTIMS = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1),
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, eps=1e-6),
+}
+
+
+def _full(model) -> dict[str, torch.Tensor]:
+    from composable_atorch.runtime.optim import named_parameters
+
+    out = {}
+    for name, p in named_parameters(model).items():
+        t = p.full_tensor() if hasattr(p, "full_tensor") else p
+        out[name] = t.detach().clone()
+    return out
+
+
+def _train(name, model, optim, part=None):
+    for s in range(STEPS):
+        ids = mm.batch(s)
+        loss = mm.loss(name, model, ids if part is None else ids[part])
+        optim.backward(loss) if hasattr(optim, "backward") else loss.backward()
+        optim.step()
+        optim.zero_grad()
+
+
+def _reference(name, opt):
+    model = mm.build(name)
+    _train(name, model, OPTIMS[opt](model.parameters()))
+    return _full(model)
+
+
+def _case(name, opt, groups, sharded):
+    model = mm.build(name)
+    transforms = [ca.parallel_mode(groups), ca.expert_parallel()]
+    if sharded:
+        transforms.append(ca.fsdp())
+    plan = ca.compose(*transforms)
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    layout = plan.transforms[0].layout(world)
+    part_size = 4 // layout.batch_split
+    b = layout.batch_rank(rank)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        applied = plan(model, OPTIMS[opt](model.parameters()))
+        model, optim, _ = applied
+        _train(name, model, optim, slice(b * part_size, (b + 1) * part_size))
+    experts = [n for n, _ in model.named_parameters() if ".experts." in n]
+    return {
+        "params": {k: v.numpy() for k, v in _full(model).items()},
+        "local_numel": {
+            n: (p.to_local() if hasattr(p, "to_local") else p).numel() for n, p in model.named_parameters()
+        },
+        "experts": experts,
+        "expert": layout.coordinate(rank, "expert"),
+        "data": layout.coordinate(rank, "data"),
+        "explain": plan.explain(applied=applied),
+    }
+
+
+def _world(rank, world, cases):
+    return {case: _case(*case) for case in cases}
+
+
+def _check(results, cases):
+    failures = []
+    for case in cases:
+        name, opt = case[0], case[1]
+        ref = _reference(name, opt)
+        per_rank = [r[case] for r in results]
+        experts = set(per_rank[0]["experts"])
+        assert experts, f"{case}: no expert parameters found"
+        for r in per_rank:
+            assert sorted(r["params"]) == sorted(ref), f"{case}: names differ"
+            for n in experts:
+                full = ref[n].numel()
+                held = r["params"][n].size
+                if held * 2 != full:
+                    failures.append(f"{case}: {n} holds {held} of {full} (expected half)")
+        gap = 0.0
+        for n, want in ref.items():
+            if n in experts:
+                for d in sorted({r["data"] for r in per_rank}):
+                    parts = sorted((r["expert"], r["params"][n]) for r in per_rank if r["data"] == d)
+                    got = torch.cat([torch.from_numpy(p) for _, p in parts])
+                    gap = max(gap, float((got - want).abs().max()))
+            else:
+                for r in per_rank:
+                    gap = max(gap, float((torch.from_numpy(r["params"][n]) - want).abs().max()))
+        moved = max(float((ref[n] - _full(mm.build(name))[n]).abs().max()) for n in experts)
+        if gap > TOL or moved == 0:
+            failures.append(f"{case}: gap to one process {gap:.2e} (tol {TOL}), experts moved {moved:.2e}")
+    return failures
+
+
+FAMILY_CASES = [(n, o, (("expert", 2), ("data", 1)), False) for n in mm.FAMILIES for o in OPTIMS]
+
+
+@pytest.mark.dist
+def test_expert_2_trains_each_family_as_one_process():
+    """Mixtral, Qwen3-MoE, DeepSeek-V3 (grouped routing, shared expert) and GPT-OSS (biases, its own gate)
+    at world 2 with expert 2: each rank holds half of each experts tensor; SGD and AdamW."""
+    results = run_world(_world, 2, FAMILY_CASES, timeout=900)
+    failures = _check(results, FAMILY_CASES)
+    assert not failures, "\n".join(failures)
+    explain = results[0][FAMILY_CASES[0]]["explain"]
+    assert "expert_parallel" in explain and "all-to-all" in explain and "experts 0..1 of 4" in explain
+    assert "experts module(s) kept out of replicate" in explain
+
+
+WORLD4_CASES = [("qwen2_moe", o, (("expert", 2), ("data", 2)), True) for o in OPTIMS] + [
+    ("user", "adamw", (("expert", 2), ("data", 2)), False)
+]
+
+
+@pytest.mark.dist
+def test_expert_2_by_fsdp_2_at_world_4():
+    """ATorch's expert_fsdp: non-expert parameters sharded over all 4 ranks, experts over the data group
+    of 2 (each rank a quarter of them); and a plain user MoE model under ddp at expert 2 x data 2."""
+    results = run_world(_world, 4, WORLD4_CASES, timeout=900)
+    failures = _check(results, WORLD4_CASES)
+    assert not failures, "\n".join(failures)
+    r = results[0][WORLD4_CASES[0]]
+    assert "sharded over the data dim of 2 (expert_fsdp)" in r["explain"]
+    n = next(k for k in r["experts"] if k.endswith("gate_up_proj"))
+    assert r["local_numel"][n] * 4 == mm.build("qwen2_moe").get_parameter(n).numel()
+
+
+def test_refusals_name_what_is_missing():
+    with pytest.raises(ExpertParallelError, match="no mixture-of-experts layer"):
+        find_experts(torch.nn.Sequential(torch.nn.Linear(4, 4)), 2)
+
+    class Experts(torch.nn.Module):  # an nn.ModuleList of expert MLPs: not the protocol
+        def __init__(self):
+            super().__init__()
+            self.experts = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(4))
+
+    with pytest.raises(ExpertParallelError, match=r"experts \(ModuleList\).*look like experts"):
+        find_experts(Experts(), 2)
+    with pytest.raises(ExpertParallelError, match="divide by the expert degree 3"):
+        find_experts(mm.build("user"), 3)
+    env = ca.Environment.detect().with_(world_size=2)
+    with pytest.raises(CompositionError, match="no 'expert' dimension"):
+        ca.compose(ca.parallel_mode([("data", 2)]), ca.expert_parallel(), env=env)
+    with pytest.raises(CompositionError, match="zero1"):
+        ca.compose(ca.expert_parallel(), ca.zero1(), env=env)
+
+
+def test_expert_dimension_is_a_batch_dimension():
+    from composable_atorch.runtime.layout import plan_layout
+
+    layout = plan_layout([("expert", 2), ("data", 1)], 4)
+    assert dict(layout.dims) == {"expert": 2, "data": 2} and layout.batch_split == 4
+    assert sorted(layout.batch_rank(r) for r in range(4)) == [0, 1, 2, 3]
+    # ATorch's expert_fsdp group is the data group of the experts
+    assert dict(plan_layout([("expert", 2), ("expert_fsdp", 2)], 4).dims) == {"expert": 2, "data": 2}
+    plan = ca.compose(ca.expert_parallel(), env=ca.Environment.detect().with_(world_size=2))
+    assert "expert 2" in plan.explain() and "expert_parallel" in plan.explain()
