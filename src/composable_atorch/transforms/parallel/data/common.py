@@ -131,8 +131,8 @@ class IgnoredGradSyncHook(OptimizerHook):
 
 
 class ExpertGradSync(OptimizerHook):
-    """Expert parameters' gradients: summed over the ranks holding the same experts, divided by the
-    number of batch ranks (each already sums the tokens every rank of its expert group routed to it)."""
+    """Expert parameters' gradients averaged over the ranks holding the same experts (each is already
+    the mean over its expert group's ranks: expert_parallel's dispatch scales it)."""
 
     def __init__(self, params: list[torch.nn.Parameter], mesh, divisor: int):
         self.params, self.mesh, self.divisor = params, mesh, divisor
@@ -145,11 +145,6 @@ class ExpertGradSync(OptimizerHook):
             if group is not None:
                 dist.all_reduce(p.grad, group=group)
             p.grad.div_(self.divisor)
-
-
-def expert_params(pc: ParallelContext) -> list[torch.nn.Parameter]:
-    """The parameters of the experts modules expert_parallel split (empty without it)."""
-    return [p for m in pc.extras.get(EXPERT_MODULES, ()) for p in m.parameters()]
 
 
 class KeepGradBuffersHook(OptimizerHook):

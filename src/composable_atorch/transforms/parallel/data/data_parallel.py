@@ -282,11 +282,13 @@ class Ddp(Transform):
         if experts:  # expert parallelism: experts differ per expert rank, kept out of the expert x data replicas
             kwargs["ignored_modules"] = experts
             params = [p for m in experts for p in m.parameters() if p.requires_grad]
-            state.hooks.append(ExpertGradSync(params, pc.extras.get(EXPERT_REPLICA_MESH), pc.data_size))
+            replicas = pc.extras.get(EXPERT_REPLICA_MESH)
+            size = 1 if replicas is None else replicas.size()
+            state.hooks.append(ExpertGradSync(params, replicas, size))
             state.note(
                 self.name,
-                f"{len(experts)} experts module(s) kept out of replicate: their gradients summed over the ranks "
-                f"holding the same experts and divided by {pc.data_size} before each step",
+                f"{len(experts)} experts module(s) kept out of replicate: their gradients averaged over the {size} "
+                "rank(s) holding the same experts before each step",
             )
         replicate(state.model, **kwargs)
         state.hooks.append(GradSyncHook(state.model))

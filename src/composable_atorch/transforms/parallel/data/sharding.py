@@ -38,7 +38,6 @@ from composable_atorch.transforms.parallel.data.common import (
     SHARDED_STATE,
     ZERO_DIM_CONFLICT,
     ZERO_OPTION_DEFAULTS,
-    ExpertGradSync,
     GradSyncHook,
     HasBackends,
     IgnoredGradSyncHook,
@@ -144,27 +143,25 @@ def shard(spec: Fsdp, who: str, state: TrainState, ctx: ApplyContext, *, sync_at
 
 def _shard_experts(experts: list, pc, kwargs: dict, state: TrainState, who: str) -> None:
     """Expert parallelism (ATorch's expert_fsdp): each experts module sharded over the ranks holding the
-    same experts (the data dimension), its reduce-scattered gradient divided by all batch ranks (an
-    expert's gradient already sums every expert rank's tokens); without a data dimension the experts
-    stay whole, kept out of the parent groups, and a hook divides their gradients."""
+    same experts (the data dimension), which average its gradient (already the mean over its expert
+    group: expert_parallel's dispatch scales it); without a data dimension the experts stay whole, kept
+    out of the parent groups."""
     from torch.distributed.fsdp import fully_shard
 
     if not experts:
         return
     replicas = pc.extras.get(EXPERT_REPLICA_MESH)
     if replicas is None:
-        params = [p for m in experts for p in m.parameters()]
-        kwargs["ignored_params"] = (kwargs.get("ignored_params") or set()) | set(params)
-        state.hooks.append(ExpertGradSync([p for p in params if p.requires_grad], None, pc.data_size))
+        params = {p for m in experts for p in m.parameters()}
+        kwargs["ignored_params"] = (kwargs.get("ignored_params") or set()) | params
         state.note(who, f"{len(experts)} experts module(s) kept whole (no data dimension to shard them over)")
         return
     for m in experts:
         fully_shard(m, mesh=replicas, **kwargs)
-        m.set_gradient_divide_factor(float(pc.data_size))
     state.note(
         who,
-        f"{len(experts)} experts module(s) sharded over the data dim of {replicas.size()} (expert_fsdp), gradients "
-        f"divided by the {pc.data_size} batch ranks; the rest over expert x data",
+        f"{len(experts)} experts module(s) sharded over the data dim of {replicas.size()} (expert_fsdp); the rest "
+        f"over expert x data ({pc.data_size} ranks)",
     )
 
 

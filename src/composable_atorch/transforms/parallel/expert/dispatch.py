@@ -9,8 +9,12 @@ copy), sent back (a second all-to-all) and combined with the routing weights on 
 No token is dropped (no capacity factor): the split sizes are exchanged each step.
 
 The all-to-all's backward is the reverse all-to-all, so expert weights receive the gradient of
-every token routed to them from any rank of the group; the data-parallel step then averages them
-over the data group only (see ``transform``).
+every token routed to them from any rank of the group: the sum of ``n`` ranks' loss gradients,
+where one process's mean over the global batch wants their mean. The gradient entering the local
+experts is therefore scaled by ``1/n`` and the one leaving them towards the tokens by ``n``
+(:class:`_ScaleGrad`), so the experts' gradient is the expert group's mean and the tokens' is
+untouched; the data-parallel step then only averages experts over their data replicas, as any
+replicated parameter (see ``transform``). Exact for a power-of-two degree.
 """
 
 from __future__ import annotations
@@ -34,6 +38,19 @@ class _AllToAll(torch.autograd.Function):
         back = grad.new_empty((sum(ctx.send_splits), *grad.shape[1:]))
         dist.all_to_all_single(back, grad.contiguous(), ctx.send_splits, ctx.recv_splits, group=ctx.group)
         return back, None, None, None
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; the gradient multiplied by ``factor``."""
+
+    @staticmethod
+    def forward(ctx, x, factor: float):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
 
 
 def all_to_all(x: torch.Tensor, send_splits: list[int], recv_splits: list[int], group) -> torch.Tensor:
@@ -67,11 +84,13 @@ def dispatch_forward(module, local_forward, hidden_states, top_k_index, top_k_we
     received = all_to_all(x[source_token], send_splits, recv_splits, group)
     local_ids = _exchange_ids(sorted_expert - dest * per_rank, send_splits, recv_splits, group)
     ones = torch.ones(local_ids.shape[0], 1, dtype=top_k_weights.dtype, device=received.device)
-    out = local_forward(module, received, local_ids.unsqueeze(1), ones)
+    # expert gradients: the mean over the expert group's ranks; token gradients unchanged (module docstring)
+    out = local_forward(module, _ScaleGrad.apply(received, float(degree)), local_ids.unsqueeze(1), ones)
     if torch.is_grad_enabled():
         # every rank must run both backward all-to-alls, and every local expert must get a gradient
         # (zeros), even where no token came or a family's forward skips experts with no token
         out = out + _zero_link(received, module)
+    out = _ScaleGrad.apply(out, 1.0 / degree)
     back = all_to_all(out, recv_splits, send_splits, group)
     weights = top_k_weights.reshape(-1)[order].unsqueeze(1).to(back.dtype)
     combined = torch.zeros_like(x, dtype=hidden_states.dtype)

@@ -11,10 +11,11 @@ What changes, and why it trains the same model as one process:
   group read different samples, so the loader splits the global batch over expert x data, and the
   non-expert parameters (attention, router, shared experts, embeddings) are replicated and averaged
   over expert x data by ddp / fsdp (the context's data mesh is that flattened group).
-* An expert's gradient already sums every token routed to it from any rank of its expert group; the
-  ranks holding the same experts (the ``data`` dimension) sum theirs, and the sum is divided by the
-  number of batch ranks (expert x data): ddp does it in a hook before the step, fsdp shards the
-  experts over the data dimension only (ATorch's ``expert_fsdp``) with that divide factor.
+* An expert's gradient gathers every token routed to it from any rank of its expert group; the
+  dispatch makes it their mean (:mod:`.dispatch`), and the ranks holding the same experts (the
+  ``data`` dimension) average theirs as for any replicated parameter: ddp in a hook before the step
+  (the experts kept out of its replicate), fsdp by sharding the experts over the data dimension only
+  (ATorch's ``expert_fsdp``).
 * Router, shared experts and any auxiliary load-balancing loss are untouched; like any data-parallel
   step, each rank's auxiliary loss is computed over its own tokens.
 """
@@ -170,7 +171,7 @@ class ExpertParallel(Transform):
             self.name,
             f"the expert dim is a batch dimension: the global batch is split over {pc.layout.describe()}; router, "
             "shared experts and other parameters replicated and averaged over expert x data; expert gradients "
-            f"summed over their {pc.layout.size('data')} data replica(s) and divided by {pc.data_size}",
+            f"averaged over the expert group by the dispatch, then over their {pc.layout.size('data')} data replica(s)",
         )
         return state
 
