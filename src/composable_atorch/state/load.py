@@ -35,6 +35,7 @@ from composable_atorch.state.save import (
     _split_optimizer,
     _state_optimizer,
     _sync_hyperparameters,
+    refuse_expert_parallel,
     restore_hyperparameters,
 )
 from composable_atorch.transforms.parallel.tensor import load_layout
@@ -137,6 +138,7 @@ def load_state(
     """
     if not isinstance(model, torch.nn.Module):
         raise ConfigError("model", type(model).__name__, "a torch.nn.Module")
+    refuse_expert_parallel(model, "load_state")
     path = latest_checkpoint(directory)
     if path is None:
         raise ConfigError(

@@ -215,6 +215,21 @@ def _same_kind(current: Any, saved: Any) -> bool:
     return type(saved) is type(current)
 
 
+def refuse_expert_parallel(model: torch.nn.Module, who: str) -> None:
+    """Expert-parallel ranks hold different experts under the same names, which DCP would read as one
+    replicated tensor (saving one rank's experts as all of them): refused until they are saved sharded."""
+    from composable_atorch.transforms.parallel.expert import ExpertShard
+
+    split = [n for n, m in model.named_modules() if isinstance(getattr(m, "expert_parallel", None), ExpertShard)]
+    if split:
+        raise ConfigError(
+            f"{who} of an expert-parallel model",
+            ", ".join(split[:3]) + (" ..." if len(split) > 3 else ""),
+            "a model without expert_parallel: checkpoints of experts split over the expert dimension are not built "
+            "in this version (each rank holds other experts under the same names)",
+        )
+
+
 def _has_fsdp(model: torch.nn.Module) -> bool:
     from torch.distributed.fsdp import FSDPModule
 
@@ -258,6 +273,7 @@ def save_state(
         raise ConfigError("save_state keep", keep, "an integer >= 1, or None to keep every checkpoint")
     if extra is not None and not isinstance(extra, dict):
         raise ConfigError("save_state extra", type(extra).__name__, "a dict of JSON values, or None")
+    refuse_expert_parallel(model, "save_state")
     extra = check_jsonable(dict(extra or {}), "save_state extra")
     scheduler_state = _scheduler_state(scheduler)
     inner, hooks, micro_step = _split_optimizer(optim)
