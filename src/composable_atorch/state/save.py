@@ -90,6 +90,7 @@ from composable_atorch.state.files import (
     recover,
     write_json,
 )
+from composable_atorch.transforms.parallel.expert import checkpoint as expert_checkpoint
 from composable_atorch.transforms.parallel.tensor import save_layout
 
 __all__ = ["Resumed", "latest_checkpoint", "save_state"]
@@ -216,17 +217,15 @@ def _same_kind(current: Any, saved: Any) -> bool:
 
 
 def refuse_expert_parallel(model: torch.nn.Module, who: str) -> None:
-    """Expert-parallel ranks hold different experts under the same names, which DCP would read as one
-    replicated tensor (saving one rank's experts as all of them): refused until they are saved sharded."""
-    from composable_atorch.transforms.parallel.expert import ExpertShard
-
-    split = [n for n, m in model.named_modules() if isinstance(getattr(m, "expert_parallel", None), ExpertShard)]
+    """Experts split over the expert dimension *and* sharded by fsdp are not checkpointed yet (the
+    expert-parallel ddp layout is: see transforms.parallel.expert.checkpoint)."""
+    split = expert_checkpoint.unsupported(model)
     if split:
         raise ConfigError(
-            f"{who} of an expert-parallel model",
+            f"{who} of an expert-parallel model sharded by fsdp",
             ", ".join(split[:3]) + (" ..." if len(split) > 3 else ""),
-            "a model without expert_parallel: checkpoints of experts split over the expert dimension are not built "
-            "in this version (each rank holds other experts under the same names)",
+            "expert_parallel with ddp (the default) for checkpoints: experts split over the expert dimension and "
+            "sharded over the data dimension are not checkpointed in this version",
         )
 
 
@@ -312,6 +311,7 @@ def save_state(
     else:  # no state yet: get_state_dict would initialise it with a zero step, changing training
         state = {"model": sd.get_model_state_dict(model, options=options)}
     state = save_layout(model, state)  # fused (strided) tensor-parallel layers in the user's layout
+    expert_checkpoint.to_global(model, state["model"], state.get("optim"))  # each rank's experts as its shard
     if micro_step:
         state["grads"] = _grad_state(model, rank)
     position = None if loader is None else loader.position.to_json()

@@ -53,6 +53,8 @@ class ExpertShard:
     per_rank: int
     total: int
     group: object
+    #: the 1-D expert mesh (checkpoints write the local experts as its Shard(0) of the whole)
+    mesh: object = None
 
     @property
     def first(self) -> int:
@@ -154,7 +156,7 @@ class ExpertParallel(Transform):
         batch_group = pc.data_group()
         held = full = 0
         for m in found.values():
-            shard = ExpertShard(degree, rank, m.num_experts // degree, m.num_experts, group)
+            shard = ExpertShard(degree, rank, m.num_experts // degree, m.num_experts, group, pc.mesh["expert"])
             _keep_local(m, shard, batch_group)
             held += sum(p.numel() for p in m.parameters())
             full += sum(p.numel() for p in m.parameters()) * degree
