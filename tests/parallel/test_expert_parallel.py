@@ -190,6 +190,11 @@ def test_refusals_name_what_is_missing():
         ca.compose(ca.parallel_mode([("data", 2)]), ca.expert_parallel(), env=env)
     with pytest.raises(CompositionError, match="zero1"):
         ca.compose(ca.expert_parallel(), ca.zero1(), env=env)
+    env4 = ca.Environment.detect().with_(world_size=4)
+    with pytest.raises(CompositionError, match="beside tensor / pipeline parallelism is not built"):
+        ca.compose(
+            ca.parallel_mode([("expert", 2), ("tensor", 2)]), ca.expert_parallel(), ca.tensor_parallel(), env=env4
+        )
 
 
 def test_expert_dimension_is_a_batch_dimension():

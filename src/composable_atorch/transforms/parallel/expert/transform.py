@@ -119,6 +119,12 @@ class ExpertParallel(Transform):
                 when=_not_fsdp_backend,
             ),
             Conflict(
+                "model_parallel",
+                "expert parallelism beside tensor / pipeline parallelism is not built in this version (their "
+                "gradient sync would average each rank's own experts with other ranks' as if replicated)",
+                "drop one of them: expert_parallel composes with ddp, fsdp and checkpoint",
+            ),
+            Conflict(
                 "clip_grad",
                 "the gradient norm would count only this rank's experts (the norm over expert ranks is not built)",
                 "drop clip_grad, or clip inside the MoE-free part of the model yourself",
