@@ -27,6 +27,7 @@ from composable_atorch.transforms.memory import checkpoint
 from composable_atorch.transforms.modules import module_replace, register_replace_pair
 from composable_atorch.transforms.parallel.data import ddp, fsdp, parallel_mode, zero1, zero2
 from composable_atorch.transforms.parallel.ds3d import DeepSpeed3DParallelConfig, ds_3d_parallel
+from composable_atorch.transforms.parallel.expert import expert_parallel
 from composable_atorch.transforms.parallel.mixed import mixed_parallel
 from composable_atorch.transforms.parallel.pipeline import pipeline_parallel
 from composable_atorch.transforms.parallel.sequence import context_parallel, sequence_cross_entropy, sequence_parallel
@@ -73,6 +74,7 @@ __all__ = [
     "sequence_cross_entropy",
     "pipeline_parallel",
     "mixed_parallel",
+    "expert_parallel",
     "train_step",
     "init_distributed",
     "create_parallel_group",

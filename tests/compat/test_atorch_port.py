@@ -340,12 +340,13 @@ def test_adjust_strategy_data_size_and_model_alias():
     assert dict(next(t for t in plan.transforms if t.name == "parallel_mode").groups) == {"pipeline": 2, "data": 2}
 
 
-@pytest.mark.parametrize("name, words", [("expert", "expert parallelism")])  # ("sequence", n) is Ulysses now
-def test_parallel_mode_names_not_built_say_so(name, words):
-    with pytest.raises(ConfigError, match=words):
-        strategy.load(
-            [("parallel_mode", ([(name, 2), ("data", 1)], None))], env=ca.Environment.detect().with_(world_size=2)
-        )
+@pytest.mark.parametrize("name", ["sequence", "expert", "context"])
+def test_parallel_mode_names_atorch_knows_are_built_now(name):
+    """('sequence', n) is Ulysses, ('expert', n) expert parallelism, ('context', n) context parallelism."""
+    plan = strategy.load(
+        [("parallel_mode", ([(name, 2), ("data", 1)], None))], env=ca.Environment.detect().with_(world_size=2)
+    )
+    assert dict(next(t for t in plan.transforms if t.name == "parallel_mode").groups)[name] == 2
 
 
 def test_multiple_parallel_instances_flag_keeps_the_sizes():

@@ -21,19 +21,18 @@ from composable_atorch.errors import ConfigError
 
 #: The dimension names ATorch supports. ``zero`` is a ZeRO sharding subgroup of data parallelism;
 #: ``context`` (context parallelism) and ``sequence`` (ATorch's Ulysses) split every sequence: their
-#: ranks read the same samples, so they are not batch dimensions.
-DIM_NAMES = ("data", "zero", "tensor", "pipeline", "context", "sequence")
+#: ranks read the same samples, so they are not batch dimensions; ``expert`` splits MoE experts
+#: (expert_parallel) and is a batch dimension for everything else.
+DIM_NAMES = ("data", "zero", "tensor", "pipeline", "context", "sequence", "expert")
 #: Dimensions over which different ranks see different samples (the batch is split over them).
-BATCH_DIMS = ("data", "zero")
+BATCH_DIMS = ("data", "zero", "expert")
 #: ATorch's multiple parallel instances: the outermost (slowest) mesh dimension, one independent
 #: copy of the layout per index; nothing is synchronized over it (every instance trains its own model).
 INSTANCE_DIM = "instance"
 #: Other names ATorch's parallel groups use for the same dimensions.
-DIM_ALIASES = {"model": "tensor", "pipe": "pipeline"}
+DIM_ALIASES = {"model": "tensor", "pipe": "pipeline", "expert_fsdp": "data"}
 #: Names ATorch knows whose feature is not built here: name -> what it is and what to use instead.
-DIM_NOT_BUILT = {
-    "expert": "expert parallelism (ATorch's MoE groups) is not built in this version; drop the dimension",
-}
+DIM_NOT_BUILT: dict[str, str] = {}  # every dimension ATorch names is built now (sequence, expert: issue 29)
 
 
 @dataclass(frozen=True)
@@ -90,8 +89,9 @@ class Layout:
         raise ConfigError("rank", rank, f"a rank below the world size {self.world_size}")
 
     def batch_rank(self, rank: int) -> int:
-        """This rank's index among the ``batch_split`` data shards (data-major over data x zero)."""
-        return self.coordinate(rank, "data") * self.size("zero") + self.coordinate(rank, "zero")
+        """This rank's index among the ``batch_split`` data shards (data-major over data x zero x expert)."""
+        inner = self.coordinate(rank, "data") * self.size("zero") + self.coordinate(rank, "zero")
+        return inner * self.size("expert") + self.coordinate(rank, "expert")
 
     def describe(self) -> str:
         dims = " x ".join(f"{n} {s}" for n, s in self.dims)
@@ -236,6 +236,10 @@ def _rank_order(rank_order: Any, world_size: int) -> tuple[int, ...]:
     return order
 
 
+#: ``ParallelContext.extras`` key of the flattened data x expert mesh (built with the mesh, on every rank).
+EXPERT_BATCH_MESH = "expert_batch_mesh"
+
+
 @dataclass
 class ParallelContext:
     """What parallel transforms share through ``TrainState.parallel``.
@@ -280,11 +284,14 @@ class ParallelContext:
 
     def data_mesh(self):
         """The 1-D mesh over the batch dimensions (what DDP all-reduces and flat FSDP shards over):
-        ``data``, or ``data x zero`` flattened into one dimension when both are > 1 (made once, kept)."""
+        ``data``, or the batch dimensions > 1 (data x zero, data x expert) flattened into one (made once, kept;
+        data x expert is flattened on every rank in make_context)."""
         if self.mesh is None:
             return None
         if self.mesh.ndim == 1:
             return self.mesh
+        if EXPERT_BATCH_MESH in self.extras:
+            return self.extras[EXPERT_BATCH_MESH]
         names = tuple(n for n in self.layout.mesh_dim_names if n in BATCH_DIMS and self.layout.size(n) > 1)
         if len(names) < 2:
             return self.mesh[names[0] if names else "data"]
@@ -333,4 +340,8 @@ def make_context(layout: Layout, device: str = "cpu") -> ParallelContext:
         mesh = init_device_mesh(device, layout.mesh_shape, mesh_dim_names=names)
     else:
         mesh = DeviceMesh(device, layout.mesh_tensor(), mesh_dim_names=names)
-    return ParallelContext(layout=layout, rank=dist.get_rank(), mesh=mesh)
+    pc = ParallelContext(layout=layout, rank=dist.get_rank(), mesh=mesh)
+    batch = tuple(n for n in names if n in ("data", "expert"))
+    if layout.size("expert") > 1 and len(batch) == 2:  # every rank, now: flattening makes a process group
+        pc.extras[EXPERT_BATCH_MESH] = mesh[batch]._flatten("data_expert")
+    return pc

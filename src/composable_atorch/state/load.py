@@ -35,8 +35,10 @@ from composable_atorch.state.save import (
     _split_optimizer,
     _state_optimizer,
     _sync_hyperparameters,
+    refuse_expert_parallel,
     restore_hyperparameters,
 )
+from composable_atorch.transforms.parallel.expert import checkpoint as expert_checkpoint
 from composable_atorch.transforms.parallel.tensor import load_layout
 
 __all__ = ["load_state"]
@@ -62,6 +64,7 @@ def _check_model(model: torch.nn.Module, metadata, path: Path) -> dict[str, Any]
     """
     _, sd, options = _dcp()
     model_sd = sd.get_model_state_dict(model, options=options)
+    expert_checkpoint.to_global(model, model_sd)  # split experts as their shard of the whole, at this degree
     saved = {k[len("model.") :]: v for k, v in metadata.state_dict_metadata.items() if k.startswith("model.")}
     missing = sorted(set(model_sd) - set(saved))
     unexpected = [] if _is_stage(model) else sorted(set(saved) - set(model_sd))
@@ -137,6 +140,7 @@ def load_state(
     """
     if not isinstance(model, torch.nn.Module):
         raise ConfigError("model", type(model).__name__, "a torch.nn.Module")
+    refuse_expert_parallel(model, "load_state")
     path = latest_checkpoint(directory)
     if path is None:
         raise ConfigError(
@@ -235,6 +239,7 @@ def _read(path: Path, model, model_sd: dict, local, metadata, reader, meta: dict
     state: dict[str, Any] = {"model": {k: _fresh(v) for k, v in model_sd.items()}}
     if local is not None:  # the template: the optimizer's state (created if it has none yet), copied
         state["optim"] = {k: _fresh(v) for k, v in sd.get_optimizer_state_dict(model, [local], options=options).items()}
+        expert_checkpoint.to_global(model, None, state["optim"], fresh=True)
     if meta["micro_step"]:
         saved_keys = metadata.state_dict_metadata
         state["grads"] = {
@@ -251,6 +256,7 @@ def _read(path: Path, model, model_sd: dict, local, metadata, reader, meta: dict
     except (RuntimeError, ValueError, OSError, EOFError, KeyError) as exc:
         raise CheckpointError(path, f"DCP could not read it ({type(exc).__name__}: {exc})") from None
     finish_layout()
+    expert_checkpoint.to_local(model, state["model"], state.get("optim"))
     return state
 
 

@@ -90,6 +90,7 @@ from composable_atorch.state.files import (
     recover,
     write_json,
 )
+from composable_atorch.transforms.parallel.expert import checkpoint as expert_checkpoint
 from composable_atorch.transforms.parallel.tensor import save_layout
 
 __all__ = ["Resumed", "latest_checkpoint", "save_state"]
@@ -215,6 +216,19 @@ def _same_kind(current: Any, saved: Any) -> bool:
     return type(saved) is type(current)
 
 
+def refuse_expert_parallel(model: torch.nn.Module, who: str) -> None:
+    """Experts split over the expert dimension *and* sharded by fsdp are not checkpointed yet (the
+    expert-parallel ddp layout is: see transforms.parallel.expert.checkpoint)."""
+    split = expert_checkpoint.unsupported(model)
+    if split:
+        raise ConfigError(
+            f"{who} of an expert-parallel model sharded by fsdp",
+            ", ".join(split[:3]) + (" ..." if len(split) > 3 else ""),
+            "expert_parallel with ddp (the default) for checkpoints: experts split over the expert dimension and "
+            "sharded over the data dimension are not checkpointed in this version",
+        )
+
+
 def _has_fsdp(model: torch.nn.Module) -> bool:
     from torch.distributed.fsdp import FSDPModule
 
@@ -258,6 +272,7 @@ def save_state(
         raise ConfigError("save_state keep", keep, "an integer >= 1, or None to keep every checkpoint")
     if extra is not None and not isinstance(extra, dict):
         raise ConfigError("save_state extra", type(extra).__name__, "a dict of JSON values, or None")
+    refuse_expert_parallel(model, "save_state")
     extra = check_jsonable(dict(extra or {}), "save_state extra")
     scheduler_state = _scheduler_state(scheduler)
     inner, hooks, micro_step = _split_optimizer(optim)
@@ -296,6 +311,7 @@ def save_state(
     else:  # no state yet: get_state_dict would initialise it with a zero step, changing training
         state = {"model": sd.get_model_state_dict(model, options=options)}
     state = save_layout(model, state)  # fused (strided) tensor-parallel layers in the user's layout
+    expert_checkpoint.to_global(model, state["model"], state.get("optim"))  # each rank's experts as its shard
     if micro_step:
         state["grads"] = _grad_state(model, rank)
     position = None if loader is None else loader.position.to_json()

@@ -4,4 +4,4 @@ Importing this package imports every family, so every built transform is in the 
 """
 
 from composable_atorch.transforms import compile, fp8, loop, memory, modules, precision  # noqa: F401
-from composable_atorch.transforms.parallel import data, ds3d, mixed, pipeline, sequence, tensor  # noqa: F401
+from composable_atorch.transforms.parallel import data, ds3d, expert, mixed, pipeline, sequence, tensor  # noqa: F401

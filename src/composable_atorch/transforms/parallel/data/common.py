@@ -29,6 +29,12 @@ from composable_atorch.errors import ConfigError, RequirementError
 from composable_atorch.runtime.layout import ParallelContext
 from composable_atorch.runtime.optim import OptimizerHook
 
+#: ``ParallelContext.extras`` keys expert_parallel fills: the experts modules it split (each rank holds
+#: other experts under the same names, so ddp / fsdp keep them out of the expert x data group), and the
+#: mesh of the ranks that hold the same experts (the data dimension; None without one).
+EXPERT_MODULES = "expert_modules"
+EXPERT_REPLICA_MESH = "expert_replica_mesh"
+
 #: The role every data-parallel engine that synchronizes gradients owns (exactly one per plan).
 GRAD_SYNC = "grad_sync"
 #: The role of whoever shards the optimizer state.
@@ -145,6 +151,23 @@ class IgnoredGradSyncHook(OptimizerHook):
             if p.grad is not None:
                 dist.all_reduce(p.grad, group=self.group)
                 p.grad.div_(self.size)
+
+
+class ExpertGradSync(OptimizerHook):
+    """Expert parameters' gradients averaged over the ranks holding the same experts (each is already
+    the mean over its expert group's ranks: expert_parallel's dispatch scales it)."""
+
+    def __init__(self, params: list[torch.nn.Parameter], mesh, divisor: int):
+        self.params, self.mesh, self.divisor = params, mesh, divisor
+
+    def before_step(self, optimizer):
+        group = None if self.mesh is None or self.mesh.size() == 1 else self.mesh.get_group()
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            if group is not None:
+                dist.all_reduce(p.grad, group=group)
+            p.grad.div_(self.divisor)
 
 
 class KeepGradBuffersHook(OptimizerHook):

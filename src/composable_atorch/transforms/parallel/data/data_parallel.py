@@ -31,6 +31,8 @@ from composable_atorch.runtime.loader import check_global_batch, dataset_size, p
 from composable_atorch.transforms.parallel.data.common import (
     DDP_VS_FSDP,
     DDP_VS_ZERO2,
+    EXPERT_MODULES,
+    EXPERT_REPLICA_MESH,
     FAIRSCALE,
     GRAD_SYNC,
     IMPLIES_PARALLEL_MODE,
@@ -38,6 +40,7 @@ from composable_atorch.transforms.parallel.data.common import (
     SHARDED_STATE,
     ZERO_OPTION_DEFAULTS,
     DataGradSync,
+    ExpertGradSync,
     GradSyncHook,
     HasBackends,
     broadcast_local,
@@ -273,6 +276,18 @@ class Ddp(Transform):
             kwargs["device_id"] = torch.cuda.current_device()
         if not self.find_unused_parameters:
             kwargs["find_unused_parameters"] = _probe_unused(state)
+        experts = pc.extras.get(EXPERT_MODULES)
+        if experts:  # expert parallelism: experts differ per expert rank, kept out of the expert x data replicas
+            kwargs["ignored_modules"] = experts
+            params = [p for m in experts for p in m.parameters() if p.requires_grad]
+            replicas = pc.extras.get(EXPERT_REPLICA_MESH)
+            size = 1 if replicas is None else replicas.size()
+            state.hooks.append(ExpertGradSync(params, replicas, size))
+            state.note(
+                self.name,
+                f"{len(experts)} experts module(s) kept out of replicate: their gradients averaged over the {size} "
+                "rank(s) holding the same experts before each step",
+            )
         replicate(state.model, **kwargs)
         state.hooks.append(GradSyncHook(state.model))
         state.note(

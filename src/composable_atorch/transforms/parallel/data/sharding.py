@@ -34,6 +34,8 @@ from composable_atorch.transforms._util import matches
 from composable_atorch.transforms.parallel.data.common import (
     DDP_VS_FSDP,
     DDP_VS_ZERO2,
+    EXPERT_MODULES,
+    EXPERT_REPLICA_MESH,
     FAIRSCALE,
     FSDP_VS_ZERO2,
     GRAD_SYNC,
@@ -68,10 +70,13 @@ from composable_atorch.transforms.policy import PRECISION_READS, PrecisionPolicy
 _OWN_KWARGS = {"module", "mesh", "reshard_after_forward", "mp_policy", "offload_policy", "ignored_params"}
 
 
-def broadcast_module_states(model: nn.Module, group) -> None:
-    """Make every rank start from data-rank 0's parameters and buffers."""
+def broadcast_module_states(model: nn.Module, group, skip=()) -> None:
+    """Make every rank start from data-rank 0's parameters and buffers (except those in ``skip``)."""
+    skipped = {id(t) for t in skip}
     with torch.no_grad():
         for t in [*model.parameters(), *model.buffers()]:
+            if id(t) in skipped:
+                continue
             # model parallelism: a tensor-parallel DTensor broadcasts its local shard
             local = t._local_tensor if hasattr(t, "_local_tensor") else t.data
             dist.broadcast(local, group=group, group_src=0)
@@ -111,8 +116,9 @@ def shard(spec: Fsdp, who: str, state: TrainState, ctx: ApplyContext, *, sync_at
     kwargs["offload_policy"] = (
         CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if spec.cpu_offload else OffloadPolicy()
     )
-    if sync_at_start:
-        broadcast_module_states(model, group)
+    experts = list(pc.extras.get(EXPERT_MODULES, ()))
+    if sync_at_start:  # experts differ per expert rank: expert_parallel started them from one model already
+        broadcast_module_states(model, group, skip=[p for m in experts for p in m.parameters()])
     else:
         state.note(
             who,
@@ -122,6 +128,7 @@ def shard(spec: Fsdp, who: str, state: TrainState, ctx: ApplyContext, *, sync_at
     targets = wrap_targets(
         model, spec.wrap, spec.min_params, ignored_modules, spec.wrap_trainable_outmost, spec.wrap_policy
     )
+    _shard_experts(experts, pc, kwargs, state, who)
     for module in targets:
         fully_shard(module, mesh=mesh, **kwargs)
     fully_shard(model, mesh=mesh, **kwargs)
@@ -207,6 +214,30 @@ def world_hybrid_mesh(pc, ctx: ApplyContext, state: TrainState, who: str):
         f"of {per}, replicate across {nodes} nodes (give ('zero', n) in parallel_mode to choose them)",
     )
     return mesh, f"hybrid (HSDP, 2-D mesh (nodes {nodes}, per node {per}))"
+
+
+def _shard_experts(experts: list, pc, kwargs: dict, state: TrainState, who: str) -> None:
+    """Expert parallelism (ATorch's expert_fsdp): each experts module sharded over the ranks holding the
+    same experts (the data dimension), which average its gradient (already the mean over its expert
+    group: expert_parallel's dispatch scales it); without a data dimension the experts stay whole, kept
+    out of the parent groups."""
+    from torch.distributed.fsdp import fully_shard
+
+    if not experts:
+        return
+    replicas = pc.extras.get(EXPERT_REPLICA_MESH)
+    if replicas is None:
+        params = {p for m in experts for p in m.parameters()}
+        kwargs["ignored_params"] = (kwargs.get("ignored_params") or set()) | params
+        state.note(who, f"{len(experts)} experts module(s) kept whole (no data dimension to shard them over)")
+        return
+    for m in experts:
+        fully_shard(m, mesh=replicas, **kwargs)
+    state.note(
+        who,
+        f"{len(experts)} experts module(s) sharded over the data dim of {replicas.size()} (expert_fsdp); the rest "
+        f"over expert x data ({pc.data_size} ranks)",
+    )
 
 
 def _fsdp_kwargs(kwargs) -> tuple:
