@@ -177,8 +177,9 @@ def test_models_that_cannot_be_cut_name_the_fix():
         ca.pipeline_parallel().cuts(nn.Linear(2, 2), 2)
     with pytest.raises(ConfigError, match="names no module"):
         ca.pipeline_parallel(split=["nowhere.1"]).cuts(zoo.build("user"), 2)
-    with pytest.raises(ConfigError, match="several stages per rank"):
+    with pytest.raises(ConfigError, match="at least as many blocks"):  # 2 ranks x 2 stages > 2 blocks
         ca.pipeline_parallel(schedule="Interleaved1F1B").cuts(zoo.build("user"), 2)
+    assert ca.pipeline_parallel(schedule="Interleaved1F1B").cuts(zoo.UserModel(layers=4), 2) == (1, 2, 3)
 
 
 def test_split_by_path_and_plain_sequential():

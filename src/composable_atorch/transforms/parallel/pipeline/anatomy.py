@@ -58,6 +58,10 @@ class Anatomy:
     source: str = "registration order"  #: how pre and post were told apart
     #: parameters held by a before piece and an after piece (tied embeddings): (first-stage name, last-stage name)
     tied: list[tuple[str, str]] = field(default_factory=list)
+    #: what a block returns: "tensor" or "tuple" (the hidden states first), seen on a probe forward
+    block_returns: str = "tensor"
+    #: the whole model's probe forward (check.Reference) each stage is compared with; None: not run
+    reference: object = None
 
     def weights(self, model: nn.Module) -> tuple[int, int]:
         """Parameters the first / last stage hold besides blocks (a tied weight counts on both)."""
@@ -208,8 +212,8 @@ def _pp_plan_order(model: nn.Module, path: str, found: list[str]) -> dict[str, s
     return side
 
 
-def _probe_input(model: nn.Module, an: Anatomy) -> torch.Tensor | None:
-    """One sequence of two tokens when the model starts with token ids; None when the input is unknown."""
+def probe_input(model: nn.Module, an: Anatomy, length: int = 2) -> torch.Tensor | None:
+    """One sequence of ``length`` tokens when the model starts with token ids; None when the input is unknown."""
     first = next((model.get_submodule(p) for p in pieces(model, an.path)), None)
     vocab = getattr(getattr(model, "config", None), "vocab_size", None) if an.hf else None
     if vocab is None and isinstance(first, nn.Embedding):
@@ -217,7 +221,9 @@ def _probe_input(model: nn.Module, an: Anatomy) -> torch.Tensor | None:
     if vocab is None:
         return None
     device = next(model.parameters()).device
-    return torch.tensor([[1 % vocab, 2 % vocab]], device=device)
+    if length == 2:
+        return torch.tensor([[1 % vocab, 2 % vocab]], device=device)
+    return ((torch.arange(length, device=device) * 7 + 3) % vocab).unsqueeze(0)
 
 
 def hidden_of(out):
@@ -234,7 +240,7 @@ def _probe(model: nn.Module, an: Anatomy, found: list[str]) -> dict[str, str] | 
     params = list(model.parameters())
     if not params or any(p.is_meta or hasattr(p, "to_local") for p in params):  # meta or DTensor weights
         return None
-    ids = _probe_input(model, an)
+    ids = probe_input(model, an)
     if ids is None:
         return None
     calls: list[tuple[str, object]] = []

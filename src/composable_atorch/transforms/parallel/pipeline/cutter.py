@@ -8,6 +8,7 @@ and stop its forward after its last one (the module doc of :mod:`.anatomy` says 
 
 from __future__ import annotations
 
+import copy
 import inspect
 
 import torch
@@ -45,26 +46,76 @@ class Skipped(nn.Module):
         return torch.zeros(())
 
 
+class Absent(nn.Module):
+    """Stands in, with no parameters, for a block another stage holds. The block list keeps its
+    length, so a model whose forward reads a per-layer setting by the layer's position in the loop
+    (``for i, layer in enumerate(self.layers)`` with ``config.layer_types[i]``: Gemma 2/3, GPT-OSS,
+    Cohere 2, Qwen2 with sliding layers) gives each block this stage holds its own setting, not the
+    setting of the block at its position within the stage. Blocks before the stage's first pass
+    their input on (the first held block's input is put back to the received activation anyway);
+    blocks after its last are never reached (the forward stops there)."""
+
+    def __init__(self, hidden: str, returns: str = "tensor"):
+        super().__init__()
+        self.hidden, self.returns = hidden, returns
+
+    def forward(self, *args, **kwargs):
+        h = args[0] if args else kwargs.get(self.hidden)
+        return (h,) if self.returns == "tuple" else h
+
+
 def _replace(model: nn.Module, path: str, new: nn.Module) -> None:
     parent, _, leaf = path.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, leaf, new)
 
 
-def cut_stage(model: nn.Module, an: Anatomy, first: bool, last: bool, kept: range, guard) -> nn.Module:
-    """The model cut to one stage in place (see the module doc); ``guard(model)`` runs first in its forward."""
-    import types
-
+def hold(model: nn.Module, an: Anatomy, first: bool, last: bool, kept) -> list[nn.Module]:
+    """Keep blocks ``kept`` (and the first / last stage's pieces when ``first`` / ``last``) in
+    ``model``, in place; stand-ins for the rest. Returns the model's blocks as they were."""
     listed = model.get_submodule(an.path) if an.path else model
+    blocks = list(listed._modules.values())  # this model's own (a copy's, for one of several stages per rank)
     keep = {str(i) for i in kept}
-    for key in list(listed._modules):
-        if key not in keep:
-            del listed._modules[key]  # original indices stay as keys: parameter names unchanged
+    for i, key in enumerate(list(listed._modules)):
+        if key not in keep:  # the list keeps its length: a layer's index in the loop is its global index
+            listed._modules[key] = Absent(hidden_name(blocks[i]), an.block_returns)
     if not first:
         for i, p in enumerate(an.pre):
             _replace(model, p, Skipped(zero=i > 0 and isinstance(model.get_submodule(p), nn.Embedding)))
     if not last:
         for p in an.post:
             _replace(model, p, Skipped())
+    return blocks
+
+
+def share(model: nn.Module) -> nn.Module:
+    """A copy of the module tree that shares every parameter and buffer with ``model`` (new module
+    objects, hooks and submodule dicts of their own): one of several stages a rank holds is cut from
+    it, in place, while the optimizer steps the one set of parameters all of them use."""
+    import types
+
+    memo: dict[int, nn.Module] = {}
+
+    def clone(m: nn.Module) -> nn.Module:
+        if id(m) in memo:  # a module registered twice stays one module
+            return memo[id(m)]
+        c = copy.copy(m)
+        memo[id(m)] = c
+        for k, v in vars(m).items():
+            if isinstance(v, dict) and ("hooks" in k or k in ("_parameters", "_buffers")):
+                c.__dict__[k] = type(v)(v)
+            elif isinstance(v, types.MethodType) and v.__self__ is m:
+                c.__dict__[k] = types.MethodType(v.__func__, c)
+        c._modules = {k: None if v is None else clone(v) for k, v in m._modules.items()}
+        return c
+
+    return clone(model)
+
+
+def cut_stage(model: nn.Module, an: Anatomy, first: bool, last: bool, kept: range, guard) -> nn.Module:
+    """The model cut to one stage in place (see the module doc); ``guard(model)`` runs first in its forward."""
+    import types
+
+    blocks = hold(model, an, first, last, kept)
     box: list = [None]
     if not first:
 
@@ -73,15 +124,15 @@ def cut_stage(model: nn.Module, an: Anatomy, first: bool, last: bool, kept: rang
                 return (box[0], *args[1:]), kwargs
             return args, {**kwargs, hidden_name(module): box[0]}
 
-        an.blocks[kept.start].register_forward_pre_hook(put_back, with_kwargs=True)
+        blocks[kept.start].register_forward_pre_hook(put_back, with_kwargs=True)
     if not last:
 
         def stop(module, args, out):
             raise _Stop(hidden_of(out))
 
-        an.blocks[kept.stop - 1].register_forward_hook(stop)
+        blocks[kept.stop - 1].register_forward_hook(stop)
     whole = model.forward
-    extra = {"use_cache": False} if "use_cache" in inspect.signature(whole).parameters else {}
+    extra = _extra(model)
 
     def forward(self, x):
         guard(self)
@@ -101,6 +152,16 @@ def cut_stage(model: nn.Module, an: Anatomy, first: bool, last: bool, kept: rang
 
     model.forward = types.MethodType(forward, model)
     return model
+
+
+def _extra(model: nn.Module) -> dict:
+    """No key/value cache: a stage trains, it does not generate."""
+    return {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
+
+
+def call_whole(model: nn.Module, an: Anatomy, x):
+    """The whole model's forward on ``x`` as its first stage calls it (the per-layer check's reference)."""
+    return model(input_ids=x, **_extra(model)) if an.hf else model(x)
 
 
 class TiedGradSync(OptimizerHook):

@@ -48,7 +48,8 @@ from composable_atorch.transforms.parallel.data.common import (
     implies_mesh_dim,
     parallel_context,
 )
-from composable_atorch.transforms.parallel.pipeline.cutter import tied_sync
+from composable_atorch.transforms.parallel.pipeline.check import check_stage, reference
+from composable_atorch.transforms.parallel.pipeline.cutter import call_whole, tied_sync
 from composable_atorch.transforms.parallel.pipeline.stages import (  # noqa: F401 - re-exported
     KNOWN_MODELS,
     PipelineLoopError,
@@ -95,8 +96,12 @@ class PipelineRunner:
         pp_group,
         data_group,
         data_size: int,
+        shared: list | None = None,
     ):
         self.stages, self.n_stages, self.local, self.last_rank = stages, n_stages, local, last_rank
+        #: parameters two of this rank's stages both use (a tied weight on a V's first and last stage):
+        #: torch's schedule would divide their gradients by the microbatches once per stage; scaled here once
+        self.shared = shared
         self.microbatches, self.schedule_name = microbatches, schedule
         self.pp_group, self.data_group, self.data_size = pp_group, data_group, data_size
         self.running = False
@@ -110,7 +115,8 @@ class PipelineRunner:
             cls_name, placement = SCHEDULES[self.schedule_name]
             cls = getattr(schedules, cls_name)
             stages = self.stages[0] if placement == "single" else self.stages
-            self._schedules[key] = (cls(stages, n_microbatches=self.microbatches, loss_fn=loss_fn), loss_fn)
+            scale = {"scale_grads": False} if self.shared else {}
+            self._schedules[key] = (cls(stages, n_microbatches=self.microbatches, loss_fn=loss_fn, **scale), loss_fn)
         return self._schedules[key][0]
 
     def step(self, inputs, targets, loss_fn) -> float:
@@ -127,6 +133,9 @@ class PipelineRunner:
             schedule.step(*args, return_outputs=False, **kwargs)
         finally:
             self.running = False
+        for p in self.shared or ():
+            if p.grad is not None:
+                p.grad.div_(self.microbatches)
         mean = torch.stack([v.detach().float() for v in losses]).mean() if losses else torch.zeros(())
         dist.broadcast(mean, group=self.pp_group, group_src=self.last_rank)
         if self.data_size > 1:
@@ -262,13 +271,6 @@ class PipelineParallel(Transform):
             blocks, head, tail = anatomy(model)
         else:
             blocks, (head, tail) = an.blocks, an.weights(model)
-            if self.stages_per_rank > 1:
-                raise ConfigError(
-                    "pipeline_parallel.stages_per_rank",
-                    self.stages_per_rank,
-                    f"1 for {type(model).__name__}: several stages per rank are cut for the built-in GPT only "
-                    "(use schedule='1F1B' or 'GPipe')",
-                )
         n = len(blocks)
         if n < stages:
             raise ConfigError(
@@ -295,6 +297,8 @@ class PipelineParallel(Transform):
                 self.microbatches,
                 f"a multiple of max(1, microbatches // pipeline size) = {rounds} for {self.schedule}",
             )
+        if an is not None and an.reference is None:
+            an.reference = reference(model, an, lambda m, x: call_whole(m, an, x))
         if self.split == "auto":
             return an, balanced_cuts([numel(b) for b in blocks], stages, head, tail)
         split = self.split
@@ -342,6 +346,7 @@ class PipelineParallel(Transform):
         bounds = (0, *cuts, len(blocks))
         sizes = [sum(numel(blocks[i]) for i in range(lo, hi)) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
         kept, stage_mods = rank_modules(model, bounds, local, an)
+        checked = _check_stages(an, stage_mods, local, bounds)
         # a tied weight the last stage holds through its head only goes by the head's name there
         state.param_names.update({id(p): n for n, p in kept.named_parameters()})
         pp_group = pc.mesh["pipeline"].get_group()
@@ -366,6 +371,7 @@ class PipelineParallel(Transform):
             pp_group,
             data_group,
             pc.data_size,
+            _shared(kept, stage_mods),
         )
         object.__setattr__(kept, PIPELINE_ATTR, runner)  # a plain attribute, not a submodule
         mark_loss_group(kept, data_group, pc.data_size)
@@ -383,8 +389,33 @@ class PipelineParallel(Transform):
             line += f"; cut {type(model).__name__} at {an.path!r}, embeddings / head told apart by {an.source}"
             if an.tied:
                 line += f"; tied {an.tied} kept equal (the first and last stage add their gradients)"
+            line += f"; {checked}"
         state.note(self.name, line)
         return state
+
+
+def _shared(kept: nn.Module, stage_mods: list[nn.Module]) -> list | None:
+    """This rank's parameters (each once) when two of its stages use one of them; else None."""
+    count = sum(len({id(p) for p in m.parameters()}) for m in stage_mods)
+    unique = list(kept.parameters())
+    return unique if count > len(unique) else None
+
+
+def _check_stages(an, stage_mods: list[nn.Module], local: list[int], bounds: tuple[int, ...]) -> str:
+    """Each local stage run on the whole model's probe, block by block (:mod:`.check`); the explain line."""
+    if an is None:
+        return ""
+    ref = an.reference
+    if ref is None:
+        return "per-layer inputs not checked against the whole model (its probe forward could not run)"
+    for s, stage in zip(local, stage_mods, strict=True):
+        listed = stage.get_submodule(an.path) if an.path else stage
+        held = {i: listed[i] for i in range(bounds[s], bounds[s + 1])}
+        check_stage(stage, s, held, s == 0, ref)
+    return (
+        f"each stage's blocks see the whole model's inputs and give its outputs on a probe of "
+        f"{tuple(ref.example.shape)} tokens (checked before training)"
+    )
 
 
 def _stage_optimizer(optim: torch.optim.Optimizer, names: dict[int, str], stage: nn.Module) -> torch.optim.Optimizer:

@@ -1,0 +1,127 @@
+"""Tiny models the pipeline tests need beyond tests/zoo.py, built as users build them (transformers
+configs with their defaults left on, ``use_cache`` included).
+
+    model = build("gemma2")             # seeded: the same weights on every call
+    ids = batch(seed=0)                 # a global batch of token ids
+
+Families that choose each layer's attention by its index in ``config.layer_types`` (sliding window
+of 4 tokens at sequence 16, so the window matters), encoders (ViT, DeBERTa-v2, BERT), a LoRA-wrapped
+Llama and plain user models with a block list.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+VOCAB = 128
+SEQ = 16
+WINDOW = 4
+_SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2)
+_ALTERNATING = ["sliding_attention", "full_attention"]
+
+
+def _cfg(cls_name: str, **fields):
+    import transformers
+
+    return getattr(transformers, cls_name)(**{"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, **fields})
+
+
+#: causal LMs whose layers read ``config.layer_types[i]`` (2 layers, sliding then full:
+#: stage 1's full-attention layer is the first of its stage)
+LAYER_TYPED = {
+    "gemma2": lambda: _cfg("Gemma2Config", **_SMALL, num_hidden_layers=2, head_dim=8, sliding_window=WINDOW),
+    "gpt_oss": lambda: _cfg(
+        "GptOssConfig",
+        **_SMALL,
+        num_hidden_layers=2,
+        head_dim=8,
+        sliding_window=WINDOW,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+    ),
+    "cohere2": lambda: _cfg(
+        "Cohere2Config", **_SMALL, num_hidden_layers=2, sliding_window=WINDOW, layer_types=list(_ALTERNATING)
+    ),
+    "gemma3": lambda: _cfg(
+        "Gemma3TextConfig",
+        **_SMALL,
+        num_hidden_layers=2,
+        head_dim=8,
+        sliding_window=WINDOW,
+        layer_types=list(_ALTERNATING),
+    ),
+    # Qwen2 with sliding layers from max_window_layers on: full, sliding
+    "qwen2_window": lambda: _cfg(
+        "Qwen2Config",
+        **_SMALL,
+        num_hidden_layers=2,
+        use_sliding_window=True,
+        sliding_window=WINDOW,
+        max_window_layers=1,
+    ),
+}
+
+
+def build(name: str, seed: int = 0) -> nn.Module:
+    """The tiny model ``name``, weights fixed by ``seed``."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(LAYER_TYPED[name]())
+
+
+def build_layers(name: str, layers: int, seed: int = 0) -> nn.Module:
+    """``name`` with ``layers`` layers (the layer types repeat the family's pattern)."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = LAYER_TYPED[name]()
+    cfg.num_hidden_layers = layers
+    cfg.layer_types = [cfg.layer_types[i % len(cfg.layer_types)] for i in range(layers)]
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(cfg)
+
+
+def batch(seed: int = 0, size: int = 4) -> torch.Tensor:
+    g = torch.Generator().manual_seed(2000 + seed)
+    return torch.randint(3, VOCAB, (size, SEQ), generator=g)
+
+
+def llama(layers: int = 4, tie: bool = False) -> nn.Module:
+    """A tiny transformers Llama (use_cache left on), ``layers`` decoder layers."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(**_SMALL, num_hidden_layers=layers, tie_word_embeddings=tie))
+
+
+class Block(nn.Module):
+    """A user's residual MLP block."""
+
+    def __init__(self, d: int = 32):
+        super().__init__()
+        self.norm, self.up, self.down = nn.LayerNorm(d), nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+
+class UserNet(nn.Module):
+    """A plain user model: embedding, a list of blocks, a head (no library conventions)."""
+
+    def __init__(self, layers: int = 4, d: int = 32):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, d)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(layers))
+        self.head = nn.Linear(d, VOCAB)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def user(layers: int = 4) -> nn.Module:
+    torch.manual_seed(0)
+    return UserNet(layers)
