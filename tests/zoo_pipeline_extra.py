@@ -125,3 +125,87 @@ class UserNet(nn.Module):
 def user(layers: int = 4) -> nn.Module:
     torch.manual_seed(0)
     return UserNet(layers)
+
+
+IMAGE = 16
+#: encoders and wrapped models (2-4 blocks each); their batches below
+ENCODERS = {
+    "vit": lambda: _cfg(
+        "ViTConfig",
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        image_size=IMAGE,
+        patch_size=4,
+        num_labels=5,
+    ),
+    "bert": lambda: _cfg(
+        "BertConfig",
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=64,
+    ),
+    "deberta_v2": lambda: _cfg(
+        "DebertaV2Config",
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=64,
+    ),
+    "convnext": lambda: _cfg(
+        "ConvNextConfig",
+        num_channels=3,
+        hidden_sizes=[8, 16],
+        depths=[1, 1],
+        num_stages=2,
+        image_size=IMAGE,
+        num_labels=5,
+    ),
+}
+
+
+def encoder(name: str, seed: int = 0) -> nn.Module:
+    """ViT / ConvNeXt image classifiers, BERT / DeBERTa-v2 masked LMs."""
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = ENCODERS[name]()
+    cls = {"vit": "ViTForImageClassification", "convnext": "ConvNextForImageClassification"}.get(name)
+    if cls is None:
+        return transformers.AutoModelForMaskedLM.from_config(cfg)
+    return getattr(transformers, cls)(cfg)
+
+
+def lora_llama(seed: int = 0) -> nn.Module:
+    """A LoRA-wrapped tiny Llama (peft's PeftModelForCausalLM): only the adapters train."""
+    from peft import LoraConfig, get_peft_model
+
+    model = llama(layers=2)
+    torch.manual_seed(seed)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    return get_peft_model(model, lora)
+
+
+def images(seed: int = 0, size: int = 4) -> torch.Tensor:
+    g = torch.Generator().manual_seed(3000 + seed)
+    return torch.randn(size, 3, IMAGE, IMAGE, generator=g)
+
+
+def labels(seed: int = 0, size: int = 4) -> torch.Tensor:
+    g = torch.Generator().manual_seed(4000 + seed)
+    return torch.randint(0, 5, (size,), generator=g)
+
+
+def padded(seed: int = 0, size: int = 4) -> dict:
+    """A padded text batch: ids and the attention mask (each row keeps 8..16 tokens, the rest pad 0)."""
+    ids = batch(seed, size)
+    g = torch.Generator().manual_seed(5000 + seed)
+    lengths = torch.randint(8, SEQ + 1, (size,), generator=g)
+    mask = (torch.arange(SEQ).unsqueeze(0) < lengths.unsqueeze(1)).long()
+    return {"input_ids": ids * mask, "attention_mask": mask}

@@ -107,15 +107,15 @@ def reference(model: nn.Module, an: Anatomy, call) -> Reference | None:
     ref = Reference(example)
     handles = _record(dict(enumerate(an.blocks)), ref)
     returns: list = []
-    handles.append(an.blocks[0].register_forward_hook(lambda m, a, out: returns.append(type(out))))
+    handles.append(an.blocks[0].register_forward_hook(lambda m, a, out: returns.append(out)))
     try:
         with _evaluating(model):
             call(model, example)
     finally:
         for h in handles:
             h.remove()
-    if returns and issubclass(returns[0], tuple | list):
-        an.block_returns = "tuple"
+    if returns and isinstance(returns[0], tuple | list):
+        an.block_returns = len(returns[0])
     return ref
 
 

@@ -46,6 +46,27 @@ class Skipped(nn.Module):
         return torch.zeros(())
 
 
+def ghost(piece: nn.Module, zero: bool = False) -> nn.Module:
+    """A :class:`Skipped` with ``piece``'s submodules and the shapes and dtypes of its weights as
+    meta tensors (plain attributes: no parameters, no state, never moved): a forward that reads
+    ``self.embeddings.patch_embeddings.projection.weight.dtype`` before calling the piece (ViT)
+    still runs on a stage that does not hold it."""
+    stand_in = Skipped(zero)
+
+    def copy_into(src: nn.Module, dst: nn.Module) -> None:
+        for name, t in (*src._parameters.items(), *src._buffers.items()):
+            if t is not None:
+                dst.__dict__[name] = torch.empty_like(t, device="meta")
+        for name, child in src._modules.items():
+            if child is not None:
+                sub = nn.Module()
+                copy_into(child, sub)
+                dst._modules[name] = sub
+
+    copy_into(piece, stand_in)
+    return stand_in
+
+
 class Absent(nn.Module):
     """Stands in, with no parameters, for a block another stage holds. The block list keeps its
     length, so a model whose forward reads a per-layer setting by the layer's position in the loop
@@ -55,13 +76,13 @@ class Absent(nn.Module):
     their input on (the first held block's input is put back to the received activation anyway);
     blocks after its last are never reached (the forward stops there)."""
 
-    def __init__(self, hidden: str, returns: str = "tensor"):
+    def __init__(self, hidden: str, returns: int = 0):
         super().__init__()
         self.hidden, self.returns = hidden, returns
 
     def forward(self, *args, **kwargs):
         h = args[0] if args else kwargs.get(self.hidden)
-        return (h,) if self.returns == "tuple" else h
+        return (h, *[None] * (self.returns - 1)) if self.returns else h
 
 
 def _replace(model: nn.Module, path: str, new: nn.Module) -> None:
@@ -80,10 +101,11 @@ def hold(model: nn.Module, an: Anatomy, first: bool, last: bool, kept) -> list[n
             listed._modules[key] = Absent(hidden_name(blocks[i]), an.block_returns)
     if not first:
         for i, p in enumerate(an.pre):
-            _replace(model, p, Skipped(zero=i > 0 and isinstance(model.get_submodule(p), nn.Embedding)))
+            piece = model.get_submodule(p)
+            _replace(model, p, ghost(piece, zero=i > 0 and isinstance(piece, nn.Embedding)))
     if not last:
         for p in an.post:
-            _replace(model, p, Skipped())
+            _replace(model, p, ghost(model.get_submodule(p)))
     return blocks
 
 
@@ -133,17 +155,20 @@ def cut_stage(model: nn.Module, an: Anatomy, first: bool, last: bool, kept: rang
         blocks[kept.stop - 1].register_forward_hook(stop)
     whole = model.forward
     extra = _extra(model)
+    names = inputs_of(model, an)
 
-    def forward(self, x):
+    def forward(self, x, *carried):
         guard(self)
-        box[0] = x
+        box[0] = _Dense.apply(x) if x.requires_grad else x
+        more = dict(zip(an.carry, carried, strict=True))
         try:
             if an.hf:
-                out = whole(input_ids=x, **extra) if first else whole(inputs_embeds=x, **extra)
+                out = whole(**{names[0] if first else names[1]: x}, **more, **extra)
             else:
-                out = whole(x)
+                out = whole(x, *carried)
         except _Stop as stopped:
-            return stopped.hidden
+            hidden = stopped.hidden.contiguous()  # sent as is: gloo / NCCL send and receive dense buffers
+            return (hidden, *carried) if carried else hidden
         finally:
             box[0] = None
         if hasattr(out, "logits"):
@@ -154,14 +179,43 @@ def cut_stage(model: nn.Module, an: Anatomy, first: bool, last: bool, kept: rang
     return model
 
 
+class _Dense(torch.autograd.Function):
+    """Identity whose backward makes the gradient dense: the gradient a stage sends back for its input
+    (received into a buffer laid out like it) must be contiguous for gloo / NCCL (ConvNeXt's permutes)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
 def _extra(model: nn.Module) -> dict:
     """No key/value cache: a stage trains, it does not generate."""
-    return {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
+    return {"use_cache": False} if "use_cache" in _parameters(model) else {}
 
 
-def call_whole(model: nn.Module, an: Anatomy, x):
+def _parameters(model: nn.Module) -> list[str]:
+    """The forward's named inputs (a PEFT wrapper's: its base model's, which it passes on)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return list(inspect.signature(base.forward).parameters)
+
+
+def inputs_of(model: nn.Module, an: Anatomy) -> tuple[str, str]:
+    """(the input the first stage is called with, the one a later stage gives the received activation
+    as): ``input_ids`` / ``pixel_values`` (the model's ``main_input_name``), then ``inputs_embeds``
+    where the forward takes it, else the main input again (the embeddings, a stand-in there, pass it on)."""
+    main = getattr(model, "main_input_name", "input_ids") if an.hf else ""
+    return main, "inputs_embeds" if "inputs_embeds" in _parameters(model) else main
+
+
+def call_whole(model: nn.Module, an: Anatomy, x, **carried):
     """The whole model's forward on ``x`` as its first stage calls it (the per-layer check's reference)."""
-    return model(input_ids=x, **_extra(model)) if an.hf else model(x)
+    if not an.hf:
+        return model(x, *carried.values())
+    return model(**{inputs_of(model, an)[0]: x}, **carried, **_extra(model))
 
 
 class TiedGradSync(OptimizerHook):

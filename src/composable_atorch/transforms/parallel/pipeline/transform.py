@@ -49,7 +49,7 @@ from composable_atorch.transforms.parallel.data.common import (
     parallel_context,
 )
 from composable_atorch.transforms.parallel.pipeline.check import check_stage, reference
-from composable_atorch.transforms.parallel.pipeline.cutter import call_whole, tied_sync
+from composable_atorch.transforms.parallel.pipeline.cutter import call_whole, inputs_of, tied_sync
 from composable_atorch.transforms.parallel.pipeline.stages import (  # noqa: F401 - re-exported
     KNOWN_MODELS,
     PipelineLoopError,
@@ -97,11 +97,15 @@ class PipelineRunner:
         data_group,
         data_size: int,
         shared: list | None = None,
+        an=None,
+        main: str = "",
     ):
         self.stages, self.n_stages, self.local, self.last_rank = stages, n_stages, local, last_rank
         #: parameters two of this rank's stages both use (a tied weight on a V's first and last stage):
         #: torch's schedule would divide their gradients by the microbatches once per stage; scaled here once
         self.shared = shared
+        #: the cut's Anatomy (its ``carry``: the batch's inputs besides ``main`` the stages hand on)
+        self.an, self.main = an, main
         self.microbatches, self.schedule_name = microbatches, schedule
         self.pp_group, self.data_group, self.data_size = pp_group, data_group, data_size
         self.running = False
@@ -119,14 +123,38 @@ class PipelineRunner:
             self._schedules[key] = (cls(stages, n_microbatches=self.microbatches, loss_fn=loss_fn, **scale), loss_fn)
         return self._schedules[key][0]
 
+    def _inputs(self, inputs) -> tuple:
+        """The first stage's positional inputs: the tensor, or a batch dict's main input and then the
+        inputs the stages carry (an attention mask, token types: every rank reads their names from
+        its own copy of the batch)."""
+        if isinstance(inputs, dict):
+            if self.an is None:
+                raise ConfigError("pipeline inputs", sorted(inputs), "a tensor for the built-in GPT")
+            main = self.main or next(iter(inputs))
+            if main not in inputs:
+                raise ConfigError("pipeline inputs", sorted(inputs), f"a dict holding the model's input {main!r}")
+            self.an.carry[:] = [k for k in inputs if k != main and inputs[k] is not None]
+            tensors = (inputs[main], *(inputs[k] for k in self.an.carry))
+        else:
+            if self.an is not None:
+                self.an.carry[:] = []
+            tensors = (inputs,)
+        for t in tensors:
+            if not isinstance(t, torch.Tensor) or t.size(0) % self.microbatches:
+                raise ConfigError(
+                    "pipeline batch",
+                    tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__,
+                    f"tensors whose batch size is a multiple of microbatches={self.microbatches}",
+                )
+        return tensors
+
     def step(self, inputs, targets, loss_fn) -> float:
         """Forward and backward of one global (per data rank) batch; the mean loss on every rank."""
-        if inputs.size(0) % self.microbatches:
-            raise ConfigError("pipeline batch", inputs.size(0), f"a multiple of microbatches={self.microbatches}")
+        tensors = self._inputs(inputs)
         schedule = self._schedule(loss_fn)
         losses: list[torch.Tensor] = []
         first, last = 0 in self.local, self.n_stages - 1 in self.local
-        args = (inputs,) if first else ()
+        args = tensors if first else ()
         kwargs = {"target": targets, "losses": losses} if last else {}
         self.running = True
         try:
@@ -372,6 +400,8 @@ class PipelineParallel(Transform):
             data_group,
             pc.data_size,
             _shared(kept, stage_mods),
+            an,
+            inputs_of(model, an)[0] if an is not None else "",
         )
         object.__setattr__(kept, PIPELINE_ATTR, runner)  # a plain attribute, not a submodule
         mark_loss_group(kept, data_group, pc.data_size)
@@ -424,7 +454,7 @@ def _stage_optimizer(optim: torch.optim.Optimizer, names: dict[int, str], stage:
 
     own = {id(p) for p in stage.parameters()}
     held = {id(p) for g in optim.param_groups for p in g["params"]}
-    missing = [n for n, p in stage.named_parameters() if id(p) not in held]
+    missing = [n for n, p in stage.named_parameters() if id(p) not in held and p.requires_grad]
     if missing:
         raise ParameterMappingError("lose parameters of this pipeline stage the optimizer does not hold", missing)
     groups = [
