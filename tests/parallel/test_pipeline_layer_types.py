@@ -81,7 +81,7 @@ def test_layer_typed_models_pipeline_equal_to_one_process():
 def _stages(model, cuts):
     """Every stage of ``model`` cut in one process (deep copies), with the whole model's reference."""
     an = anatomy_of(model)
-    ref = reference(model, an, lambda m, x: call_whole(m, an, x))
+    ref = reference(model, an, lambda m, x, **kw: call_whole(m, an, x, **kw))
     bounds = (0, *cuts, len(an.blocks))
     out = []
     for s in range(len(bounds) - 1):
@@ -96,16 +96,17 @@ def test_the_check_passes_the_fixed_cut_and_refuses_a_position_indexed_one():
     model = zx.build("gemma2")
     an, ref, stages = _stages(model, (1,))
     assert ref.example.shape[1] > zx.WINDOW  # the probe is longer than the window: sliding and full masks differ
+    assert ref.mask is not None and not ref.mask.all()  # and padded: the mask travels between stages
     for s, stage, held in stages:
         layers = stage.model.layers
-        check_stage(stage, s, {i: layers[i] for i in held}, s == 0, ref)
+        check_stage(stage, s, {i: layers[i] for i in held}, s == 0, ref, an.carry)
     # the cut before the fix: the list held this stage's layers only, so the loop's index was the stage's
     s, stage, held = stages[1]
     layers = stage.model.layers
     for key in [k for k, m in layers._modules.items() if isinstance(m, Absent)]:
         del layers._modules[key]
-    with pytest.raises(StageMismatchError, match="stage 1's block 1: its input.*attention_mask"):
-        check_stage(stage, s, {1: layers._modules["1"]}, False, ref)
+    with pytest.raises(StageMismatchError, match="padded, stage 1's block 1: its input.*attention_mask"):
+        check_stage(stage, s, {1: layers._modules["1"]}, False, ref, an.carry)
 
 
 class _PadMasked(nn.Module):
@@ -143,3 +144,15 @@ def test_the_check_refuses_a_forward_that_depends_on_the_first_stages_input():
     s, stage, held = stages[1]
     with pytest.raises(StageMismatchError, match="positional input.*other values"):
         check_stage(stage, s, {1: stage.blocks[1]}, False, ref)
+
+
+def test_the_check_refuses_a_stage_that_drops_the_attention_mask():
+    model = zx.encoder("bert")
+    an, ref, stages = _stages(model, (1,))
+    s, stage, held = stages[1]
+    layer = stage.bert.encoder.layer
+    check_stage(stage, s, {1: layer[1]}, False, ref, an.carry)  # carried: equal to the whole model
+    with pytest.raises(
+        StageMismatchError, match=r"block 1: its positional input\[0\] is None on the stage, a .* bool tensor"
+    ):
+        check_stage(stage, s, {1: layer[1]}, False, ref)  # not carried: the stage attends to the pads

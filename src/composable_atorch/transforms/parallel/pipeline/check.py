@@ -27,6 +27,7 @@ from composable_atorch.transforms.parallel.pipeline.anatomy import (
     hidden_of,
     probe_input,
 )
+from composable_atorch.transforms.parallel.pipeline.cutter import takes
 
 #: the probe is at least this long, and longer than any attention window the config names (up to MAX_PROBE)
 MIN_PROBE, MAX_PROBE = 16, 512
@@ -41,6 +42,8 @@ class Reference:
     """The whole model's probe: its input and each block's other inputs, hidden input and output."""
 
     example: torch.Tensor
+    #: the padded attention mask the probe carries from stage to stage (None: the model takes none)
+    mask: torch.Tensor | None = None
     inputs: dict[int, tuple] = field(default_factory=dict)  #: block -> (args after the hidden, kwargs less it)
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)  #: block -> hidden input
     outputs: dict[int, torch.Tensor] = field(default_factory=dict)  #: block -> hidden output
@@ -104,16 +107,25 @@ def reference(model: nn.Module, an: Anatomy, call) -> Reference | None:
     example = probe_input(model, an, probe_length(model))
     if example is None:
         return None
-    ref = Reference(example)
-    handles = _record(dict(enumerate(an.blocks)), ref)
+    mask = None
+    if an.hf and example.dim() == 2 and "attention_mask" in takes(model):  # the last quarter padded
+        mask = (torch.arange(example.shape[1], device=example.device) < example.shape[1] * 3 // 4).long()[None]
     returns: list = []
-    handles.append(an.blocks[0].register_forward_hook(lambda m, a, out: returns.append(out)))
-    try:
-        with _evaluating(model):
-            call(model, example)
-    finally:
-        for h in handles:
-            h.remove()
+    for tried in (mask,) if mask is None else (mask, None):  # a model the padded probe fails: none
+        ref = Reference(example, tried)
+        returns.clear()
+        handles = _record(dict(enumerate(an.blocks)), ref)
+        handles.append(an.blocks[0].register_forward_hook(lambda m, a, out: returns.append(out)))
+        try:
+            with _evaluating(model):
+                call(model, example, **({} if tried is None else {"attention_mask": tried}))
+            break
+        except Exception:  # noqa: BLE001 - retried without the mask; without it, the error is the model's own
+            if tried is None:
+                raise
+        finally:
+            for h in handles:
+                h.remove()
     if returns and isinstance(returns[0], tuple | list):
         an.block_returns = len(returns[0])
     return ref
@@ -152,18 +164,26 @@ def _kind(v) -> str:
     return repr(v) if v is None else f"a {type(v).__name__}"
 
 
-def check_stage(stage: nn.Module, number: int, blocks: dict[int, nn.Module], first: bool, ref: Reference) -> None:
-    """Run ``stage`` (holding ``blocks``, index -> block) on the probe; StageMismatchError where a
-    block sees other inputs or gives another output than in the whole model."""
+def check_stage(
+    stage: nn.Module, number: int, blocks: dict[int, nn.Module], first: bool, ref: Reference, carry=None
+) -> None:
+    """Run ``stage`` (holding ``blocks``, index -> block) on the probe, the padded mask handed on as the
+    stages hand it (named in ``carry``, the anatomy's list); StageMismatchError where a block sees
+    other inputs or gives another output than in the whole model."""
     start = min(blocks)
     got = Reference(ref.example)
     handles = _record(blocks, got)
+    carried = () if ref.mask is None or carry is None else (ref.mask,)
+    if carried:
+        carry[:] = ["attention_mask"]
     try:
         with _evaluating(stage):
-            stage(ref.example if first else ref.hidden[start])
+            stage(ref.example if first else ref.hidden[start], *carried)
     finally:
         for h in handles:
             h.remove()
+        if carry is not None:
+            carry[:] = []
     for i in sorted(blocks):
         if i not in got.inputs:
             problem = "it is not run on the stage"
@@ -184,7 +204,8 @@ def check_stage(stage: nn.Module, number: int, blocks: dict[int, nn.Module], fir
         if problem is not None:
             raise StageMismatchError(
                 type(stage).__name__,
-                f"on a probe of {tuple(ref.example.shape)}, stage {number}'s block {i}: {problem}, so the stage "
+                f"on a probe of {tuple(ref.example.shape)}{' padded' if carried else ''}, "
+                f"stage {number}'s block {i}: {problem}, so the stage "
                 "would train it wrongly (its forward computes something for the block that depends on which blocks "
                 "the stage holds)",
                 "train this model with ddp / fsdp / zero2 / tensor_parallel, or report the model: the check "

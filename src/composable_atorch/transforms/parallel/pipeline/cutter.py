@@ -194,10 +194,10 @@ class _Dense(torch.autograd.Function):
 
 def _extra(model: nn.Module) -> dict:
     """No key/value cache: a stage trains, it does not generate."""
-    return {"use_cache": False} if "use_cache" in _parameters(model) else {}
+    return {"use_cache": False} if "use_cache" in takes(model) else {}
 
 
-def _parameters(model: nn.Module) -> list[str]:
+def takes(model: nn.Module) -> list[str]:
     """The forward's named inputs (a PEFT wrapper's: its base model's, which it passes on)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     return list(inspect.signature(base.forward).parameters)
@@ -208,7 +208,7 @@ def inputs_of(model: nn.Module, an: Anatomy) -> tuple[str, str]:
     as): ``input_ids`` / ``pixel_values`` (the model's ``main_input_name``), then ``inputs_embeds``
     where the forward takes it, else the main input again (the embeddings, a stand-in there, pass it on)."""
     main = getattr(model, "main_input_name", "input_ids") if an.hf else ""
-    return main, "inputs_embeds" if "inputs_embeds" in _parameters(model) else main
+    return main, "inputs_embeds" if "inputs_embeds" in takes(model) else main
 
 
 def call_whole(model: nn.Module, an: Anatomy, x, **carried):

@@ -326,7 +326,7 @@ class PipelineParallel(Transform):
                 f"a multiple of max(1, microbatches // pipeline size) = {rounds} for {self.schedule}",
             )
         if an is not None and an.reference is None:
-            an.reference = reference(model, an, lambda m, x: call_whole(m, an, x))
+            an.reference = reference(model, an, lambda m, x, **kw: call_whole(m, an, x, **kw))
         if self.split == "auto":
             return an, balanced_cuts([numel(b) for b in blocks], stages, head, tail)
         split = self.split
@@ -441,10 +441,11 @@ def _check_stages(an, stage_mods: list[nn.Module], local: list[int], bounds: tup
     for s, stage in zip(local, stage_mods, strict=True):
         listed = stage.get_submodule(an.path) if an.path else stage
         held = {i: listed[i] for i in range(bounds[s], bounds[s + 1])}
-        check_stage(stage, s, held, s == 0, ref)
+        check_stage(stage, s, held, s == 0, ref, an.carry)
+    padded = ", padded, its attention mask carried" if ref.mask is not None else ""
     return (
         f"each stage's blocks see the whole model's inputs and give its outputs on a probe of "
-        f"{tuple(ref.example.shape)} tokens (checked before training)"
+        f"{tuple(ref.example.shape)}{padded} (checked before training)"
     )
 
 
