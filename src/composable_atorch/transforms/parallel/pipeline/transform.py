@@ -8,7 +8,7 @@ them is held by both and kept equal). Each stage is a manual
 :class:`~torch.distributed.pipelining.PipelineStage` driven by one of torch's schedules:
 
 * one stage per rank: ``"GPipe"``, ``"1F1B"``;
-* several ("virtual") stages per rank, placed round-robin (rank r holds r, r+P, ...):
+* several ("virtual") stages per rank, on any model the cutter cuts, placed round-robin (rank r holds r, r+P, ...):
   ``"Interleaved1F1B"``, ``"LoopedBFS"``, and zero-bubble ``"InterleavedZeroBubble"`` (backward
   split into input and weight passes to fill the bubble);
 * exactly two stages per rank in a V (rank r holds r and 2P-1-r, so rank 0 holds the first and
@@ -17,6 +17,12 @@ them is held by both and kept equal). Each stage is a manual
 All of them ran on CPU / gloo in torch 2.13 and match one process (tests/parallel/test_pipeline_parallel.py).
 The zero-bubble ones refuse compiled stages (torch cannot split a compiled backward into input
 and weight passes), so they conflict with ``compile`` in the contract.
+
+The inputs ``train_step`` gets are a tensor (token ids, pixels) or, for an HF model, a batch dict
+(``{"input_ids": ..., "attention_mask": ...}``): its main input enters the first stage and the
+rest (a padded batch's attention mask) travels with the activation from stage to stage. Before
+training each stage this rank holds is compared, block by block, with the whole model on a probe
+(:mod:`.check`): what a stage would compute differently is a typed error, not a wrong result.
 
 Parameter names are kept (each rank holds a subset of them); the optimizer is rebuilt over this
 rank's parameters. A pipeline needs the loss inside its schedule, so the plain loop
