@@ -158,6 +158,21 @@ ENCODERS = {
         intermediate_size=64,
         max_position_embeddings=64,
     ),
+    # DeBERTa-v3 style: relative attention, its position table and norm given to every layer
+    "deberta_rel": lambda: _cfg(
+        "DebertaV2Config",
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        relative_attention=True,
+        position_buckets=8,
+        norm_rel_ebd="layer_norm",
+        pos_att_type=["p2c", "c2p"],
+        position_biased_input=False,
+    ),
     "convnext": lambda: _cfg(
         "ConvNextConfig",
         num_channels=3,

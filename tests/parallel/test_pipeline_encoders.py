@@ -1,8 +1,9 @@
 """pipeline_parallel on encoders and wrapped models at world 2, against one process (SGD and AdamW):
 ViT and ConvNeXt image classifiers (no mask; ViT's forward has no ``inputs_embeds``), BERT and
 DeBERTa-v2 masked LMs on padded batches (the attention mask travels between stages with the
-activation), and a LoRA-wrapped Llama (peft: the base model is cut, adapters stay in their layers,
-only they train). Encoder-decoders and two-tower models are refused with the true reason.
+activation; DeBERTa-v3-style relative attention: its position table, given to every layer, is
+held by every stage, gradients summed), and a LoRA-wrapped Llama (peft: the base model is cut,
+adapters stay in their layers, only they train). Encoder-decoders and two-tower models are refused with the true reason.
 """
 
 from __future__ import annotations
@@ -89,12 +90,16 @@ def test_encoders_and_lora_pipeline_equal_to_one_process():
         (l0, p0, explain), (l1, p1, _) = r0[case], r1[case]
         gap = max(abs(a - b) for a, b in zip(l0, ref_losses, strict=True))
         weight = max(float(abs(p - ref_params[n]).max()) for r in (p0, p1) for n, p in r.items())
-        held = set(p0) | set(p1)
+        held = set(p0) | set(p1)  # a piece every stage holds is on both, equal to one process's
         moved = max(float(abs(ref_params[n] - p).max()) for n, p in start[case.split("/")[0]].items())
         if l0 != l1 or gap > TOL or weight > TOL or not held <= set(ref_params) or moved < 1e-4:
             bad[case] = (gap, weight, l0 == l1, moved)
         assert "each stage's blocks see the whole model's inputs" in explain, (case, explain)
     assert not bad, bad
+    assert (
+        "['deberta.encoder.LayerNorm', 'deberta.encoder.rel_embeddings'] held by every stage"
+        in (r0["deberta_rel/sgd"][2])
+    )
     # LoRA: the base weights did not move, the adapters did (equal to one process, checked above)
     lora = {**refs0, **refs1}["lora_llama/adamw"][1]
     base = start["lora_llama"]

@@ -69,6 +69,9 @@ class Anatomy:
     #: named inputs besides the first (an attention mask, token types) the stages hand on with the
     #: activation, in this order; set per step from the batch (a dict of tensors) by the runner
     carry: list[str] = field(default_factory=list)
+    #: pieces every stage holds (their weights reach every block besides through the hidden states:
+    #: DeBERTa's relative-position table); their gradients are summed over the pipeline
+    shared: list[str] = field(default_factory=list)
     #: the whole model's probe forward (check.Reference) each stage is compared with; None: not run
     reference: object = None
 

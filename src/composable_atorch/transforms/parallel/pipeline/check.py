@@ -65,12 +65,12 @@ def probe_length(model: nn.Module) -> int:
 
 
 @contextlib.contextmanager
-def _evaluating(model: nn.Module):
+def _evaluating(model: nn.Module, grad: bool = False):
     """Dropout off and the RNG untouched for the probe; each module's mode restored after."""
     modes = [(m, m.training) for m in model.modules()]
     model.eval()
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        with torch.set_grad_enabled(grad), torch.random.fork_rng(devices=[]):
             yield
     finally:
         for m, mode in modes:
@@ -117,8 +117,9 @@ def reference(model: nn.Module, an: Anatomy, call) -> Reference | None:
         handles = _record(dict(enumerate(an.blocks)), ref)
         handles.append(an.blocks[0].register_forward_hook(lambda m, a, out: returns.append(out)))
         try:
-            with _evaluating(model):
+            with _evaluating(model, grad=True):  # side inputs keep their graph: which pieces feed them (below)
                 call(model, example, **({} if tried is None else {"attention_mask": tried}))
+            an.shared = _feeding(model, an, ref)
             break
         except Exception:  # noqa: BLE001 - retried without the mask; without it, the error is the model's own
             if tried is None:
@@ -129,6 +130,44 @@ def reference(model: nn.Module, an: Anatomy, call) -> Reference | None:
     if returns and isinstance(returns[0], tuple | list):
         an.block_returns = len(returns[0])
     return ref
+
+
+def _feeding(model: nn.Module, an: Anatomy, ref: Reference) -> list[str]:
+    """The pieces whose weights reach the blocks besides through the hidden states (DeBERTa's relative
+    position table and its norm, given to every layer): every stage must hold them."""
+    side = [
+        t
+        for args, kwargs in ref.inputs.values()
+        for t in (
+            *args,
+            *kwargs.values(),
+            *(v for a in (*args, *kwargs.values()) if isinstance(a, tuple | list) for v in a),
+        )
+        if isinstance(t, torch.Tensor) and t.requires_grad
+    ]
+    out = []
+    if side:
+        total = sum(t.float().sum() for t in side)
+        for p in (*an.pre, *an.post):
+            params = [w for w in model.get_submodule(p).parameters() if w.requires_grad]
+            grads = torch.autograd.grad(total, params, retain_graph=True, allow_unused=True) if params else ()
+            if any(g is not None for g in grads):
+                out.append(p)
+    for i in ref.inputs:  # the graph is no longer needed: the reference keeps plain tensors
+        ref.inputs[i] = _detached(ref.inputs[i])
+        ref.hidden[i] = _detached(ref.hidden[i])
+        ref.outputs[i] = _detached(ref.outputs[i])
+    return out
+
+
+def _detached(v):
+    if isinstance(v, torch.Tensor):
+        return v.detach()
+    if isinstance(v, tuple | list):
+        return type(v)(_detached(x) for x in v)
+    if isinstance(v, dict):
+        return {k: _detached(x) for k, x in v.items()}
+    return v
 
 
 def _local(t):

@@ -102,10 +102,12 @@ def hold(model: nn.Module, an: Anatomy, first: bool, last: bool, kept) -> list[n
     if not first:
         for i, p in enumerate(an.pre):
             piece = model.get_submodule(p)
-            _replace(model, p, ghost(piece, zero=i > 0 and isinstance(piece, nn.Embedding)))
+            if p not in an.shared:
+                _replace(model, p, ghost(piece, zero=i > 0 and isinstance(piece, nn.Embedding)))
     if not last:
         for p in an.post:
-            _replace(model, p, ghost(model.get_submodule(p)))
+            if p not in an.shared:
+                _replace(model, p, ghost(model.get_submodule(p)))
     return blocks
 
 
@@ -241,6 +243,28 @@ class TiedGradSync(OptimizerHook):
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
             p.grad.add_(theirs)
+
+
+class SharedGradSync(OptimizerHook):
+    """Sum over the pipeline the gradients of pieces every stage holds (:attr:`Anatomy.shared`): one
+    process sums every layer's use in one tensor; here each stage sees its own layers' uses."""
+
+    def __init__(self, params: list[nn.Parameter], group):
+        self.params, self.group = params, group
+
+    def before_step(self, optimizer):
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad, group=self.group)
+
+
+def shared_sync(an, kept: nn.Module, group):
+    """The hook that sums the shared pieces' gradients over the pipeline; None when there are none."""
+    if an is None or not an.shared:
+        return None
+    params = [w for p in an.shared for w in kept.get_submodule(p).parameters() if w.requires_grad]
+    return SharedGradSync(params, group) if params else None
 
 
 def tied_sync(an, kept: nn.Module, local: list[int], n_stages: int, placement: dict, group):

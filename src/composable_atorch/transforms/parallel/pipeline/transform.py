@@ -55,7 +55,7 @@ from composable_atorch.transforms.parallel.data.common import (
     parallel_context,
 )
 from composable_atorch.transforms.parallel.pipeline.check import check_stage, reference
-from composable_atorch.transforms.parallel.pipeline.cutter import call_whole, inputs_of, tied_sync
+from composable_atorch.transforms.parallel.pipeline.cutter import call_whole, inputs_of, shared_sync, tied_sync
 from composable_atorch.transforms.parallel.pipeline.stages import (  # noqa: F401 - re-exported
     KNOWN_MODELS,
     PipelineLoopError,
@@ -391,6 +391,9 @@ class PipelineParallel(Transform):
         tie = tied_sync(an, kept, local, n_stages, placement, pp_group)
         if tie is not None:  # a sum over the two stages; the data average above commutes with it
             state.hooks.append(tie)
+        common = shared_sync(an, kept, pp_group)
+        if common is not None:
+            state.hooks.append(common)
         device = torch.device(ctx.env.device)
         pstages = [
             PipelineStage(m, s, n_stages, device, group=pp_group) for s, m in zip(local, stage_mods, strict=True)
@@ -425,6 +428,8 @@ class PipelineParallel(Transform):
             line += f"; cut {type(model).__name__} at {an.path!r}, embeddings / head told apart by {an.source}"
             if an.tied:
                 line += f"; tied {an.tied} kept equal (the first and last stage add their gradients)"
+            if an.shared:
+                line += f"; {an.shared} held by every stage (they feed every block), gradients summed over the pipeline"
             line += f"; {checked}"
         state.note(self.name, line)
         return state
