@@ -99,7 +99,7 @@ def test_the_check_passes_the_fixed_cut_and_refuses_a_position_indexed_one():
     assert ref.mask is not None and not ref.mask.all()  # and padded: the mask travels between stages
     for s, stage, held in stages:
         layers = stage.model.layers
-        check_stage(stage, s, {i: layers[i] for i in held}, s == 0, ref, an.carry)
+        check_stage(stage, s, {i: layers[i] for i in held}, s == 0, ref, an.carry, last=s == 1)
     # the cut before the fix: the list held this stage's layers only, so the loop's index was the stage's
     s, stage, held = stages[1]
     layers = stage.model.layers
@@ -156,3 +156,26 @@ def test_the_check_refuses_a_stage_that_drops_the_attention_mask():
         StageMismatchError, match=r"block 1: its positional input\[0\] is None on the stage, a .* bool tensor"
     ):
         check_stage(stage, s, {1: layer[1]}, False, ref)  # not carried: the stage attends to the pads
+
+
+class _FunctionalTie(nn.Module):
+    """A user model whose head reuses the embedding's weight functionally: the last stage lacks it."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(zx.VOCAB, 16)
+        self.blocks = nn.ModuleList(zx.Block(16) for _ in range(2))
+
+    def forward(self, x):
+        h = self.embed(x)
+        for b in self.blocks:
+            h = b(h)
+        return nn.functional.linear(h, self.embed.weight)
+
+
+def test_a_last_stage_that_needs_another_stages_weight_is_a_typed_refusal():
+    torch.manual_seed(0)
+    an, ref, stages = _stages(_FunctionalTie(), (1,))
+    s, stage, held = stages[1]
+    with pytest.raises(StageMismatchError, match=r"the last stage \(stage 1\) returns another output"):
+        check_stage(stage, s, {1: stage.blocks[1]}, False, ref, last=True)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from composable_atorch.errors import CompositionError
 from composable_atorch.transforms.parallel.pipeline.anatomy import (
     Anatomy,
     UncuttableModelError,
@@ -44,6 +45,8 @@ class Reference:
     example: torch.Tensor
     #: the padded attention mask the probe carries from stage to stage (None: the model takes none)
     mask: torch.Tensor | None = None
+    #: the model's output (its logits): what the last stage must return
+    final: torch.Tensor | None = None
     inputs: dict[int, tuple] = field(default_factory=dict)  #: block -> (args after the hidden, kwargs less it)
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)  #: block -> hidden input
     outputs: dict[int, torch.Tensor] = field(default_factory=dict)  #: block -> hidden output
@@ -118,7 +121,8 @@ def reference(model: nn.Module, an: Anatomy, call) -> Reference | None:
         handles.append(an.blocks[0].register_forward_hook(lambda m, a, out: returns.append(out)))
         try:
             with _evaluating(model, grad=True):  # side inputs keep their graph: which pieces feed them (below)
-                call(model, example, **({} if tried is None else {"attention_mask": tried}))
+                out = call(model, example, **({} if tried is None else {"attention_mask": tried}))
+            ref.final = _output(out)
             an.shared = _feeding(model, an, ref)
             break
         except Exception:  # noqa: BLE001 - retried without the mask; without it, the error is the model's own
@@ -130,6 +134,22 @@ def reference(model: nn.Module, an: Anatomy, call) -> Reference | None:
     if returns and isinstance(returns[0], tuple | list):
         an.block_returns = len(returns[0])
     return ref
+
+
+def _output(out):
+    """The tensor a model's forward gives (its logits), as a stage returns it."""
+    if hasattr(out, "logits"):
+        out = out.logits
+    out = out[0] if isinstance(out, tuple | list) else out
+    return out.detach() if isinstance(out, torch.Tensor) else None
+
+
+def _close(a, b) -> bool:
+    if a.device.type == "meta" or b.device.type == "meta" or a.shape != b.shape:
+        return False
+    a, b = _local(a).float().cpu(), _local(b).float().cpu()
+    scale = float(b.abs().max()) if b.numel() else 0.0
+    return torch.allclose(a, b, rtol=1e-3, atol=1e-4 * max(scale, 1.0))
 
 
 def _feeding(model: nn.Module, an: Anatomy, ref: Reference) -> list[str]:
@@ -204,7 +224,13 @@ def _kind(v) -> str:
 
 
 def check_stage(
-    stage: nn.Module, number: int, blocks: dict[int, nn.Module], first: bool, ref: Reference, carry=None
+    stage: nn.Module,
+    number: int,
+    blocks: dict[int, nn.Module],
+    first: bool,
+    ref: Reference,
+    carry=None,
+    last: bool = False,
 ) -> None:
     """Run ``stage`` (holding ``blocks``, index -> block) on the probe, the padded mask handed on as the
     stages hand it (named in ``carry``, the anatomy's list); StageMismatchError where a block sees
@@ -217,12 +243,31 @@ def check_stage(
         carry[:] = ["attention_mask"]
     try:
         with _evaluating(stage):
-            stage(ref.example if first else ref.hidden[start], *carried)
+            returned = _output(stage(ref.example if first else ref.hidden[start], *carried))
+    except CompositionError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the whole model ran this probe: the cut broke it
+        raise StageMismatchError(
+            type(stage).__name__,
+            f"stage {number} fails on a probe the whole model runs ({type(exc).__name__}: {str(exc)[:200]}): "
+            "its forward needs a piece or input another stage holds",
+            "train this model with ddp / fsdp / zero2 / tensor_parallel, or pass split=[...] so that the "
+            "pieces it needs stay with it",
+        ) from exc
     finally:
         for h in handles:
             h.remove()
         if carry is not None:
             carry[:] = []
+    if last and ref.final is not None and (returned is None or not _close(returned, ref.final)):
+        raise StageMismatchError(
+            type(stage).__name__,
+            f"the last stage (stage {number}) returns another output than the whole model on the same probe "
+            f"({_kind(returned)}, not {_kind(ref.final)}): its forward after the blocks needs something another "
+            "stage holds (a weight used outside its module, e.g. the embedding's reused by a functional head)",
+            "hold the reused weight in a module of its own (an nn.Linear head tied to the embedding), or train "
+            "this model with ddp / fsdp / zero2 / tensor_parallel",
+        )
     for i in sorted(blocks):
         if i not in got.inputs:
             problem = "it is not run on the stage"
@@ -233,9 +278,7 @@ def check_stage(
             if problem is None and i not in got.outputs:
                 problem = "it returns nothing on the stage"
             if problem is None:
-                a, b = _local(got.outputs[i]).float().cpu(), _local(ref.outputs[i]).float().cpu()
-                scale = float(b.abs().max()) if b.numel() else 0.0
-                if a.shape != b.shape or not torch.allclose(a, b, rtol=1e-3, atol=1e-4 * max(scale, 1.0)):
+                if not _close(got.outputs[i], ref.outputs[i]):
                     problem = (
                         "its output differs from the whole model's on the same inputs (a setting the forward "
                         "chooses by the block's position?)"

@@ -452,7 +452,7 @@ def _check_stages(an, stage_mods: list[nn.Module], local: list[int], bounds: tup
     for s, stage in zip(local, stage_mods, strict=True):
         listed = stage.get_submodule(an.path) if an.path else stage
         held = {i: listed[i] for i in range(bounds[s], bounds[s + 1])}
-        check_stage(stage, s, held, s == 0, ref, an.carry)
+        check_stage(stage, s, held, s == 0, ref, an.carry, last=s == len(bounds) - 2)
     padded = ", padded, its attention mask carried" if ref.mask is not None else ""
     return (
         f"each stage's blocks see the whole model's inputs and give its outputs on a probe of "
