@@ -125,9 +125,11 @@ def reference(model: nn.Module, an: Anatomy, call) -> Reference | None:
             ref.final = _output(out)
             an.shared = _feeding(model, an, ref)
             break
-        except Exception:  # noqa: BLE001 - retried without the mask; without it, the error is the model's own
+        except CompositionError:
+            raise
+        except Exception:  # noqa: BLE001 - retried without the mask; failing without it: not checked (explain)
             if tried is None:
-                raise
+                return None
         finally:
             for h in handles:
                 h.remove()
