@@ -4,22 +4,28 @@ A stage is the user's model itself, cut in place, so its forward (masks, rotary 
 positions, ALiBi, scalings: whatever the family computes around its blocks) still runs on every
 stage and parameter names are unchanged:
 
-* the block list keeps this stage's blocks only (original indices as keys);
+* the block list keeps its length: this stage's blocks, parameter-free stand-ins for the others
+  (a forward that picks a layer's setting by its index in the loop, ``config.layer_types[i]``,
+  gets each block's own), original indices as keys;
 * the *pieces* (modules with parameters outside the blocks) are told apart into those that run
   before the blocks (embeddings) and after them (final norm, head): from transformers'
   ``base_model_pp_plan`` where the family ships one, else from the order in which a one-sequence
   probe forward calls them, else (weights on the meta device) from their registration order;
-* a stage without the first block has its *before* pieces replaced by a parameter-free stand-in and
-  is called with the received activation (as ``inputs_embeds`` for an HF model); a pre-hook on its
-  first block puts the activation back in place of whatever the embedding code made of it (GPT-2's
-  ``wpe``, Granite's multiplier, BLOOM's embedding norm), so that code needs no per-family knowledge;
+* a stage without the first block has its *before* pieces replaced by parameter-free stand-ins and
+  is called with the received activation (as ``inputs_embeds`` for an HF model that takes it, else
+  as its main input: ViT's ``pixel_values``); a pre-hook on its first block puts the activation
+  back in place of whatever the embedding code made of it (GPT-2's ``wpe``, Granite's multiplier,
+  BLOOM's embedding norm), so that code needs no per-family knowledge; the batch's other inputs
+  (attention mask, token types) travel with the activation from stage to stage;
 * a stage without the last block stops its forward at its last block (a hook raises the block's
   output, which the stage returns) and has its *after* pieces replaced by stand-ins.
 
-What cannot be cut this way is refused with :class:`UncuttableModelError` (typed, naming the fix):
-encoder and encoder-decoder HF models (their stages would need the attention mask / encoder output
-carried along, which a decoder-only cut has no place for), models without a block list, and models
-whose forward does not run its blocks as a chain (each block's input is the previous one's output).
+Decoders, encoders (BERT-style, ViT), a PEFT-wrapped model (its base model is cut, adapters stay
+in their layers) and plain block-list models are cut. Refused with :class:`UncuttableModelError`
+(typed, naming the fix): encoder-decoders and two-tower models (two block stacks, no single
+chain), models without a block list, and models whose forward does not run its blocks as a chain
+(each block's input is the previous one's output). What the cut computes differently from the
+whole model is refused by :mod:`.check` before training.
 """
 
 from __future__ import annotations
@@ -58,6 +64,16 @@ class Anatomy:
     source: str = "registration order"  #: how pre and post were told apart
     #: parameters held by a before piece and an after piece (tied embeddings): (first-stage name, last-stage name)
     tied: list[tuple[str, str]] = field(default_factory=list)
+    #: what a block returns, seen on a probe forward: 0 a tensor, n a tuple of n (the hidden states first)
+    block_returns: int = 0
+    #: named inputs besides the first (an attention mask, token types) the stages hand on with the
+    #: activation, in this order; set per step from the batch (a dict of tensors) by the runner
+    carry: list[str] = field(default_factory=list)
+    #: pieces every stage holds (their weights reach every block besides through the hidden states:
+    #: DeBERTa's relative-position table); their gradients are summed over the pipeline
+    shared: list[str] = field(default_factory=list)
+    #: the whole model's probe forward (check.Reference) each stage is compared with; None: not run
+    reference: object = None
 
     def weights(self, model: nn.Module) -> tuple[int, int]:
         """Parameters the first / last stage hold besides blocks (a tied weight counts on both)."""
@@ -81,7 +97,7 @@ def _name(model: nn.Module) -> str:
 
 
 def _refuse_hf_kind(model: nn.Module) -> None:
-    """An HF model that is not decoder-only has no single chain of blocks to cut."""
+    """An HF model with two block stacks (encoder-decoder, two towers) has no single chain to cut."""
     config = getattr(model, "config", None)
     if config is None or not hasattr(model, "base_model"):
         return
@@ -89,21 +105,17 @@ def _refuse_hf_kind(model: nn.Module) -> None:
         raise UncuttableModelError(
             _name(model),
             "an encoder-decoder has two block stacks and every decoder block reads the encoder's output "
-            "(cross-attention), so it is no single chain; a decoder-only cut has no meaning for it",
-            "train it with ddp / fsdp / zero2 / tensor_parallel; "
-            "pipeline_parallel cuts decoder-only and plain chain models",
+            "(cross-attention), so it is no single chain of blocks one activation runs through",
+            "train it with ddp / fsdp / zero2 / tensor_parallel; pipeline_parallel cuts decoder-only and "
+            "encoder-only models and plain chain models",
         )
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    causal = {n for v in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values() for n in ((v,) if isinstance(v, str) else v)}
-    if _name(model) not in causal and not getattr(config, "is_decoder", False):
+    towers = [k for k in ("text_config", "vision_config", "audio_config") if getattr(config, k, None) is not None]
+    if len(towers) >= 2:
         raise UncuttableModelError(
             _name(model),
-            "it is not a causal LM (an encoder or a task head): its blocks attend both ways under an attention "
-            "mask and token types that the pipeline does not carry between stages, and its loss is not the "
-            "next-token loss the pipeline's last stage feeds the criterion; a decoder-only cut has no meaning for it",
-            "train it with ddp / fsdp / zero2 / tensor_parallel; pipeline_parallel cuts causal LMs "
-            "(AutoModelForCausalLM) and plain chain models",
+            f"it has one block stack per modality ({', '.join(towers)}) run side by side on different inputs "
+            "(two towers), so it is no single chain of blocks one activation runs through",
+            "train it with ddp / fsdp / zero2 / tensor_parallel; pipeline_parallel cuts single-stack models",
         )
 
 
@@ -208,8 +220,17 @@ def _pp_plan_order(model: nn.Module, path: str, found: list[str]) -> dict[str, s
     return side
 
 
-def _probe_input(model: nn.Module, an: Anatomy) -> torch.Tensor | None:
-    """One sequence of two tokens when the model starts with token ids; None when the input is unknown."""
+def probe_input(model: nn.Module, an: Anatomy, length: int = 2) -> torch.Tensor | None:
+    """One sequence of ``length`` tokens when the model starts with token ids, one image of the
+    config's size when it starts with pixels; None when the input is unknown."""
+    config = getattr(model, "config", None)
+    if an.hf and getattr(model, "main_input_name", "input_ids") == "pixel_values":
+        size, channels = getattr(config, "image_size", None), getattr(config, "num_channels", 3)
+        if not isinstance(size, int):
+            return None
+        g = torch.Generator().manual_seed(0)
+        device = next(model.parameters()).device
+        return torch.randn(1, channels, size, size, generator=g).to(device)
     first = next((model.get_submodule(p) for p in pieces(model, an.path)), None)
     vocab = getattr(getattr(model, "config", None), "vocab_size", None) if an.hf else None
     if vocab is None and isinstance(first, nn.Embedding):
@@ -217,7 +238,9 @@ def _probe_input(model: nn.Module, an: Anatomy) -> torch.Tensor | None:
     if vocab is None:
         return None
     device = next(model.parameters()).device
-    return torch.tensor([[1 % vocab, 2 % vocab]], device=device)
+    if length == 2:
+        return torch.tensor([[1 % vocab, 2 % vocab]], device=device)
+    return ((torch.arange(length, device=device) * 7 + 3) % vocab).unsqueeze(0)
 
 
 def hidden_of(out):
@@ -234,7 +257,7 @@ def _probe(model: nn.Module, an: Anatomy, found: list[str]) -> dict[str, str] | 
     params = list(model.parameters())
     if not params or any(p.is_meta or hasattr(p, "to_local") for p in params):  # meta or DTensor weights
         return None
-    ids = _probe_input(model, an)
+    ids = probe_input(model, an)
     if ids is None:
         return None
     calls: list[tuple[str, object]] = []
@@ -253,7 +276,7 @@ def _probe(model: nn.Module, an: Anatomy, found: list[str]) -> dict[str, str] | 
         handles.append(b.register_forward_hook(post))
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            model(input_ids=ids) if an.hf else model(ids)
+            model(**{getattr(model, "main_input_name", "input_ids"): ids}) if an.hf else model(ids)
     except CompositionError:
         raise
     except Exception:  # noqa: BLE001 - a model we cannot probe falls back to registration order

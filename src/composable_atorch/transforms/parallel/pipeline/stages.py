@@ -2,21 +2,23 @@
 
 The built-in GPT is cut into stage modules of its own (:class:`_GPTStage`); any other model with a
 block list by :mod:`.cutter` (the model itself, cut in place, its own forward running on each
-stage). A rank holds one stage, or for the built-in GPT several ("virtual" stages of an
-interleaved / V schedule); then the module the user gets holds all of them under their original
-parameter names and each stage is a separate view sharing its parameters, so torch's schedule
-scales and steps each stage's own parameters once.
+stage). A rank holds one stage, or several ("virtual" stages of an interleaved / V schedule); then
+the module the user gets holds all of them under their original parameter names and each stage is
+a separate view sharing its parameters (for the generic cutter: a copy of the module tree sharing
+every parameter and buffer, cut in place), so torch's schedule runs each stage's own blocks.
 """
 
 from __future__ import annotations
 
+import types
+
 import torch
 from torch import nn
 
-from composable_atorch.errors import CompositionError, ConfigError
+from composable_atorch.errors import CompositionError
 from composable_atorch.runtime.train_step import PIPELINE_ATTR
 from composable_atorch.transforms.parallel.pipeline.anatomy import Anatomy, anatomy_of
-from composable_atorch.transforms.parallel.pipeline.cutter import cut_stage
+from composable_atorch.transforms.parallel.pipeline.cutter import cut_stage, hold, share
 
 
 class PipelineLoopError(CompositionError, RuntimeError):
@@ -126,6 +128,11 @@ class _GPTStage(nn.Module):
         return x
 
 
+def _holder_forward(self, *args, **kwargs):
+    """The module a rank with several stages keeps holds them all; only the schedule runs them."""
+    raise PipelineLoopError()
+
+
 def rank_modules(
     model: nn.Module, bounds: tuple[int, ...], local: list[int], an: Anatomy | None = None
 ) -> tuple[nn.Module, list[nn.Module]]:
@@ -144,11 +151,10 @@ def rank_modules(
             stage = cut_stage(model, an, s == 0, s == n - 1, ranges[s], _guard)
         return stage, [stage]
     if an is not None:
-        raise ConfigError(
-            "pipeline_parallel.stages_per_rank",
-            len(local),
-            "1 for models other than the built-in GPT: the generic cutter makes the model itself one stage",
-        )
+        stages = [cut_stage(share(model), an, s == 0, s == n - 1, ranges[s], _guard) for s in local]
+        hold(model, an, 0 in local, n - 1 in local, [i for s in local for i in ranges[s]])
+        model.forward = types.MethodType(_holder_forward, model)
+        return model, stages
     union = [i for s in local for i in ranges[s]]
     kept = _GPTStage(model, 0 in local, n - 1 in local, sorted(union))
     return kept, [_GPTStage(model, s == 0, s == n - 1, ranges[s]) for s in local]

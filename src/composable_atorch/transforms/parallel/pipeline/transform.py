@@ -8,7 +8,7 @@ them is held by both and kept equal). Each stage is a manual
 :class:`~torch.distributed.pipelining.PipelineStage` driven by one of torch's schedules:
 
 * one stage per rank: ``"GPipe"``, ``"1F1B"``;
-* several ("virtual") stages per rank, placed round-robin (rank r holds r, r+P, ...):
+* several ("virtual") stages per rank, on any model the cutter cuts, placed round-robin (rank r holds r, r+P, ...):
   ``"Interleaved1F1B"``, ``"LoopedBFS"``, and zero-bubble ``"InterleavedZeroBubble"`` (backward
   split into input and weight passes to fill the bubble);
 * exactly two stages per rank in a V (rank r holds r and 2P-1-r, so rank 0 holds the first and
@@ -17,6 +17,12 @@ them is held by both and kept equal). Each stage is a manual
 All of them ran on CPU / gloo in torch 2.13 and match one process (tests/parallel/test_pipeline_parallel.py).
 The zero-bubble ones refuse compiled stages (torch cannot split a compiled backward into input
 and weight passes), so they conflict with ``compile`` in the contract.
+
+The inputs ``train_step`` gets are a tensor (token ids, pixels) or, for an HF model, a batch dict
+(``{"input_ids": ..., "attention_mask": ...}``): its main input enters the first stage and the
+rest (a padded batch's attention mask) travels with the activation from stage to stage. Before
+training each stage this rank holds is compared, block by block, with the whole model on a probe
+(:mod:`.check`): what a stage would compute differently is a typed error, not a wrong result.
 
 Parameter names are kept (each rank holds a subset of them); the optimizer is rebuilt over this
 rank's parameters. A pipeline needs the loss inside its schedule, so the plain loop
@@ -48,7 +54,8 @@ from composable_atorch.transforms.parallel.data.common import (
     implies_mesh_dim,
     parallel_context,
 )
-from composable_atorch.transforms.parallel.pipeline.cutter import tied_sync
+from composable_atorch.transforms.parallel.pipeline.check import check_stage, reference
+from composable_atorch.transforms.parallel.pipeline.cutter import call_whole, inputs_of, shared_sync, tied_sync
 from composable_atorch.transforms.parallel.pipeline.stages import (  # noqa: F401 - re-exported
     KNOWN_MODELS,
     PipelineLoopError,
@@ -95,8 +102,16 @@ class PipelineRunner:
         pp_group,
         data_group,
         data_size: int,
+        shared: list | None = None,
+        an=None,
+        main: str = "",
     ):
         self.stages, self.n_stages, self.local, self.last_rank = stages, n_stages, local, last_rank
+        #: parameters two of this rank's stages both use (a tied weight on a V's first and last stage):
+        #: torch's schedule would divide their gradients by the microbatches once per stage; scaled here once
+        self.shared = shared
+        #: the cut's Anatomy (its ``carry``: the batch's inputs besides ``main`` the stages hand on)
+        self.an, self.main = an, main
         self.microbatches, self.schedule_name = microbatches, schedule
         self.pp_group, self.data_group, self.data_size = pp_group, data_group, data_size
         self.running = False
@@ -110,23 +125,51 @@ class PipelineRunner:
             cls_name, placement = SCHEDULES[self.schedule_name]
             cls = getattr(schedules, cls_name)
             stages = self.stages[0] if placement == "single" else self.stages
-            self._schedules[key] = (cls(stages, n_microbatches=self.microbatches, loss_fn=loss_fn), loss_fn)
+            scale = {"scale_grads": False} if self.shared else {}
+            self._schedules[key] = (cls(stages, n_microbatches=self.microbatches, loss_fn=loss_fn, **scale), loss_fn)
         return self._schedules[key][0]
+
+    def _inputs(self, inputs) -> tuple:
+        """The first stage's positional inputs: the tensor, or a batch dict's main input and then the
+        inputs the stages carry (an attention mask, token types: every rank reads their names from
+        its own copy of the batch)."""
+        if isinstance(inputs, dict):
+            if self.an is None:
+                raise ConfigError("pipeline inputs", sorted(inputs), "a tensor for the built-in GPT")
+            main = self.main or next(iter(inputs))
+            if main not in inputs:
+                raise ConfigError("pipeline inputs", sorted(inputs), f"a dict holding the model's input {main!r}")
+            self.an.carry[:] = [k for k in inputs if k != main and inputs[k] is not None]
+            tensors = (inputs[main], *(inputs[k] for k in self.an.carry))
+        else:
+            if self.an is not None:
+                self.an.carry[:] = []
+            tensors = (inputs,)
+        for t in tensors:
+            if not isinstance(t, torch.Tensor) or t.size(0) % self.microbatches:
+                raise ConfigError(
+                    "pipeline batch",
+                    tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__,
+                    f"tensors whose batch size is a multiple of microbatches={self.microbatches}",
+                )
+        return tensors
 
     def step(self, inputs, targets, loss_fn) -> float:
         """Forward and backward of one global (per data rank) batch; the mean loss on every rank."""
-        if inputs.size(0) % self.microbatches:
-            raise ConfigError("pipeline batch", inputs.size(0), f"a multiple of microbatches={self.microbatches}")
+        tensors = self._inputs(inputs)
         schedule = self._schedule(loss_fn)
         losses: list[torch.Tensor] = []
         first, last = 0 in self.local, self.n_stages - 1 in self.local
-        args = (inputs,) if first else ()
+        args = tensors if first else ()
         kwargs = {"target": targets, "losses": losses} if last else {}
         self.running = True
         try:
             schedule.step(*args, return_outputs=False, **kwargs)
         finally:
             self.running = False
+        for p in self.shared or ():
+            if p.grad is not None:
+                p.grad.div_(self.microbatches)
         mean = torch.stack([v.detach().float() for v in losses]).mean() if losses else torch.zeros(())
         dist.broadcast(mean, group=self.pp_group, group_src=self.last_rank)
         if self.data_size > 1:
@@ -262,13 +305,6 @@ class PipelineParallel(Transform):
             blocks, head, tail = anatomy(model)
         else:
             blocks, (head, tail) = an.blocks, an.weights(model)
-            if self.stages_per_rank > 1:
-                raise ConfigError(
-                    "pipeline_parallel.stages_per_rank",
-                    self.stages_per_rank,
-                    f"1 for {type(model).__name__}: several stages per rank are cut for the built-in GPT only "
-                    "(use schedule='1F1B' or 'GPipe')",
-                )
         n = len(blocks)
         if n < stages:
             raise ConfigError(
@@ -295,6 +331,8 @@ class PipelineParallel(Transform):
                 self.microbatches,
                 f"a multiple of max(1, microbatches // pipeline size) = {rounds} for {self.schedule}",
             )
+        if an is not None and an.reference is None:
+            an.reference = reference(model, an, lambda m, x, **kw: call_whole(m, an, x, **kw))
         if self.split == "auto":
             return an, balanced_cuts([numel(b) for b in blocks], stages, head, tail)
         split = self.split
@@ -342,6 +380,7 @@ class PipelineParallel(Transform):
         bounds = (0, *cuts, len(blocks))
         sizes = [sum(numel(blocks[i]) for i in range(lo, hi)) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
         kept, stage_mods = rank_modules(model, bounds, local, an)
+        checked = _check_stages(an, stage_mods, local, bounds)
         # a tied weight the last stage holds through its head only goes by the head's name there
         state.param_names.update({id(p): n for n, p in kept.named_parameters()})
         pp_group = pc.mesh["pipeline"].get_group()
@@ -352,6 +391,9 @@ class PipelineParallel(Transform):
         tie = tied_sync(an, kept, local, n_stages, placement, pp_group)
         if tie is not None:  # a sum over the two stages; the data average above commutes with it
             state.hooks.append(tie)
+        common = shared_sync(an, kept, pp_group)
+        if common is not None:
+            state.hooks.append(common)
         device = torch.device(ctx.env.device)
         pstages = [
             PipelineStage(m, s, n_stages, device, group=pp_group) for s, m in zip(local, stage_mods, strict=True)
@@ -366,6 +408,9 @@ class PipelineParallel(Transform):
             pp_group,
             data_group,
             pc.data_size,
+            _shared(kept, stage_mods),
+            an,
+            inputs_of(model, an)[0] if an is not None else "",
         )
         object.__setattr__(kept, PIPELINE_ATTR, runner)  # a plain attribute, not a submodule
         mark_loss_group(kept, data_group, pc.data_size)
@@ -383,8 +428,36 @@ class PipelineParallel(Transform):
             line += f"; cut {type(model).__name__} at {an.path!r}, embeddings / head told apart by {an.source}"
             if an.tied:
                 line += f"; tied {an.tied} kept equal (the first and last stage add their gradients)"
+            if an.shared:
+                line += f"; {an.shared} held by every stage (they feed every block), gradients summed over the pipeline"
+            line += f"; {checked}"
         state.note(self.name, line)
         return state
+
+
+def _shared(kept: nn.Module, stage_mods: list[nn.Module]) -> list | None:
+    """This rank's parameters (each once) when two of its stages use one of them; else None."""
+    count = sum(len({id(p) for p in m.parameters()}) for m in stage_mods)
+    unique = list(kept.parameters())
+    return unique if count > len(unique) else None
+
+
+def _check_stages(an, stage_mods: list[nn.Module], local: list[int], bounds: tuple[int, ...]) -> str:
+    """Each local stage run on the whole model's probe, block by block (:mod:`.check`); the explain line."""
+    if an is None:
+        return ""
+    ref = an.reference
+    if ref is None:
+        return "per-layer inputs not checked against the whole model (its probe forward could not run)"
+    for s, stage in zip(local, stage_mods, strict=True):
+        listed = stage.get_submodule(an.path) if an.path else stage
+        held = {i: listed[i] for i in range(bounds[s], bounds[s + 1])}
+        check_stage(stage, s, held, s == 0, ref, an.carry, last=s == len(bounds) - 2)
+    padded = ", padded, its attention mask carried" if ref.mask is not None else ""
+    return (
+        f"each stage's blocks see the whole model's inputs and give its outputs on a probe of "
+        f"{tuple(ref.example.shape)}{padded} (checked before training)"
+    )
 
 
 def _stage_optimizer(optim: torch.optim.Optimizer, names: dict[int, str], stage: nn.Module) -> torch.optim.Optimizer:
@@ -393,7 +466,7 @@ def _stage_optimizer(optim: torch.optim.Optimizer, names: dict[int, str], stage:
 
     own = {id(p) for p in stage.parameters()}
     held = {id(p) for g in optim.param_groups for p in g["params"]}
-    missing = [n for n, p in stage.named_parameters() if id(p) not in held]
+    missing = [n for n, p in stage.named_parameters() if id(p) not in held and p.requires_grad]
     if missing:
         raise ParameterMappingError("lose parameters of this pipeline stage the optimizer does not hold", missing)
     groups = [
