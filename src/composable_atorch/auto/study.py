@@ -170,6 +170,11 @@ class _Loop:
             admit=planning_admit(example, None if workload.criterion is not None else plan_needs_criterion),
         )
         self.enumeration = self.space.enumerate()
+        # what the space's plans name, held as objects here (the user's model classes, the strategy it
+        # starts from): the best plan's JSON is read back against them, not the allow-list (core.codec)
+        self.trusted = tuple({type(m) for m in example.modules()}) + tuple(
+            obj for p in self.enumeration.valid.values() for obj in p.plan.named_objects()
+        )
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         url = study.url
         self.study = optuna.create_study(
@@ -350,7 +355,7 @@ class _Loop:
             enumeration=self.enumeration,
             records=records,
             best=best,
-            best_plan=Plan.from_json(best.plan_json, env=self.env) if best else None,
+            best_plan=Plan.from_json(best.plan_json, env=self.env, allow=self.trusted) if best else None,
             memory_limit=self.limit,
             wall_time=time.monotonic() - start,
             measured_now=c["measured"],
