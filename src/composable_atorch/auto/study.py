@@ -23,6 +23,7 @@ from typing import Any
 
 from rich.markup import escape
 
+from composable_atorch.auto.limits import in_process_limit, user_code_limit
 from composable_atorch.auto.policy import (
     Budget,
     SpaceOptions,
@@ -123,6 +124,8 @@ def search(
         )
         if predictor is not None:
             predictor.deadline = deadline
+            # a prediction runs the user's forward in this process: never longer than a trial may take
+            predictor.timeout_s = min(predictor.timeout_s, trial.timeout)
     loop = _Loop(workload, trial, budget, space, study, env, runner, progress, predictor, started=started)
     result = loop.run()
     result.preflight = checked
@@ -153,23 +156,26 @@ class _Loop:
 
         self.trial_settings, self.budget, self.runner, self.progress, self.env = trial, budget, runner, progress, env
         self.limit = budget.memory_bytes
-        example = example_model(workload.model_fn)
-        context = SearchContext(
-            env=env,
-            block_classes=block_classes(example),
-            batch_size=workload.batch_size,
-            allow_compile=space.allow_compile,
-        )
         start_from = space.start_from
-        self.space = SearchSpace(
-            context,
-            excluded=space.excluded,
-            included=space.included,
-            extra=start_from.requested if start_from else (),
-            customize=space.customize,
-            admit=planning_admit(example, None if workload.criterion is not None else plan_needs_criterion),
-        )
-        self.enumeration = self.space.enumerate()
+        # the user's model is built here, and its forward runs here to place tensor-parallel layers: under
+        # a time limit like every other part of the search that runs the user's code (auto/limits.py)
+        with user_code_limit(in_process_limit(trial, budget, self.started), "listing the plans"):
+            example = example_model(workload.model_fn)
+            context = SearchContext(
+                env=env,
+                block_classes=block_classes(example),
+                batch_size=workload.batch_size,
+                allow_compile=space.allow_compile,
+            )
+            self.space = SearchSpace(
+                context,
+                excluded=space.excluded,
+                included=space.included,
+                extra=start_from.requested if start_from else (),
+                customize=space.customize,
+                admit=planning_admit(example, None if workload.criterion is not None else plan_needs_criterion),
+            )
+            self.enumeration = self.space.enumerate()
         # what the space's plans name, held as objects here (the user's model classes, the strategy it
         # starts from): the best plan's JSON is read back against them, not the allow-list (core.codec)
         self.trusted = tuple({type(m) for m in example.modules()}) + tuple(
