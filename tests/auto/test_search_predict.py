@@ -282,3 +282,28 @@ def test_a_failure_reason_with_brackets_is_printed_as_text(capsys):
     )
     assert len(result.measured) == 2 and all(r.status == "failed" for r in result.measured)
     assert "[/gloo/tcp/pair.cc:553]" in capsys.readouterr().out
+
+
+def test_predicting_an_fsdp_plan_prints_no_fsdp_view_warning_into_the_users_log():
+    """Issue 30: the demo's log showed torch's FSDP2 "returned a view tensor" UserWarning twice, from the
+    predictions simulating fsdp plans in the searching process (nn.Linear's 3-D output is a view). The
+    predictor silences that one warning; the same estimate called directly still raises it."""
+    import warnings
+
+    from composable_atorch.auto.workload import GPTTask
+    from composable_atorch.estimate import estimate
+    from composable_atorch.models.gpt import CausalSelfAttention
+
+    env = Environment.detect().with_(world_size=2)
+    task = GPTTask(seq_len=32, d_model=32, n_layer=2, n_head=2, batch_size=8)
+    plan = ca.compose(ca.fsdp(wrap=(CausalSelfAttention,)), env=env)
+    view = "returned a view tensor"
+    with warnings.catch_warnings(record=True) as direct:
+        warnings.simplefilter("always")
+        estimate(plan, task.model, Predictor(estimate, task.workload(), env).batch(), world_size=2, device="cpu")
+    assert any(view in str(w.message) for w in direct)  # what the user's log got
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        pred = Predictor(estimate, task.workload(), env)(plan)
+    assert pred.known, pred.reason
+    assert not [w for w in seen if view in str(w.message)]

@@ -14,7 +14,9 @@ estimator with the same interface.
 
 from __future__ import annotations
 
+import contextlib
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -115,6 +117,22 @@ def compute_precision(plan: Plan) -> str:
     return "fp32"
 
 
+@contextlib.contextmanager
+def _simulation_warnings():
+    """Silence, while a plan is simulated here, the one torch warning that is about the user's training,
+    not about the simulation: FSDP2's "returned a view tensor". fully_shard warns for every wrapped module
+    whose output is a view, which torch's own ``nn.Linear`` returns for a 3-D input (addmm, then a view),
+    so nearly every transformer block ending in a projection triggers it. It warns of an in-place op on
+    that output dropping FSDP's pre-backward hook; the simulation trains nothing the user could change,
+    yet printed from the searching process it landed in the user's log (twice in the README's demo).
+    The user's own fsdp training, and a trial's ranks (their logs), still show it."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message=r"FSDP2-wrapped module \(.*\) returned a view tensor", category=UserWarning
+        )
+        yield
+
+
 class Predictor:
     """Predicts plans of one workload at one environment, each plan once (by :func:`plan_key`).
 
@@ -170,7 +188,7 @@ class Predictor:
             return Prediction(reason=f"not predicted: {self.hung} for another plan (each runs the same forward)")
         if key not in self.cache:
             try:
-                with time_limit(limit):
+                with time_limit(limit), _simulation_warnings():
                     self.cache[key] = predict_plan(
                         self.estimator,
                         plan,
