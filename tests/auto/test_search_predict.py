@@ -307,3 +307,27 @@ def test_predicting_an_fsdp_plan_prints_no_fsdp_view_warning_into_the_users_log(
         pred = Predictor(estimate, task.workload(), env)(plan)
     assert pred.known, pred.reason
     assert not [w for w in seen if view in str(w.message)]
+
+
+def test_the_trials_table_in_a_log_keeps_every_plan_whole_on_its_own_line():
+    """Issue 30: piped into a file, rich folded each plan into a column ~20 characters wide (about a
+    hundred lines for eight trials). Not on a terminal, the table is plain text: one line of figures per
+    trial, then the whole plan and the whole reason on lines of their own."""
+    import io
+
+    from rich.console import Console
+
+    result, _ = run(memory_limit="20MiB", estimator=Stub(), n_trials=4)
+    log = io.StringIO()
+    report.show(Console(file=log, force_terminal=False, width=80), result)
+    text = log.getvalue()
+    lines = text.splitlines()
+    for row in report.rows(result):
+        assert f"      plan: {row['plan']}" in lines  # whole, on one line, however wide the console
+        if row["reason"]:
+            assert f"      reason: {row['reason']}" in lines
+    assert "┃" not in text and max(len(line) for line in lines) > 80  # not a rich table, not wrapped at 80
+    assert len(lines) <= 2 + 3 * len(report.rows(result))
+    terminal = io.StringIO()
+    report.show(Console(file=terminal, force_terminal=True, width=200), result)
+    assert "┃" in terminal.getvalue()  # a terminal still gets rich's table

@@ -17,6 +17,7 @@ the plans predicted fastest among those that fit are enqueued first, a prior for
 from __future__ import annotations
 
 import random
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -334,7 +335,8 @@ class _Loop:
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-        console = Console(stderr=False, quiet=not self.progress)
+        # in a log (not a terminal) a trial's line is written whole, not wrapped at 80 columns
+        console = Console(stderr=False, quiet=not self.progress, soft_wrap=not sys.stdout.isatty())
         columns = (
             TextColumn("[bold]search"),
             BarColumn(),
