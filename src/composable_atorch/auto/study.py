@@ -125,7 +125,6 @@ def search(
         )
         if predictor is not None:
             predictor.deadline = deadline
-            # a prediction runs the user's forward in this process: never longer than a trial may take
             predictor.timeout_s = min(predictor.timeout_s, trial.timeout)
     loop = _Loop(workload, trial, budget, space, study, env, runner, progress, predictor, started=started)
     result = loop.run()
@@ -158,16 +157,10 @@ class _Loop:
         self.trial_settings, self.budget, self.runner, self.progress, self.env = trial, budget, runner, progress, env
         self.limit = budget.memory_bytes
         start_from = space.start_from
-        # the user's model is built here, and its forward runs here to place tensor-parallel layers: under
-        # a time limit like every other part of the search that runs the user's code (auto/limits.py)
+        # the user's model is built and run here (tensor-parallel placement): under a limit (auto/limits.py)
         with user_code_limit(in_process_limit(trial, budget, self.started), "listing the plans"):
             example = example_model(workload.model_fn)
-            context = SearchContext(
-                env=env,
-                block_classes=block_classes(example),
-                batch_size=workload.batch_size,
-                allow_compile=space.allow_compile,
-            )
+            context = SearchContext(env, block_classes(example), workload.batch_size, space.allow_compile)
             self.space = SearchSpace(
                 context,
                 excluded=space.excluded,
@@ -177,8 +170,7 @@ class _Loop:
                 admit=planning_admit(example, None if workload.criterion is not None else plan_needs_criterion),
             )
             self.enumeration = self.space.enumerate()
-        # what the space's plans name, held as objects here (the user's model classes, the strategy it
-        # starts from): the best plan's JSON is read back against them, not the allow-list (core.codec)
+        # the space's classes, held here: the best plan's JSON is read back against them (core.codec)
         self.trusted = tuple({type(m) for m in example.modules()}) + tuple(
             obj for p in self.enumeration.valid.values() for obj in p.plan.named_objects()
         )
@@ -335,8 +327,7 @@ class _Loop:
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-        # in a log (not a terminal) a trial's line is written whole, not wrapped at 80 columns
-        console = Console(stderr=False, quiet=not self.progress, soft_wrap=not sys.stdout.isatty())
+        console = Console(stderr=False, quiet=not self.progress, soft_wrap=not sys.stdout.isatty())  # a log: unwrapped
         columns = (
             TextColumn("[bold]search"),
             BarColumn(),
