@@ -94,12 +94,14 @@ def _async_timer(thread_id: int, seconds: float, armed: list):
 
 def in_process_limit(trial, budget, started: float) -> tuple[float, str]:
     """Seconds the user's code may run in the searching process now, and what bounds it: one trial's
-    timeout (a forward slower than that cannot train in a trial either), or what is left of the budget."""
+    timeout (a forward slower than that cannot train in a trial either), and never past the budget plus
+    one trial's timeout, the bound the whole search keeps. A listing that ends after the budget is spent
+    is not an error: the search then stops by its time limit, as after any other part."""
     limit, why = trial.timeout, "the trial timeout"
     if budget.time_limit is not None:
-        left = started + budget.time_limit - time.monotonic()
+        left = started + budget.time_limit + trial.timeout - time.monotonic()
         if left < limit:
-            limit, why = max(left, 0.1), "what was left of the search's time_limit"
+            limit, why = max(left, 0.1), "the search's time_limit plus one trial timeout"
     return limit, why
 
 
