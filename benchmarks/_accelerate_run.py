@@ -8,6 +8,12 @@
 as benchmarks/steptime.py; rank 0 writes the per-step seconds (after warm-up) as JSON.
 (``accelerate launch --cpu --num_processes 2`` silently runs one process: torchrun is used instead.)
 
+Under torchrun on a CPU, Accelerate starts its process group only with ``ACCELERATE_USE_CPU=1``:
+without it it reports one process and ``DistributedType.NO``, each rank trains its own unsynchronised
+model, and an A/B against it reads about 1.8x where the fair figure is about 1.05x. Every run here
+(``--versus`` or not) checks that Accelerate runs as many processes as torchrun started, distributed,
+and exits 2 naming the fix otherwise (:func:`check_distributed`).
+
 ``--versus PLAN`` (a plan name of benchmarks/steptime.py) trains the library's plan and Accelerate
 in the same processes, in alternating blocks of ``--block`` steps (``--steps`` blocks each): what
 other jobs on a shared machine do to the clock falls on both alike, which separate runs minutes
@@ -65,6 +71,24 @@ def plan_step(name: str, small: bool):
     return step
 
 
+class NotDistributed(SystemExit):
+    """Accelerate did not run distributed under torchrun: a comparison with it would be wrong."""
+
+
+def check_distributed(accelerator, world: int) -> None:
+    """Refuse an Accelerate that does not run the ``world`` processes torchrun started, distributed
+    (exit status 2, the fix named): its numbers would be a single unsynchronised process's."""
+    state = str(accelerator.distributed_type)
+    if world > 1 and (accelerator.num_processes != world or state.endswith(".NO") or state == "NO"):
+        message = (
+            f"_accelerate_run.py: Accelerate runs {accelerator.num_processes} process(es), {state}, under torchrun's "
+            f"{world}: it would train unsynchronised and any comparison with it would be wrong. On a CPU set "
+            "ACCELERATE_USE_CPU=1 in the environment (Accelerate starts its gloo process group only then)."
+        )
+        print(message, file=sys.stderr)
+        raise NotDistributed(2)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--mixed-precision", default="no")
@@ -82,6 +106,7 @@ def main() -> None:
 
     torch.set_num_threads(1)  # as the library's trial workers: one thread per rank
     accelerator = Accelerator() if args.mixed_precision == "no" else Accelerator(mixed_precision=args.mixed_precision)
+    check_distributed(accelerator, int(os.environ.get("WORLD_SIZE", "1")))
     torch.manual_seed(0)
     model_fn, data = g.builders(args.small)
     model = model_fn()

@@ -11,7 +11,7 @@ from composable_atorch.data import TextDataset
 from composable_atorch.errors import WorkloadError
 from composable_atorch.models import GPT, GPTConfig
 
-from auto_faults import EscapingStep, HangingGPT, adamw, lm_step, processes_with
+from auto_faults import EscapingStep, HangingGPT, StubbornGPT, adamw, lm_step, processes_with
 
 pytestmark = pytest.mark.dist  # trials and the preflight spawn processes
 
@@ -93,3 +93,79 @@ def test_a_trial_child_that_leaves_the_session_is_killed_with_the_trial():
     )
     assert result.measured and result.measured[0].status == "ok"
     assert processes_with(token) == []  # the preflight's and the trial's escaped sleepers are gone
+
+
+# -- issue 30: every part of the search that runs the user's code runs under the budget ----------------
+HANG_BUDGET_S, HANG_TRIAL_S = 10.0, 8.0
+
+
+@pytest.mark.parametrize("preflight", [True, False], ids=["preflight", "no-preflight"])
+@pytest.mark.parametrize("predict", [True, False], ids=["predictions", "no-predictions"])
+def test_a_hanging_forward_ends_the_search_at_world_2_in_every_option_combination(preflight, predict):
+    """At world 2 the plans are listed by tracing the forward once (tensor-parallel placement), in the
+    searching process: with the preflight off that hung forever (issue 30). Now the preflight's child,
+    or the limit on the listing, ends the search with a WorkloadError naming what did not finish."""
+    workload = Workload(StubbornGPT, adamw, TextDataset(16, limit=32), lm_step, 8)
+    start = time.monotonic()
+    with pytest.raises(WorkloadError, match=r"did not finish within") as caught:
+        search(
+            workload,
+            trial=TrialSettings(world_size=2, timeout=HANG_TRIAL_S),
+            budget=Budget(n_trials=3, time_limit=HANG_BUDGET_S),
+            study=StudyOptions(seed=0, preflight=preflight, predict=predict),
+            progress=False,
+        )
+    assert time.monotonic() - start < HANG_BUDGET_S + HANG_TRIAL_S + SPAWN_MARGIN_S
+    assert ("with no plan" if preflight else "listing the plans") in str(caught.value)
+
+
+def test_a_forward_hanging_in_the_predictions_is_cut_and_the_search_ends_within_its_budget():
+    """World 1 (no tensor-parallel listing), no preflight, the real estimator: each prediction runs the
+    forward on fake tensors in this process and is interrupted (even a forward that swallows
+    exceptions); the trials hang in their own processes and are killed; the budget ends the search."""
+    workload = Workload(StubbornGPT, adamw, TextDataset(16, limit=32), lm_step, 8)
+    start = time.monotonic()
+    result = search(
+        workload,
+        trial=TrialSettings(world_size=1, timeout=HANG_TRIAL_S),
+        budget=Budget(time_limit=HANG_BUDGET_S),
+        space=only("checkpoint"),
+        study=StudyOptions(seed=0, preflight=False, predict=True),
+        progress=False,
+    )
+    assert time.monotonic() - start < HANG_BUDGET_S + HANG_TRIAL_S + SPAWN_MARGIN_S
+    assert result.stopped_by == f"time_limit={HANG_BUDGET_S:g} s"
+    assert "did not finish within" in result.prediction_note
+    assert all(r.status == "failed" for r in result.measured)
+
+
+def test_the_time_limit_interrupts_a_loop_that_swallows_it_in_any_thread():
+    import threading
+
+    from composable_atorch.auto.limits import PredictionTimeout, time_limit
+
+    def stubborn():
+        while True:
+            try:
+                time.sleep(0.2)
+            except Exception:  # noqa: BLE001, S112 - a user's retry loop
+                continue
+
+    with pytest.raises(PredictionTimeout):
+        with time_limit(0.3):
+            stubborn()
+    caught = []
+
+    def in_thread():
+        try:
+            with time_limit(0.3):
+                stubborn()
+        except PredictionTimeout as exc:
+            caught.append(exc)
+
+    worker = threading.Thread(target=in_thread)
+    worker.start()
+    worker.join(30)
+    assert caught and not worker.is_alive()
+    with time_limit(5):  # nothing left ringing
+        time.sleep(0.1)

@@ -282,3 +282,52 @@ def test_a_failure_reason_with_brackets_is_printed_as_text(capsys):
     )
     assert len(result.measured) == 2 and all(r.status == "failed" for r in result.measured)
     assert "[/gloo/tcp/pair.cc:553]" in capsys.readouterr().out
+
+
+def test_predicting_an_fsdp_plan_prints_no_fsdp_view_warning_into_the_users_log():
+    """Issue 30: the demo's log showed torch's FSDP2 "returned a view tensor" UserWarning twice, from the
+    predictions simulating fsdp plans in the searching process (nn.Linear's 3-D output is a view). The
+    predictor silences that one warning; the same estimate called directly still raises it."""
+    import warnings
+
+    from composable_atorch.auto.workload import GPTTask
+    from composable_atorch.estimate import estimate
+    from composable_atorch.models.gpt import CausalSelfAttention
+
+    env = Environment.detect().with_(world_size=2)
+    task = GPTTask(seq_len=32, d_model=32, n_layer=2, n_head=2, batch_size=8)
+    plan = ca.compose(ca.fsdp(wrap=(CausalSelfAttention,)), env=env)
+    view = "returned a view tensor"
+    with warnings.catch_warnings(record=True) as direct:
+        warnings.simplefilter("always")
+        estimate(plan, task.model, Predictor(estimate, task.workload(), env).batch(), world_size=2, device="cpu")
+    assert any(view in str(w.message) for w in direct)  # what the user's log got
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        pred = Predictor(estimate, task.workload(), env)(plan)
+    assert pred.known, pred.reason
+    assert not [w for w in seen if view in str(w.message)]
+
+
+def test_the_trials_table_in_a_log_keeps_every_plan_whole_on_its_own_line():
+    """Issue 30: piped into a file, rich folded each plan into a column ~20 characters wide (about a
+    hundred lines for eight trials). Not on a terminal, the table is plain text: one line of figures per
+    trial, then the whole plan and the whole reason on lines of their own."""
+    import io
+
+    from rich.console import Console
+
+    result, _ = run(memory_limit="20MiB", estimator=Stub(), n_trials=4)
+    log = io.StringIO()
+    report.show(Console(file=log, force_terminal=False, width=80), result)
+    text = log.getvalue()
+    lines = text.splitlines()
+    for row in report.rows(result):
+        assert f"      plan: {row['plan']}" in lines  # whole, on one line, however wide the console
+        if row["reason"]:
+            assert f"      reason: {row['reason']}" in lines
+    assert "┃" not in text and max(len(line) for line in lines) > 80  # not a rich table, not wrapped at 80
+    assert len(lines) <= 2 + 3 * len(report.rows(result))
+    terminal = io.StringIO()
+    report.show(Console(file=terminal, force_terminal=True, width=200), result)
+    assert "┃" in terminal.getvalue()  # a terminal still gets rich's table

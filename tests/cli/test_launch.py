@@ -2,6 +2,7 @@
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -130,17 +131,35 @@ def test_a_failing_rank_fails_the_launch_with_its_exit_code(tmp_path):
 RESTART = Path(__file__).parent.parent / "scripts" / "train_restart.py"
 
 
-def test_every_rank_gets_a_store_per_round_and_the_timeout(monkeypatch):
+def test_every_rank_gets_a_store_per_round_the_timeout_and_the_heartbeat(monkeypatch):
     monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
     monkeypatch.delenv("COMPOSABLE_ATORCH_TIMEOUT", raising=False)
-    ns = launch.parser().parse_args(["--nproc", "2", "--max-restarts", "1", "--timeout", "12.5", "t.py"])
+    monkeypatch.delenv("COMPOSABLE_ATORCH_HEARTBEAT", raising=False)
+    ns = launch.parser().parse_args(
+        ["--nproc", "2", "--max-restarts", "1", "--timeout", "12.5", "--heartbeat", "4", "t.py"]
+    )
     env = launch.rank_environment(ns)
     assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1" and env["COMPOSABLE_ATORCH_TIMEOUT"] == "12.5"
-    assert (
-        launch.rank_environment(launch.parser().parse_args(["--nproc", "2", "t.py"]))["COMPOSABLE_ATORCH_TIMEOUT"]
-        == "300.0"
-    )
+    assert env["COMPOSABLE_ATORCH_HEARTBEAT"] == "4.0"
+    defaults = launch.rank_environment(launch.parser().parse_args(["--nproc", "2", "t.py"]))
+    assert defaults["COMPOSABLE_ATORCH_TIMEOUT"] == "300.0" and defaults["COMPOSABLE_ATORCH_HEARTBEAT"] == "45.0"
     assert launch.main(["--nproc", "1", "--timeout", "0", str(SCRIPT)]) == 2
+    assert launch.main(["--nproc", "1", "--heartbeat", "-1", str(SCRIPT)]) == 2
+
+
+def test_the_heartbeat_wait_is_at_most_half_the_collective_timeout(monkeypatch):
+    from composable_atorch.errors import ConfigError
+    from composable_atorch.runtime import liveness
+
+    monkeypatch.delenv("COMPOSABLE_ATORCH_TIMEOUT", raising=False)
+    monkeypatch.delenv("COMPOSABLE_ATORCH_HEARTBEAT", raising=False)
+    assert liveness.heartbeat_wait() == liveness.DEFAULT_HEARTBEAT_S == 45.0  # a stopped rank: about a minute
+    assert liveness.heartbeat_wait(timeout_s=30) == 15.0  # named before a collective fails naming nobody
+    monkeypatch.setenv("COMPOSABLE_ATORCH_HEARTBEAT", "7")
+    assert liveness.heartbeat_wait() == 7.0
+    monkeypatch.setenv("COMPOSABLE_ATORCH_HEARTBEAT", "soon")
+    with pytest.raises(ConfigError, match="COMPOSABLE_ATORCH_HEARTBEAT"):
+        liveness.heartbeat_wait()
 
 
 def launch_restart(tmp: Path, *args: str, launch_args=("--max-restarts", "1")) -> subprocess.CompletedProcess:
@@ -177,8 +196,26 @@ def test_a_killed_rank_restarts_from_the_checkpoint_and_ends_bitwise_equal(tmp_p
 
 
 @pytest.mark.dist
-def test_a_stopped_rank_ends_the_job_naming_the_rank(tmp_path):
-    # rank 1 SIGSTOPs itself after step 3; without a timeout gloo would wait 30 minutes
-    result = launch_restart(tmp_path, "--stop", "1:3", launch_args=("--timeout", "6"))
+def test_a_stopped_rank_ends_the_job_naming_the_rank_and_its_host(tmp_path):
+    # rank 1 SIGSTOPs itself after step 3; the collective timeout stays at its 300 s: the heartbeat ends it
+    result = launch_restart(tmp_path, "--stop", "1:3", launch_args=("--heartbeat", "4"))
     assert result.returncode not in (0, None), result.stderr[-3000:]
-    assert "rank 1 stopped responding" in result.stderr, result.stderr[-3000:]
+    assert f"rank 1 stopped responding (rank 1: host {socket.gethostname()}, pid " in result.stderr, result.stderr[
+        -3000:
+    ]
+    assert "no heartbeat for 4 s" in result.stderr
+    # torchrun's SIGTERM reached the stopped rank at once (launch follows it with SIGCONT), where it
+    # used to wait 30 s for the SIGKILL
+    assert "Signal 15 (SIGTERM) received by PID" in result.stderr and "SIGKILL" not in result.stderr
+
+
+@pytest.mark.dist
+def test_a_stopped_rank_ends_the_job_with_the_launchers_defaults(tmp_path, monkeypatch):
+    """Issue 30: with ``launch``'s defaults a SIGSTOPped rank kept the job waiting for minutes (the
+    heartbeat waited half the 300 s collective timeout, then torchrun 30 s more). Now the wait is 45 s
+    and the stopped rank takes torchrun's SIGTERM at once: under a minute from the stop to the end."""
+    monkeypatch.delenv("COMPOSABLE_ATORCH_TIMEOUT", raising=False)
+    monkeypatch.delenv("COMPOSABLE_ATORCH_HEARTBEAT", raising=False)
+    result = launch_restart(tmp_path, "--stop", "1:3", launch_args=())
+    assert result.returncode not in (0, None), result.stderr[-3000:]
+    assert "rank 1 stopped responding" in result.stderr and "no heartbeat for 45 s" in result.stderr

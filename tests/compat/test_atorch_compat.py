@@ -337,3 +337,27 @@ def test_ds_3d_parallel_with_module_replace_swaps_inside_the_built_layers():
     for r in run_world(_ds3d_module_replace_case, 2, None, timeout=300):
         assert r["status"] and r["kinds"] == ["SDPACausalSelfAttention"], r  # each stage's block, swapped
         assert math.isfinite(r["loss"]) and r["loss"] > 0
+
+
+@pytest.mark.dist
+def test_a_block_class_defined_in_the_users_spawned_script_trains_at_world_2(tmp_path):
+    """Issue 30: ranks started by torch.multiprocessing.spawn from the user's script, whose Block is
+    ``__mp_main__:Block`` there; auto_accelerate read back its own plan and refused the user's class."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(__file__), "..", "scripts", "spawn_user_block.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, script, str(tmp_path)], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for r in ranks:
+        assert r["status"] is True and r["module"] == "__mp_main__"
+        assert r["steps"] == ["parallel_mode", "checkpoint", "ddp", "amp"]
+        assert '"__main__:Block"' in r["plan"]
+        assert all(math.isfinite(v) for v in r["losses"])
+        # the same name in a file is another writer's text: still refused by the allow-list
+        assert r["from_file"].startswith("UntrustedInputError") and "__mp_main__:Block" in r["from_file"]
+    assert ranks[0]["plan"] == ranks[1]["plan"] and ranks[0]["checksum"] == ranks[1]["checksum"]  # trained together

@@ -233,3 +233,26 @@ def test_a_name_that_is_no_class_or_function_is_refused():
         with pytest.raises(UntrustedInputError):
             codec.resolve(path)
     assert codec.resolve("composable_atorch.models.gpt:Block") is Block
+
+
+def test_the_users_own_objects_are_trusted_where_the_library_reads_its_own_plan_back(monkeypatch):
+    """Issue 30: a block class defined in the user's script, in a ``torch.multiprocessing.spawn``
+    child (the script runs as ``__mp_main__`` there), was refused when auto_accelerate read back its
+    own plan. The plan names it ``__main__:...`` whichever name the script runs under; the objects
+    a plan holds (Plan.named_objects) are trusted when passed back; text naming ``__mp_main__:...``
+    from elsewhere still goes through the allow-list."""
+    import types
+
+    script = types.ModuleType("__mp_main__")
+    local_block = type("ScriptBlock", (Block,), {"__module__": "__mp_main__"})
+    script.ScriptBlock = local_block
+    monkeypatch.setitem(sys.modules, "__mp_main__", script)
+    plan = ca.compose(ca.checkpoint(local_block), env=CPU)
+    assert plan.named_objects() == (local_block,)
+    text = plan.to_json()
+    assert '"__main__:ScriptBlock"' in text  # one spelling for torchrun's __main__ and spawn's __mp_main__
+    assert ca.Plan.from_json(text, env=CPU, allow=plan.named_objects()) == plan
+    foreign = text.replace("__main__:ScriptBlock", "__mp_main__:ScriptBlock")
+    with pytest.raises(UntrustedInputError, match="__mp_main__:ScriptBlock"):
+        ca.Plan.from_json(foreign, env=CPU)  # text from elsewhere: the allow-list decides
+    assert ca.Plan.from_json(foreign, env=CPU, allow=[local_block]) == plan  # an older plan, the object given

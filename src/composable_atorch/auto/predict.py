@@ -15,13 +15,13 @@ estimator with the same interface.
 from __future__ import annotations
 
 import contextlib
-import signal
-import threading
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from composable_atorch.auto.limits import PredictionTimeout, time_limit
 from composable_atorch.auto.space import plan_key
 from composable_atorch.auto.workload import Workload
 from composable_atorch.core.plan import Plan
@@ -117,29 +117,20 @@ def compute_precision(plan: Plan) -> str:
     return "fp32"
 
 
-class PredictionTimeout(Exception):
-    """A prediction ran past :attr:`Predictor.timeout_s` (a user model that hangs for some plan)."""
-
-
 @contextlib.contextmanager
-def time_limit(seconds: float):
-    """Raise :class:`PredictionTimeout` in this thread after ``seconds`` (SIGALRM; main thread on
-    POSIX only, elsewhere no limit): a hang inside Python code (a sleep, a loop) is interrupted."""
-    usable = seconds > 0 and hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
-    if not usable:
+def _simulation_warnings():
+    """Silence, while a plan is simulated here, the one torch warning that is about the user's training,
+    not about the simulation: FSDP2's "returned a view tensor". fully_shard warns for every wrapped module
+    whose output is a view, which torch's own ``nn.Linear`` returns for a 3-D input (addmm, then a view),
+    so nearly every transformer block ending in a projection triggers it. It warns of an in-place op on
+    that output dropping FSDP's pre-backward hook; the simulation trains nothing the user could change,
+    yet printed from the searching process it landed in the user's log (twice in the README's demo).
+    The user's own fsdp training, and a trial's ranks (their logs), still show it."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message=r"FSDP2-wrapped module \(.*\) returned a view tensor", category=UserWarning
+        )
         yield
-        return
-
-    def expired(_sig, _frame):
-        raise PredictionTimeout(f"no prediction within {seconds:g} s")
-
-    previous = signal.signal(signal.SIGALRM, expired)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 class Predictor:
@@ -160,6 +151,8 @@ class Predictor:
     #: ``time.monotonic()`` when the search's time budget is spent (the search sets it): a prediction
     #: is cut there, and none starts after it, so predictions never overrun the budget
     deadline: float | None = None
+    #: why a prediction was interrupted, once one was: no other is started (each would run the same forward)
+    hung: str | None = None
 
     def __init__(self, estimator: Estimator, workload: Workload, env: Environment, cache: dict | None = None):
         self.estimator, self.workload, self.env = estimator, workload, env
@@ -191,9 +184,11 @@ class Predictor:
             limit = min(limit, self.deadline - time.monotonic())
             if limit <= 0:  # not cached: a later search with more time predicts it
                 return Prediction(reason="the search's time budget is spent")
+        if self.hung is not None:  # not cached: a later search may predict it
+            return Prediction(reason=f"not predicted: {self.hung} for another plan (each runs the same forward)")
         if key not in self.cache:
             try:
-                with time_limit(limit):
+                with time_limit(limit), _simulation_warnings():
                     self.cache[key] = predict_plan(
                         self.estimator,
                         plan,
@@ -205,6 +200,13 @@ class Predictor:
                         optimizer=self.workload.optim_fn,
                         criterion=self.workload.criterion,
                     )
+            except PredictionTimeout as exc:
+                cut = Prediction(reason=f"the prediction {exc}"[:300])
+                if limit < self.timeout_s:  # the search's budget ran out: not cached, a later search may predict it
+                    return cut
+                # the forward took longer than a trial may: the same forward runs for every plan, so no other
+                # prediction is started (each would hang as long)
+                self.cache[key], self.hung = cut, cut.reason
             except Exception as exc:  # noqa: BLE001 - no prediction: the plan is measured instead
                 self.cache[key] = Prediction(reason=f"{type(exc).__name__}: {exc}"[:300])
         return self.cache[key]

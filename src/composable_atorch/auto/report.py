@@ -22,13 +22,13 @@ MiB = 2**20
 
 
 def console():
-    """A rich console; when output is not a terminal (a log, CI) it is 160 columns wide, so the
-    trials table's plan labels do not wrap into a column a dozen lines tall."""
+    """A rich console; when output is not a terminal (a log, CI) long lines are written whole (the
+    log's reader wraps them), and :func:`show` prints the trials table in plain text."""
     import sys
 
     from rich.console import Console
 
-    return Console() if sys.stdout.isatty() else Console(width=160)
+    return Console() if sys.stdout.isatty() else Console(width=160, soft_wrap=True)
 
 
 def _mib(value) -> float | None:
@@ -166,19 +166,32 @@ def _step(row: dict) -> str:
 
 
 def text_table(result: SearchResult) -> str:
-    """The trials table as plain text (logs, files)."""
+    """The trials table as plain text (logs, files, output that is not a terminal): one line of figures
+    per trial, then its whole plan and its whole reason on lines of their own, so nothing is cut or
+    folded into a narrow column whatever the plan's length."""
     lines = [
-        _title(result),
-        f"{'#':>4}  {'plan':<48} {'samples/s':>10} {'predicted s':>11} {'s/step':>14} {'predicted MiB':>13} "
-        f"{'peak MiB':>9}  status",
+        f"trials ({_title(result)})",
+        f"{'#':>4}  {'samples/s':>10} {'predicted s':>11} {'s/step':>14} {'predicted MiB':>13} {'peak MiB':>9}  status",
     ]
     for r in rows(result):
         predicted = f"{_num(r['predicted_step_s'], 4):>11} {_step(r):>14} {_num(r['predicted_mib']):>13}"
         lines.append(
-            f"{r['trial']:>4}  {r['plan'][:48]:<48} {_num(r['samples_per_s']):>10} {predicted} "
-            f"{_num(r['peak_mib']):>9}  {r['status']}{' (best)' if r['best'] else ''} {r['reason']}"
+            f"{r['trial']:>4}  {_num(r['samples_per_s']):>10} {predicted} {_num(r['peak_mib']):>9}  "
+            f"{r['status']}{'  <- best' if r['best'] else ''}"
         )
+        lines.append(f"      plan: {r['plan']}")
+        if r["reason"]:
+            lines.append(f"      reason: {r['reason']}")
     return "\n".join(lines)
+
+
+def show(console, result: SearchResult) -> None:
+    """Print the trials table: rich's table on a terminal; in a log (not a terminal) the plain
+    :func:`text_table`, where rich would fold each plan into a column a few words wide."""
+    if console.is_terminal:
+        console.print(table(result))
+    else:
+        console.print(text_table(result), markup=False, highlight=False, soft_wrap=True)
 
 
 def figures(study) -> list[tuple[str, object | None, str]]:

@@ -17,12 +17,14 @@ the plans predicted fastest among those that fit are enqueued first, a prior for
 from __future__ import annotations
 
 import random
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
 from rich.markup import escape
 
+from composable_atorch.auto.limits import in_process_limit, user_code_limit
 from composable_atorch.auto.policy import (
     Budget,
     SpaceOptions,
@@ -123,6 +125,7 @@ def search(
         )
         if predictor is not None:
             predictor.deadline = deadline
+            predictor.timeout_s = min(predictor.timeout_s, trial.timeout)
     loop = _Loop(workload, trial, budget, space, study, env, runner, progress, predictor, started=started)
     result = loop.run()
     result.preflight = checked
@@ -153,23 +156,24 @@ class _Loop:
 
         self.trial_settings, self.budget, self.runner, self.progress, self.env = trial, budget, runner, progress, env
         self.limit = budget.memory_bytes
-        example = example_model(workload.model_fn)
-        context = SearchContext(
-            env=env,
-            block_classes=block_classes(example),
-            batch_size=workload.batch_size,
-            allow_compile=space.allow_compile,
-        )
         start_from = space.start_from
-        self.space = SearchSpace(
-            context,
-            excluded=space.excluded,
-            included=space.included,
-            extra=start_from.requested if start_from else (),
-            customize=space.customize,
-            admit=planning_admit(example, None if workload.criterion is not None else plan_needs_criterion),
+        # the user's model is built and run here (tensor-parallel placement): under a limit (auto/limits.py)
+        with user_code_limit(in_process_limit(trial, budget, self.started), "listing the plans"):
+            example = example_model(workload.model_fn)
+            context = SearchContext(env, block_classes(example), workload.batch_size, space.allow_compile)
+            self.space = SearchSpace(
+                context,
+                excluded=space.excluded,
+                included=space.included,
+                extra=start_from.requested if start_from else (),
+                customize=space.customize,
+                admit=planning_admit(example, None if workload.criterion is not None else plan_needs_criterion),
+            )
+            self.enumeration = self.space.enumerate()
+        # the space's classes, held here: the best plan's JSON is read back against them (core.codec)
+        self.trusted = tuple({type(m) for m in example.modules()}) + tuple(
+            obj for p in self.enumeration.valid.values() for obj in p.plan.named_objects()
         )
-        self.enumeration = self.space.enumerate()
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         url = study.url
         self.study = optuna.create_study(
@@ -323,7 +327,7 @@ class _Loop:
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-        console = Console(stderr=False, quiet=not self.progress)
+        console = Console(stderr=False, quiet=not self.progress, soft_wrap=not sys.stdout.isatty())  # a log: unwrapped
         columns = (
             TextColumn("[bold]search"),
             BarColumn(),
@@ -350,7 +354,7 @@ class _Loop:
             enumeration=self.enumeration,
             records=records,
             best=best,
-            best_plan=Plan.from_json(best.plan_json, env=self.env) if best else None,
+            best_plan=Plan.from_json(best.plan_json, env=self.env, allow=self.trusted) if best else None,
             memory_limit=self.limit,
             wall_time=time.monotonic() - start,
             measured_now=c["measured"],

@@ -227,11 +227,16 @@ def _spawn(spec_for: Callable[[str], RankSpec], world: int, timeout: float, on_p
     return results, failure, time.monotonic() - start
 
 
-def run_trial(plan_json: str, workload: Workload, settings: TrialSettings) -> TrialResult:
-    """Measure one plan (its JSON) in fresh processes; never raises for what the plan does."""
+def run_trial(plan_json: str, workload: Workload, settings: TrialSettings, trusted: tuple = ()) -> TrialResult:
+    """Measure one plan (its JSON) in fresh processes; never raises for what the plan does.
+
+    ``trusted``: the classes and functions the plan names that the caller holds as objects
+    (:meth:`Plan.named_objects`): they travel with the workload, by reference, and the ranks read the
+    plan against them rather than the allow-list (the plan is the library's own, not a file's)."""
 
     def spec_for(tmp: str) -> RankSpec:
         return RankSpec(
+            trusted=tuple(trusted),
             plan_json=plan_json,
             workload=workload,
             world_size=settings.world_size,
@@ -300,11 +305,13 @@ def train_plan(
     steps: int,
     timeout: float,
     on_step: Callable[[int, float], None] | None = None,
+    trusted: tuple = (),
 ) -> tuple[list[float] | None, str | None]:
     """Train a plan for ``steps`` optimizer steps at ``world_size``: (rank 0's losses, failure or None)."""
 
     def spec_for(tmp: str) -> RankSpec:
         return RankSpec(
+            trusted=tuple(trusted),
             plan_json=plan_json,
             workload=workload,
             world_size=world_size,
@@ -333,4 +340,6 @@ class ProcessRunner:
         self.workload, self.settings = workload, settings
 
     def __call__(self, plan: Plan, *, timeout: float) -> TrialResult:
-        return run_trial(plan.to_json(), self.workload, replace(self.settings, timeout=timeout))
+        return run_trial(
+            plan.to_json(), self.workload, replace(self.settings, timeout=timeout), trusted=plan.named_objects()
+        )

@@ -103,7 +103,7 @@ def main(argv: list[str]) -> int:
                 space=SpaceOptions(excluded=DEMO_EXCLUDED),
                 study=StudyOptions(seed=args.seed, predict_ahead_s=DEMO_PREDICT_AHEAD_S),
             )
-            console.print(report.table(result))
+            report.show(console, result)
             console.print(
                 f"predictions: {result.prediction_note}; {result.over_budget_runs} run(s) over the memory budget"
             )

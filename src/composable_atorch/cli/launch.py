@@ -40,9 +40,12 @@ rounds, a restart after a killed rank failed about half the time here (gloo "con
 Connection refused", or a hang before the first resumed step); with a store per round it passed
 every time (see benchmarks/restarts.py and, for membership changes, benchmarks/elastic.py).
 
-``--timeout SECONDS`` (default 300) bounds how long a rank waits for a peer that stopped: the
-script's ``init_distributed()`` or ``parallel_mode`` reads it (``COMPOSABLE_ATORCH_TIMEOUT``), and
-the job ends with a message naming the stopped rank instead of hanging for gloo's 30 minutes.
+``--heartbeat SECONDS`` (default 45): a rank whose heartbeat stops that long (SIGSTOP, a frozen or
+lost machine) is named, with its host, by a peer that then exits, so the job ends about a minute
+after a rank stops instead of hanging for gloo's 30 minutes (see runtime/liveness.py for the cost).
+``--timeout SECONDS`` (default 300) bounds each collective (a rank alive but stuck in a loop). The
+script's ``init_distributed()`` or ``parallel_mode`` reads both (``COMPOSABLE_ATORCH_HEARTBEAT``,
+``COMPOSABLE_ATORCH_TIMEOUT``).
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ import os
 import sys
 
 from composable_atorch.cli import elastic
-from composable_atorch.runtime.liveness import DEFAULT_TIMEOUT_S, TIMEOUT_ENV
+from composable_atorch.runtime.liveness import DEFAULT_HEARTBEAT_S, DEFAULT_TIMEOUT_S, HEARTBEAT_ENV, TIMEOUT_ENV
 
 PROG = "python -m composable_atorch launch"
 
@@ -118,7 +121,11 @@ def rank_environment(ns: argparse.Namespace) -> dict[str, str]:
         env[TIMEOUT_ENV] = repr(ns.timeout)
     else:
         env[TIMEOUT_ENV] = os.environ.get(TIMEOUT_ENV) or repr(DEFAULT_TIMEOUT_S)
-    return {k: v for k, v in env.items() if k == TIMEOUT_ENV or k not in os.environ}
+    if ns.heartbeat is not None:
+        env[HEARTBEAT_ENV] = repr(ns.heartbeat)
+    else:
+        env[HEARTBEAT_ENV] = os.environ.get(HEARTBEAT_ENV) or repr(DEFAULT_HEARTBEAT_S)
+    return {k: v for k, v in env.items() if k in (TIMEOUT_ENV, HEARTBEAT_ENV) or k not in os.environ}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -147,7 +154,16 @@ def parser() -> argparse.ArgumentParser:
         "--timeout",
         type=_seconds,
         default=None,
-        help="seconds a rank may wait for a stopped peer before the job ends naming it (default 300)",
+        help="seconds a collective may wait before it fails (default 300)",
+    )
+    p.add_argument(
+        "--heartbeat",
+        type=_seconds,
+        default=None,
+        help=(
+            f"seconds without a rank's heartbeat before the job ends naming it and its host (default "
+            f"{DEFAULT_HEARTBEAT_S:g}; at most half of --timeout)"
+        ),
     )
     elastic.add_arguments(p)
     p.add_argument("script", help="the training script (a .py file)")
@@ -182,6 +198,35 @@ def _check(ns: argparse.Namespace) -> None:
         raise _UsageError(f"script {ns.script!r} not found")
 
 
+def continue_stopped_ranks() -> None:
+    """Make torchrun's closing signal reach a rank that is stopped (SIGSTOP, a frozen debugger).
+
+    When a peer names a stopped rank and exits, torchrun's agent sends every rank SIGTERM, waits 30 s,
+    then SIGKILL. A stopped process takes no signal but SIGKILL and SIGCONT, so the SIGTERM waited
+    there for the whole 30 s (measured: the job ended 30 s after the heartbeat named the rank).
+    Following the closing signal with SIGCONT lets the rank take it at once. Only this process's own
+    agent is changed (``launch`` runs torchrun in-process), and only on POSIX.
+    """
+    import signal
+
+    from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler as handler
+
+    cls = handler.SubprocessHandler
+    if os.name != "posix" or getattr(cls.close, "_continues_stopped", False):
+        return
+    original = cls.close
+
+    def close(self, death_sig=None):
+        original(self, death_sig)
+        try:
+            os.killpg(self.proc.pid, signal.SIGCONT)
+        except (ProcessLookupError, PermissionError):  # gone already
+            pass
+
+    close._continues_stopped = True
+    cls.close = close
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = parser()
@@ -199,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    continue_stopped_ranks()
 
     try:
         torchrun.run(torchrun.parse_args(torchrun_args(ns)))

@@ -110,7 +110,7 @@ def main(argv: list[str]) -> int:
     except CompositionError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    console.print(report.table(result))
+    report.show(console, result)
     written = report.write_all(result, args.out)
     for what, path in written.items():
         console.print(f"{what}: {path}")

@@ -228,7 +228,9 @@ def auto_accelerate(
             if opts["verbose"] and _rank() == 0:
                 print(f"auto_accelerate: no plan: {decided['failure']}")
             return False, None, None
-        plan = AtorchStrategy.of(Plan.from_json(decided["plan"], env=env), req.notes() + shrink_notes)
+        # rank 0's text names what this rank holds too: the strategy's classes and the model's own
+        trusted = handed_over(model, loaded)
+        plan = AtorchStrategy.of(Plan.from_json(decided["plan"], env=env, allow=trusted), req.notes() + shrink_notes)
     if save_strategy_to_file:
         if _rank() == 0:
             strategy.dump(plan, save_strategy_to_file)
@@ -259,6 +261,15 @@ def auto_accelerate(
         model, optim, loader, result_loss, prepare_input or default_prepare_input, scheduler, args
     )
     return True, result, plan
+
+
+def handed_over(model, loaded: Plan | None) -> tuple:
+    """The classes and functions the user handed over in code on this rank: the loaded strategy's
+    (``("checkpoint", (Block,))``) and the classes of the model's modules (the search's block
+    classes). Rank 0's plan text may name them whatever module they live in (the script's
+    ``__main__``, a spawned ``__mp_main__``, a notebook): they are trusted, not looked up."""
+    own = {type(m) for m in model.modules()}
+    return tuple(own) + (loaded.named_objects() if loaded is not None else ())
 
 
 def _unserializable(req: Request, loaded: Plan | None) -> Plan | None:

@@ -18,10 +18,19 @@ only against an allow-list:
 
 Each field then checks the kind it expects (a block class is an ``nn.Module`` subclass, a batch
 function is a function, not a class): the resolver only decides what may be named at all.
+
+The allow-list is for text from elsewhere (a file, another process's JSON). Where the library
+serialises a plan it holds and reads it back (rank 0's decision broadcast to the other ranks, a
+plan sent to a trial's processes) the objects the user handed over in code are passed as ``allow``
+(:func:`named_objects` of the plan, the classes of the user's model): trusted in whatever module
+they live (``__main__``, a spawned child's ``__mp_main__``, a notebook). A script's own module is
+written ``__main__`` whichever name it runs under, so the same plan text means the same class in a
+torchrun rank (``__main__``) and in a ``torch.multiprocessing.spawn`` child (``__mp_main__``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import re
 import sys
@@ -49,6 +58,12 @@ def _named(obj: Any) -> bool:
     return isinstance(obj, type) or inspect.isfunction(obj) or inspect.isbuiltin(obj)
 
 
+def _module_name(name: str) -> str:
+    """A script's module under the name a plan writes: multiprocessing's spawn runs the parent's
+    ``__main__`` as ``__mp_main__`` in the child, the same script."""
+    return "__main__" if name == "__mp_main__" else name
+
+
 def class_path(obj: Any) -> str:
     """``module:QualName`` of a module-level class or function (what a plan stores)."""
     qual = getattr(obj, "__qualname__", "")
@@ -56,7 +71,22 @@ def class_path(obj: Any) -> str:
         raise ConfigError(
             "class", obj, "a module-level class or function (named by its path) or its name as a string, saved as JSON"
         )
-    return f"{obj.__module__}:{qual}"
+    return f"{_module_name(obj.__module__)}:{qual}"
+
+
+def named_objects(value: Any) -> tuple[Any, ...]:
+    """The classes and functions a config value holds (what its JSON names by path), each once."""
+    found: dict[int, Any] = {}
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list | tuple):
+            stack.extend(item)
+        elif _named(item) and not isinstance(item, torch.dtype):
+            found.setdefault(id(item), item)
+    return tuple(found.values())
 
 
 def allow(*objects: Any) -> None:
@@ -73,7 +103,8 @@ def allow_table(extra: Iterable[Any]) -> dict[str, Any]:
     for obj in extra or ():
         if not _named(obj):
             raise ConfigError("allow", obj, "classes or module-level functions")
-        table[class_path(obj)] = obj
+        with contextlib.suppress(ConfigError):  # a local class cannot be named by a plan: nothing to allow
+            table[class_path(obj)] = obj
     return table
 
 
@@ -82,10 +113,11 @@ def resolve(path: Any, kind: str = "$class", allowed: dict[str, Any] | None = No
     if not isinstance(path, str) or len(path) > 300 or not _PATH.fullmatch(path):
         raise UntrustedInputError(f"{kind} path", path, "'package.module:QualName' (identifiers only)")
     table = _REGISTERED if allowed is None else allowed
-    if path in table:
-        obj = table[path]
+    module_name, _, qual = path.partition(":")
+    given = f"{_module_name(module_name)}:{qual}"  # a plan written by an older version in a spawned child
+    if given in table:
+        obj = table[given]
     else:
-        module_name, _, qual = path.partition(":")
         if module_name.partition(".")[0] in _STDLIB:
             raise UntrustedInputError(
                 f"{kind} path",
@@ -104,8 +136,7 @@ def resolve(path: Any, kind: str = "$class", allowed: dict[str, Any] | None = No
             obj = vars(obj).get(part) if hasattr(obj, "__dict__") else None
             if obj is None:
                 raise UntrustedInputError(f"{kind} path", path, f"a name defined in {module_name}; {_FIX}")
-        own = getattr(obj, "__module__", None)
-        own = "__main__" if own == "__mp_main__" else own
+        own = _module_name(getattr(obj, "__module__", None) or "")
         if not _named(obj) or f"{own}:{getattr(obj, '__qualname__', None)}" != path:
             raise UntrustedInputError(
                 f"{kind} path", path, f"a class or function named by its own module and name; {_FIX}"

@@ -96,6 +96,14 @@ class Plan:
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent)
 
+    def named_objects(self) -> tuple[Any, ...]:
+        """The classes and functions the requested transforms' configs hold: what this plan's JSON names.
+
+        Pass them as ``allow`` where the library reads back a plan it wrote itself (another rank, a
+        trial's processes): the user handed them over in code, so they need not pass the allow-list
+        (see :mod:`.codec`)."""
+        return codec.named_objects([t.config() for t in self.requested])
+
     @classmethod
     def from_dict(
         cls, data: dict[str, Any], *, env: Environment | None = None, strict: bool | None = None, allow=()

@@ -62,10 +62,11 @@ def as_plan_dict(plan: Any) -> dict:
     raise ConfigError("plan", type(plan).__name__, "a Plan, a transform, or plan JSON (text or a file path)")
 
 
-def compose_for(data: dict, env: Environment) -> Plan:
-    """The plan composed for ``env``; a world size it cannot use is a ConfigError naming the fix."""
+def compose_for(data: dict, env: Environment, allow=()) -> Plan:
+    """The plan composed for ``env``; a world size it cannot use is a ConfigError naming the fix.
+    ``allow``: the objects of a plan given as an object (its own names, see core.codec)."""
     try:
-        return Plan.from_dict(data, env=env)
+        return Plan.from_dict(data, env=env, allow=allow)
     except CompositionError as exc:
         raise ConfigError(
             "world_size",
@@ -125,14 +126,17 @@ def estimate(
     global_batch = check_batch(batch)
     model = meta_model(model)
     data = as_plan_dict(plan)
+    # a plan handed over as an object names its own classes: read back against them (core.codec)
+    own = () if not isinstance(plan, Plan | Transform) else (plan if isinstance(plan, Plan) else compose(plan))
+    own = own.named_objects() if own else ()
     here = Environment.detect().with_(world_size=world_size)
     target = (
         here
         if here.device == device
         else here.with_(device=device, compute_capability=(8, 0) if device == "cuda" else None)
     )
-    target_plan = compose_for(data, target)
-    sim_plan = compose_for(data, here.with_(device="cpu", compute_capability=None))
+    target_plan = compose_for(data, target, own)
+    sim_plan = compose_for(data, here.with_(device="cpu", compute_capability=None), own)
     notes = []
     if target_plan.names != sim_plan.names:
         notes.append(

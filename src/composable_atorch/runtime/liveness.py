@@ -1,17 +1,27 @@
-"""A collective timeout the user sets, and a heartbeat that names the rank that stopped.
+"""A heartbeat that names the rank that stopped, and a collective timeout the user sets.
 
 gloo waits 30 minutes (torch's default process-group timeout) on a peer that stopped: a rank
 frozen by SIGSTOP, a swapped-out or lost machine keeps every other rank, and the job, alive that
 long and says nothing about who is missing. Two things shorten and explain that:
 
-* the process group's timeout (``init_distributed(timeout_s=)``, ``parallel_mode(timeout_s=)``,
-  ``launch --timeout``; default :data:`DEFAULT_TIMEOUT_S`): a collective waiting longer fails;
 * a heartbeat thread per rank bumps a counter in the rendezvous store every few seconds and
-  watches the others'. A counter that has not moved for half the timeout names its rank: the rank
-  prints which peer stopped and exits non-zero, so torchrun ends (or restarts) the job. The
-  thread runs while a collective blocks the main thread, so the rank that stopped is named
-  even when every other rank is waiting inside gloo. A rank that is alive but loops forever
-  in Python keeps beating; the collective timeout catches that one.
+  watches the others'. A counter that has not moved for the heartbeat's wait (default
+  :data:`DEFAULT_HEARTBEAT_S`; ``launch --heartbeat``, ``$COMPOSABLE_ATORCH_HEARTBEAT``) names
+  its rank and host: the rank prints which peer stopped and exits non-zero, so torchrun ends (or
+  restarts) the job about a minute after a rank stops. The thread runs while a collective blocks
+  the main thread, so the rank that stopped is named even when every other rank is waiting
+  inside gloo;
+* the process group's timeout (``init_distributed(timeout_s=)``, ``parallel_mode(timeout_s=)``,
+  ``launch --timeout``; default :data:`DEFAULT_TIMEOUT_S`): a collective waiting longer fails. A
+  rank that is alive but loops forever in Python keeps beating; the collective timeout catches
+  that one. The heartbeat's wait is never more than half of it, so the heartbeat speaks first.
+
+What it costs: one thread per rank that wakes every ``wait / 10`` seconds (at most 5 s) and makes
+one store call for its own counter and one per peer; on the default 45 s that is ``world`` store
+calls per rank every 4.5 s (on 1024 ranks about 230 000 calls/s on the store's host, where 2
+ranks make under 1/s: set a longer ``--heartbeat`` on very large jobs). A live rank whose
+heartbeat thread cannot run for the whole wait (a C extension holding the GIL that long) is
+taken for stopped: set a longer wait for such code.
 
 The store client is a private one with a short timeout, so a store whose host stopped (rank 0
 hosts it when ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, which ``launch`` sets) is noticed too.
@@ -20,7 +30,9 @@ hosts it when ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, which ``launch`` sets) i
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
+import socket
 import sys
 import threading
 import time
@@ -32,6 +44,12 @@ from composable_atorch.errors import ConfigError
 DEFAULT_TIMEOUT_S = 300.0
 #: the environment variable ``launch --timeout`` sets for every rank
 TIMEOUT_ENV = "COMPOSABLE_ATORCH_TIMEOUT"
+#: seconds without a peer's heartbeat before it is declared stopped: a stopped rank ends the job
+#: within about a minute (this, one beat, torchrun's teardown), where a live rank's heartbeat
+#: thread is never held up that long by a training step (it needs the GIL for microseconds)
+DEFAULT_HEARTBEAT_S = 45.0
+#: the environment variable ``launch --heartbeat`` sets for every rank
+HEARTBEAT_ENV = "COMPOSABLE_ATORCH_HEARTBEAT"
 #: exit status of a rank that found a stopped peer (EX_SOFTWARE is taken by tracebacks' 1)
 EXIT_PEER_STOPPED = 75
 
@@ -57,14 +75,33 @@ def collective_timeout(timeout_s: float | None = None) -> float:
     return float(timeout_s)
 
 
+def heartbeat_wait(heartbeat_s: float | None = None, timeout_s: float | None = None) -> float:
+    """Seconds without a peer's heartbeat before it is declared stopped: the argument, else
+    ``$COMPOSABLE_ATORCH_HEARTBEAT``, else :data:`DEFAULT_HEARTBEAT_S`; at most half the collective
+    timeout (so the heartbeat names the rank before a waiting collective fails naming none)."""
+    if heartbeat_s is None:
+        text = os.environ.get(HEARTBEAT_ENV)
+        if text:
+            try:
+                heartbeat_s = float(text)
+            except ValueError:
+                raise ConfigError(HEARTBEAT_ENV, text, "a number of seconds > 0") from None
+        else:
+            heartbeat_s = DEFAULT_HEARTBEAT_S
+    if isinstance(heartbeat_s, bool) or not isinstance(heartbeat_s, int | float) or not heartbeat_s > 0:
+        raise ConfigError("heartbeat_s", heartbeat_s, "a number of seconds > 0 (a peer silent longer is stopped)")
+    return min(float(heartbeat_s), collective_timeout(timeout_s) / 2)
+
+
 class _Watchdog(threading.Thread):
-    def __init__(self, timeout_s: float, rank: int, world: int, store, prefix: str):
+    def __init__(self, timeout_s: float, rank: int, world: int, store, prefix: str, stale_s: float | None = None):
         super().__init__(name="composable_atorch-heartbeat", daemon=True)
         self.timeout_s, self.rank, self.world = timeout_s, rank, world
-        # stale after half the timeout (ten missed beats): the heartbeat names the stopped rank before
-        # the waiting collective times out with gloo's message, which names no rank
-        self.interval = min(5.0, max(0.2, timeout_s / 20))
-        self.stale_s = timeout_s / 2
+        # stale after the heartbeat's wait (ten missed beats), at most half the collective timeout: the
+        # heartbeat names the stopped rank before the waiting collective times out with gloo's message,
+        # which names no rank
+        self.stale_s = min(timeout_s / 2, stale_s) if stale_s is not None else timeout_s / 2
+        self.interval = min(5.0, max(0.2, self.stale_s / 10))
         self.shared, self.prefix = store, prefix
         self.stopped = threading.Event()
 
@@ -87,6 +124,8 @@ class _Watchdog(threading.Thread):
             store = self.client = self._store()
         except Exception:  # noqa: BLE001 - no store reachable: the collective timeout remains
             return
+        with contextlib.suppress(Exception):  # where this rank runs, for a peer's message if it stops
+            store.set(f"{self.prefix}host/{self.rank}", f"host {socket.gethostname()}, pid {os.getpid()}")
         now = time.monotonic()
         seen = {r: (-1, now) for r in range(self.world) if r != self.rank}
         store_ok = now
@@ -109,7 +148,14 @@ class _Watchdog(threading.Thread):
                     seen[r] = (count, now)
             late = sorted(r for r, (c, since) in seen.items() if c < _DONE and now - since > self.stale_s)
             if late:
-                self._fail(f"rank {', '.join(map(str, late))}" if len(late) == 1 else f"ranks {late}")
+                where = "; ".join(f"rank {r}: {self._host(store, r)}" for r in late)
+                self._fail(f"rank {late[0]}" if len(late) == 1 else f"ranks {late}", where)
+
+    def _host(self, store, rank: int) -> str:
+        try:
+            return store.get(f"{self.prefix}host/{rank}").decode()
+        except Exception:  # noqa: BLE001 - it stopped before saying where it runs
+            return "host unknown"
 
     def done(self, store=None) -> None:
         """Tell the others this rank ended on purpose, so a peer still working does not blame it."""
@@ -119,12 +165,12 @@ class _Watchdog(threading.Thread):
         except Exception:  # noqa: BLE001 - nobody left to tell
             pass
 
-    def _fail(self, who: str) -> None:
+    def _fail(self, who: str, where: str = "") -> None:
         print(
-            f"composable_atorch: {who} stopped responding: no heartbeat for {self.stale_s:g} s, half the "
-            f"collective timeout of {self.timeout_s:g} s (stopped, frozen or lost). Rank {self.rank} exits so the "
-            "job ends instead of hanging. Set the timeout with launch --timeout, init_distributed(timeout_s=) or "
-            "parallel_mode(timeout_s=).",
+            f"composable_atorch: {who} stopped responding ({where or 'host unknown'}): no heartbeat for "
+            f"{self.stale_s:g} s (stopped, frozen or lost). Rank {self.rank} on {socket.gethostname()} exits so "
+            f"the job ends instead of hanging. Set the wait with launch --heartbeat SECONDS "
+            f"(${HEARTBEAT_ENV}; at most half the collective timeout, {self.timeout_s:g} s, launch --timeout).",
             file=sys.stderr,
             flush=True,
         )
@@ -175,6 +221,7 @@ def watch(timeout_s: float | None = None) -> float:
     if _watchdog is not None and _watchdog.is_alive():
         if _watchdog.group is group:
             _watchdog.timeout_s = timeout
+            _watchdog.stale_s = min(_watchdog.stale_s, timeout / 2)
             return timeout
         _watchdog.stopped.set()
     if dist.get_world_size() < 2:
@@ -192,7 +239,9 @@ def watch(timeout_s: float | None = None) -> float:
     # torchrun's store may outlive a round
     _generation += 1
     prefix = f"composable_atorch/heartbeat/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_generation}/"
-    _watchdog = _Watchdog(timeout, dist.get_rank(), dist.get_world_size(), store, prefix)
+    _watchdog = _Watchdog(
+        timeout, dist.get_rank(), dist.get_world_size(), store, prefix, heartbeat_wait(timeout_s=timeout)
+    )
     _watchdog.group = group
     _watchdog.start()
     atexit.register(_watchdog.done)
