@@ -68,7 +68,7 @@ import os
 import shutil
 import warnings
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -90,16 +90,10 @@ from composable_atorch.state.files import (
     recover,
     write_json,
 )
+from composable_atorch.state.resumed import Resumed
 from composable_atorch.transforms.parallel.tensor import save_layout
 
 __all__ = ["Resumed", "latest_checkpoint", "save_state"]
-
-
-class Resumed(NamedTuple):
-    """What :func:`load_state` returns: ``step, extra = load_state(...)``."""
-
-    step: int
-    extra: dict[str, Any]
 
 
 # -- small helpers ---------------------------------------------------------------------------------
@@ -170,6 +164,23 @@ def _optimizer_shape(inner: torch.optim.Optimizer, hooks: list) -> dict[str, Any
         "group_sizes": [len(g["params"]) for g in inner.param_groups],
         "hooks": [type(h).__name__ for h in hooks],
     }
+
+
+def _joined_group_sizes(model: torch.nn.Module, inner: torch.optim.Optimizer) -> list[int]:
+    """Each param group's parameter count over the whole model, joined across ranks.
+
+    A pipeline stage's optimizer holds its own stage's parameters only; tensor and fsdp ranks hold
+    shards of the same names. The saved shape is therefore the union of every rank's parameter
+    names per group (a name is one parameter, as DCP keys it), which is what a plan-free model or
+    any other layout's full model has: a checkpoint of pipeline stages then loads anywhere.
+    """
+    names = {id(p): n for n, p in model.named_parameters()}
+    mine = [sorted(names.get(id(p), f"#{i}") for i, p in enumerate(g["params"])) for g in inner.param_groups]
+    if not _distributed():
+        return [len(group) for group in mine]
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return [len(set().union(*(r[i] for r in everyone if i < len(r)))) for i in range(len(mine))]
 
 
 def _plain(value: Any) -> bool:
@@ -298,6 +309,7 @@ def save_state(
     state = save_layout(model, state)  # fused (strided) tensor-parallel layers in the user's layout
     if micro_step:
         state["grads"] = _grad_state(model, rank)
+    group_sizes = None if inner is None else _joined_group_sizes(model, inner)  # collective
     position = None if loader is None else loader.position.to_json()
     write_json(
         partial / f"rank-{rank}.json",
@@ -323,6 +335,7 @@ def save_state(
             if inner is None
             else {
                 **_optimizer_shape(inner, hooks),
+                "group_sizes": group_sizes,
                 "has_state": has_optim_state,
                 "hyperparameters": group_hyperparameters(inner),
             },
@@ -348,13 +361,3 @@ def _scheduler_state(scheduler) -> dict[str, Any] | None:
     ):
         raise ConfigError("scheduler", type(scheduler).__name__, "a torch.optim.lr_scheduler scheduler, or None")
     return check_jsonable(scheduler.state_dict(), f"{type(scheduler).__name__}.state_dict()")
-
-
-def _say_resumed(path: Path, meta: dict[str, Any], position: dict[str, Any] | None) -> None:
-    """One line for the user: which step, and how many batches the resumed pass skips."""
-    line = f"composable_atorch: resumed from {path.name} at step {meta['step']}"
-    if position is not None:
-        line += f"; skipping the {position['batches']} batch(es) of epoch {position['epoch']} already seen"
-        if "samples" in position:
-            line += f" ({position['samples']} samples of the global order)"
-    print(line, flush=True)
