@@ -317,7 +317,7 @@ def _plan_data_position(loader, meta: dict, rank_state: dict, exact: bool, path:
             )
         return False, f"{reason}; the loader was left as given (its epoch starts anew)"
     batches = _resumable.resume_batches(loader, saved)
-    note = f"skipping {batches} batch(es) of epoch {saved['epoch']} already seen"
+    note = f"skipping the {batches} batch(es) of epoch {saved['epoch']} already seen"
     if "samples" in saved:
         note += f" ({saved['samples']} samples of the global order)"
     return True, note
