@@ -11,7 +11,6 @@ from __future__ import annotations
 import collections
 import os
 import signal
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -302,4 +301,6 @@ def test_tensor_pipeline_resumes_under_fsdp_at_another_world_and_back(tmp_path):
 @pytest.mark.dist
 @pytest.mark.slow
 def test_tensor_pipeline_data_at_world8_resumes_under_fsdp_at_world2_and_back(tmp_path):
-    check_moves(str(tmp_path), [(8, "tensor_pipeline_data", 1, 3), (2, "fsdp", 4, 6), (8, "tensor_pipeline_data", 7, 8)])
+    check_moves(
+        str(tmp_path), [(8, "tensor_pipeline_data", 1, 3), (2, "fsdp", 4, 6), (8, "tensor_pipeline_data", 7, 8)]
+    )
