@@ -12,6 +12,7 @@ is a typed error (ConfigError, or its CheckpointError naming the file).
 from __future__ import annotations
 
 import os
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -146,13 +147,26 @@ def load_state(
     """
     if not isinstance(model, torch.nn.Module):
         raise ConfigError("model", type(model).__name__, "a torch.nn.Module")
-    path = _checkpoint_to_load(directory)
+    path = None
     try:
+        path = _checkpoint_to_load(directory)
         return _load(path, model, optim, loader, scheduler, verbose, exact_resume)
-    except CheckpointError as exc:  # name the checkpoint (and the step) beside the file
-        if "[checkpoint " in exc.problem:
-            raise
-        raise CheckpointError(exc.path, f"{exc.problem} [checkpoint {path}]", exc.fix) from None
+    except CheckpointError as exc:  # name the checkpoint directory (and its step) beside the file
+        raise _named(exc, path, directory) from None
+
+
+def _named(exc: CheckpointError, path: Path | None, directory) -> CheckpointError:
+    """``exc`` saying which checkpoint (directory, step) the damaged file belongs to, and that nothing loaded."""
+    if getattr(exc, "checkpoint", None) is not None:
+        return exc
+    checkpoint = Path(path) if path is not None else Path(exc.path).parent
+    match = re.fullmatch(r"step-(\d{8})(\.resaved)?", checkpoint.name)
+    where = f"checkpoint {checkpoint}" + (f" (step {int(match.group(1))})" if match else "")
+    if Path(directory) != checkpoint:
+        where += f", the one to load from {directory}"
+    named = CheckpointError(exc.path, f"{exc.problem}; in {where}; nothing was loaded", exc.fix)
+    named.checkpoint = str(checkpoint)
+    return named
 
 
 def _checkpoint_to_load(directory: str | os.PathLike) -> Path:
@@ -165,7 +179,10 @@ def _checkpoint_to_load(directory: str | os.PathLike) -> Path:
     path = latest_checkpoint(root)
     candidate = _newest_candidate(root)
     if path is None and candidate is not None:
-        _verify(candidate)  # raises the CheckpointError naming the damaged or missing file
+        try:
+            _verify(candidate)
+        except CheckpointError as exc:  # the damaged or missing file, in the checkpoint it belongs to
+            raise _named(exc, candidate, directory) from None
     if path is None:
         if root.is_file():
             problem = "a file, not a checkpoint directory"
