@@ -23,7 +23,7 @@ from composable_atorch.errors import CheckpointError, ConfigError
 from composable_atorch.runtime import resumable as _resumable
 from composable_atorch.runtime.optim import PlanOptimizer
 from composable_atorch.runtime.train_step import PIPELINE_ATTR
-from composable_atorch.state import verify
+from composable_atorch.state import inflight, verify
 from composable_atorch.state.files import FORMAT, META, VERSION, _pointer_target, latest_checkpoint
 from composable_atorch.state.resumed import Resumed
 from composable_atorch.state.save import (
@@ -147,6 +147,7 @@ def load_state(
     """
     if not isinstance(model, torch.nn.Module):
         raise ConfigError("model", type(model).__name__, "a torch.nn.Module")
+    inflight.wait_for_saves()  # a save of this process still being written is published first
     path = None
     try:
         path = _checkpoint_to_load(directory)

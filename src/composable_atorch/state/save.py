@@ -76,7 +76,7 @@ import torch.distributed as dist
 from composable_atorch.errors import ConfigError
 from composable_atorch.runtime import resumable as _resumable
 from composable_atorch.runtime.optim import PlanOptimizer
-from composable_atorch.state import verify
+from composable_atorch.state import inflight, verify
 from composable_atorch.state.files import (
     FORMAT,
     META,
@@ -93,7 +93,9 @@ from composable_atorch.state.files import (
 from composable_atorch.state.resumed import Resumed
 from composable_atorch.transforms.parallel.tensor import save_layout
 
-__all__ = ["Resumed", "latest_checkpoint", "save_state"]
+__all__ = ["Resumed", "latest_checkpoint", "save_state", "wait_for_saves"]
+
+wait_for_saves = inflight.wait_for_saves
 
 
 # -- small helpers ---------------------------------------------------------------------------------
@@ -253,13 +255,19 @@ def save_state(
     extra: dict[str, Any] | None = None,
     keep: int | None = None,
     scheduler=None,
-) -> Path:
+    asynchronous: bool = False,
+) -> Path | inflight.SaveInFlight:
     """Save model, optimizer (with the plan's hook states), LR scheduler, data position and RNG states.
 
     Call it on every rank (it is collective when a process group exists), after ``optim.step()``
     of the step you count in ``step``. ``extra`` is any JSON dict (returned by load_state).
     ``keep`` prunes all but the newest ``keep`` checkpoints. ``scheduler`` (a torch LR scheduler)
     is saved as JSON and restored by ``load_state(..., scheduler=)``. Returns the checkpoint's directory.
+
+    ``asynchronous=True`` returns once the tensors are copied to CPU memory (DCP's async_save);
+    the files are written, checksummed and published atomically on a background thread while
+    training goes on, and the result is a :class:`~composable_atorch.state.inflight.SaveInFlight`
+    (path-like; ``.wait()``). The next save, a load and process exit wait for it (inflight.py).
     """
     if not isinstance(model, torch.nn.Module):
         raise ConfigError("model", type(model).__name__, "a torch.nn.Module")
@@ -288,6 +296,9 @@ def save_state(
             "buffers",
         )
 
+    if not isinstance(asynchronous, bool):
+        raise ConfigError("save_state asynchronous", asynchronous, "True or False")
+    inflight.wait_for_saves()  # one save at a time: the one in flight is published before this one starts
     rank, world = _rank_world()
     root = Path(directory)
     partial = partial_dir(root, step)
@@ -321,9 +332,7 @@ def save_state(
             "hooks": hook_states,
         },
     )
-    with _single_process_is_intended():
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(partial, sync_files=True), no_dist=not _distributed())
-    _barrier()
+    meta = None
     if rank == 0:
         meta = {
             "format": FORMAT,
@@ -343,13 +352,35 @@ def save_state(
             "loader": position is not None,
             "scheduler": scheduler_state,
         }
+    writer = dcp.FileSystemWriter(partial, sync_files=True)
+    if not asynchronous:
+        with _single_process_is_intended():
+            dcp.save(state, storage_writer=writer, no_dist=not _distributed())
+        _finish(root, partial, step, meta, keep, _barrier)
+        return root / checkpoint_name(step)
+    group = inflight.save_group()
+    if group is None:
+        # DCP warns from its writing thread, after _single_process_is_intended() has ended (warning
+        # filters are process-wide, not per thread): this one message is filtered for good
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+    with _single_process_is_intended():  # stages (copies) the tensors here; writes on a thread
+        future = dcp.async_save(state, storage_writer=writer, process_group=group, no_dist=not _distributed())
+    barrier = (lambda: dist.barrier(group=group)) if group is not None else (lambda: None)
+    return inflight.start(
+        root / checkpoint_name(step), future, lambda: _finish(root, partial, step, meta, keep, barrier)
+    )
+
+
+def _finish(root: Path, partial: Path, step: int, meta: dict | None, keep: int | None, barrier) -> None:
+    """Once every rank's files are written: rank 0 seals the manifest and publishes atomically."""
+    barrier()
+    if meta is not None:
         meta[verify.FILES] = verify.manifest(partial, skip=(META, f"{META}.tmp"))
         write_json(partial / META, verify.seal(meta))
         publish(root, partial, step)
         if keep is not None:
             prune(root, keep)
-    _barrier()
-    return root / checkpoint_name(step)
+    barrier()
 
 
 def _scheduler_state(scheduler) -> dict[str, Any] | None:
