@@ -92,6 +92,19 @@ def wait_for_saves() -> Path | None:
     return None if pending is None else pending.wait()
 
 
+#: "thread" (DCP's default) or "process" (DCP's checkpoint daemon process: its writes hold no GIL of
+#: the training process); "process" needs a process group (benchmarks/save_stall.py compares them)
+CHECKPOINTER = "thread"
+
+
+def checkpointer_type():
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    if CHECKPOINTER == "process" and dist.is_available() and dist.is_initialized():
+        return AsyncCheckpointerType.PROCESS
+    return AsyncCheckpointerType.THREAD
+
+
 def save_group():
     """The gloo group the background writes use (None without a process group)."""
     if not (dist.is_available() and dist.is_initialized()):

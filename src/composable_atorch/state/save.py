@@ -51,6 +51,18 @@ At another world size or layout (elastic restarts)
       seeded them: dropout masks (and anything else drawing per rank) differ from the
       uninterrupted run after the resume. Same world, same layout: everything is bitwise.
 
+Opened elsewhere (no plan, one process, another sampler)
+    Any layout's checkpoint loads into the plain model in one process (DCP gathers the shards; a
+    pipeline run's optimizer shape is saved joined over its stages). A loader reading another
+    sample order than the saved run's cannot continue its position: weights, optimizer and
+    scheduler load, the loader is left as given, and the result says so (resumed.py);
+    ``load_state(..., exact_resume=True)`` refuses instead.
+
+Asynchronous
+    ``save_state(..., asynchronous=True)`` returns once DCP's ``async_save`` has staged the
+    tensors; the same files, manifest and atomic publish follow on a background thread
+    (inflight.py), waited for by the next save, by load_state and at exit.
+
 Why a damaged or crafted checkpoint is refused
     ``checkpoint.json`` lists every file with its size and blake2b digest and carries its own;
     ``load_state`` (load.py) verifies them all, reads DCP's pickled ``.metadata`` through an
@@ -364,7 +376,13 @@ def save_state(
         # filters are process-wide, not per thread): this one message is filtered for good
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
     with _single_process_is_intended():  # stages (copies) the tensors here; writes on a thread
-        future = dcp.async_save(state, storage_writer=writer, process_group=group, no_dist=not _distributed())
+        future = dcp.async_save(
+            state,
+            storage_writer=writer,
+            process_group=group,
+            no_dist=not _distributed(),
+            async_checkpointer_type=inflight.checkpointer_type(),
+        )
     barrier = (lambda: dist.barrier(group=group)) if group is not None else (lambda: None)
     return inflight.start(
         root / checkpoint_name(step), future, lambda: _finish(root, partial, step, meta, keep, barrier)
