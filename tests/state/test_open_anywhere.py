@@ -304,3 +304,24 @@ def test_tensor_pipeline_data_at_world8_resumes_under_fsdp_at_world2_and_back(tm
     check_moves(
         str(tmp_path), [(8, "tensor_pipeline_data", 1, 3), (2, "fsdp", 4, 6), (8, "tensor_pipeline_data", 7, 8)]
     )
+
+
+def test_a_checkpoint_without_a_position_or_a_loader_without_an_index_loads_the_weights(tmp_path):
+    model = gpt()
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ca.save_state(tmp_path, model, optim, step=1)  # saved without a loader
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(range(4))
+
+    for loader, says in (
+        (plain_loader(), "holds no data position"),
+        (DataLoader(Stream(), batch_size=2), "no index to resume at"),
+    ):
+        other = gpt(seed=1)
+        resumed = ca.load_state(tmp_path, other, torch.optim.AdamW(other.parameters()), loader, verbose=False)
+        assert not resumed.data_position_carried and says in resumed.data_position and not is_resumable(loader)
+        assert all(torch.equal(a, b) for a, b in zip(other.parameters(), model.parameters()))
+        with pytest.raises(ConfigError, match="exact_resume"):
+            ca.load_state(tmp_path, other, torch.optim.AdamW(other.parameters()), loader, exact_resume=True)
