@@ -7,8 +7,9 @@ saves. For each kind of save the training loop's stall is measured as
 
 * ``call_s``: the time ``save_state`` blocks the loop (blocking: everything; asynchronous: staging
   the tensors into CPU memory and starting the writer thread);
-* ``slowdown_s``: the extra time of the ``--every`` steps after the save over the median step
-  without any save (the writer thread competes for the CPU, disk and memory bandwidth);
+* ``slowdown_s``: the extra time of the ``--every`` steps after the save over the ``--every``
+  steps just before it (the writer competes for the CPU, the GIL, disk and memory bandwidth;
+  paired, as other load on the machine drifts; it can come out negative by that noise);
 * ``wait_s``: what is left of the write when the next save is due (``wait_for_saves``), which the
   next save would block on;
 * ``stall_s`` = the sum: what the save costs the run per checkpoint.
@@ -88,6 +89,7 @@ def measure(args, world: int, directory: str) -> dict:
         rows = []
         for _ in range(args.saves):
             step += 1
+            before = _timed_steps(model, optim, batches, args.every)  # paired: the machine's load drifts
             _barrier()
             t = time.perf_counter()
             ca.save_state(f"{directory}/{kind}", model, optim, loader, step=step, asynchronous=KINDS[kind][0])
@@ -96,7 +98,7 @@ def measure(args, world: int, directory: str) -> dict:
             t = time.perf_counter()
             ca.wait_for_saves()
             wait = time.perf_counter() - t
-            slowdown = max(0.0, sum(after) - step_s * len(after))
+            slowdown = sum(after) - sum(before)
             rows.append({"call_s": call, "slowdown_s": slowdown, "wait_s": wait, "stall_s": call + slowdown + wait})
         out[kind] = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
         out[kind]["runs"] = rows

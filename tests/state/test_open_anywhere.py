@@ -25,6 +25,7 @@ from composable_atorch.models import GPT, Block, GPTConfig
 from composable_atorch.models.gpt import lm_loss
 from composable_atorch.runtime.resumable import is_resumable
 from composable_atorch.state import files
+from composable_atorch.state import save as save_module
 
 from _dist import run_world
 
@@ -162,7 +163,8 @@ def _die():
 
 def crash_while_saving(rank, world, directory, mode):
     """fsdp at world 2: save step 2 (its gathered state to ``ref-2.npz``), train a step, then
-    ``shard``: save step 3, rank 1 killed while writing its shard; ``resave``: save step 2 again,
+    ``shard``: save step 3, rank 1 killed while writing its shard; ``publish`` / ``pointer``: rank 0
+    killed before the rename into place / before latest.json moves; ``resave``: save step 2 again,
     rank 0 killed in the middle of swapping the new copy in (the old one moved aside)."""
     model = gpt()
     model, optim, data = LAYOUTS["fsdp"][1]()(model, torch.optim.AdamW(model.parameters(), lr=1e-2), plain_loader())
@@ -186,6 +188,17 @@ def crash_while_saving(rank, world, directory, mode):
             real_fsync(fd)
 
         os.fsync = fsync
+    if mode == "publish" and rank == 0:  # every file written, before the directory is renamed into place
+        save_module.publish = lambda *args: _die()
+    if mode == "pointer" and rank == 0:  # renamed into place, before latest.json moves
+        real_write = files.write_json
+
+        def write_json(path, data):
+            if path.name == files.LATEST:
+                _die()
+            real_write(path, data)
+
+        files.write_json = write_json
     if mode == "resave" and rank == 0:
         real_replace = os.replace
 
@@ -200,7 +213,7 @@ def crash_while_saving(rank, world, directory, mode):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("mode", ["shard", "resave"])
+@pytest.mark.parametrize("mode", ["shard", "publish", "pointer", "resave"])
 def test_a_save_killed_midway_leaves_the_previous_checkpoint_open_in_one_process(tmp_path, mode):
     # the killed rank, or its peer losing the connection first, is what the group reports
     with pytest.raises(AssertionError, match=r"died without a result: killed by signal SIGKILL|Connection closed"):
@@ -209,7 +222,7 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_open_in_one_process
     assert resumed.step == 2 and not resumed.data_position_carried
     refs = [dict(np.load(tmp_path / f"ref-{s}.npz")) for s in (2, 3)]
     mine = plain_state(model, optim)
-    if mode == "shard":  # step 3 never completed: step 2 as first saved
+    if mode != "resave":  # step 3 never completed: step 2 as first saved
         assert_equal_state(mine, refs[0])
     else:  # either complete copy of step 2 (the re-save wrote step 3's weights under step 2)
         assert any(all(np.array_equal(mine[k], ref[k]) for k in ref) for ref in refs)
