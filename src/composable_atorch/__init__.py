@@ -19,7 +19,7 @@ from composable_atorch.runtime.resumable import resumable
 from composable_atorch.runtime.train_step import train_step
 from composable_atorch.state.load import load_state
 from composable_atorch.state.restarts import report_resumed
-from composable_atorch.state.save import save_state
+from composable_atorch.state.save import save_state, wait_for_saves
 from composable_atorch.transforms.compile import compile_ as compile  # noqa: A004 - the package's own name, not the builtin
 from composable_atorch.transforms.fp8 import fp8
 from composable_atorch.transforms.loop import accumulate, clip_grad
@@ -85,4 +85,5 @@ __all__ = [
     "report_resumed",
     "resumable",
     "save_state",
+    "wait_for_saves",
 ]

@@ -197,7 +197,8 @@ def test_latest_falls_back_to_the_newest_complete_checkpoint(tmp_path):
     (tmp_path / files.LATEST).write_bytes(b"\x00garbage")
     assert latest_checkpoint(tmp_path).name == "step-00000001"
     m, o, ld, _ = fresh()
-    assert ca.load_state(tmp_path, m, o, ld, verbose=False).step == 1
+    with pytest.warns(UserWarning, match="step-00000002 is damaged"):
+        assert ca.load_state(tmp_path, m, o, ld, verbose=False).step == 1
 
 
 class Killed(BaseException):
@@ -264,3 +265,77 @@ def test_a_resave_killed_at_any_point_of_publishing_leaves_a_loadable_checkpoint
 
 def test_load_errors_are_config_errors_for_old_callers(saved):
     assert issubclass(CheckpointError, ConfigError)  # `except ConfigError` keeps catching them
+
+
+# -- loading the run's directory (latest.json): the damaged file and its checkpoint are named ------
+def _shard(step_dir: Path) -> Path:
+    return next(p for p in step_dir.iterdir() if p.suffix == ".distcp")
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[:-7])
+
+
+def _flip(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def _foreign(path: Path) -> None:
+    path.write_text(json.dumps({"format": "someone-else", "step": 2}))
+
+
+DAMAGE = {  # kind -> (which file, what is done to it, what the error says)
+    "missing shard": (_shard, os.remove, "missing"),
+    "truncated shard": (_shard, _truncate, "truncated"),
+    "corrupt shard": (_shard, _flip, "checksum differs"),
+    "missing rank state": (lambda d: d / "rank-0.json", os.remove, "missing"),
+    "corrupt metadata": (lambda d: d / ".metadata", _flip, "checksum differs"),
+    "foreign checkpoint.json": (lambda d: d / files.META, _foreign, "field 'format'"),
+}
+
+
+@pytest.mark.parametrize("kind", list(DAMAGE))
+def test_damage_to_the_checkpoint_to_load_names_the_file_the_checkpoint_and_its_step(saved, tmp_path, kind):
+    root, _ = saved
+    copy = tmp_path / "run"
+    shutil.copytree(root, copy)
+    which, damage, says = DAMAGE[kind]
+    target = which(copy / "step-00000002")
+    damage(target)
+    model, optim, loader, before = fresh()
+    with pytest.raises(CheckpointError) as err:
+        ca.load_state(copy, model, optim, loader, verbose=False)  # the run's directory, as a restart loads it
+    text = str(err.value)
+    assert str(target) in text and says in text, text
+    assert f"in checkpoint {copy / 'step-00000002'} (step 2)" in text and "nothing was loaded" in text, text
+    assert "written by save_state" not in text  # it is a checkpoint, a damaged one
+    assert_untouched(model, optim, loader, before)
+
+
+def test_a_damaged_newest_checkpoint_is_named_while_the_previous_one_loads(tmp_path):
+    model, optim, loader = build(0)
+    for step in (1, 2):
+        train_steps(model, optim, loader, 1)
+        ca.save_state(tmp_path, model, optim, loader, step=step)
+    shard = _shard(tmp_path / "step-00000002")
+    _truncate(shard)
+    m, o, ld, _ = fresh()
+    with pytest.warns(UserWarning, match=f"step-00000002 is damaged .*{shard.name}.*loading .*step-00000001"):
+        assert ca.load_state(tmp_path, m, o, ld, verbose=False).step == 1
+
+
+def test_what_is_not_a_checkpoint_is_named_as_such(tmp_path):
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "model.safetensors").write_bytes(b"weights")
+    model, optim, loader, before = fresh()
+    for where, says in (
+        (tmp_path / "absent", "does not exist"),
+        (tmp_path / "hf", "holds no latest.json nor step-* checkpoint"),
+        (tmp_path / "hf" / "model.safetensors", "a file, not a checkpoint directory"),
+    ):
+        with pytest.raises(ConfigError, match="written by save_state") as err:
+            ca.load_state(where, model, optim, loader, verbose=False)
+        assert str(where) in str(err.value) and says in str(err.value)
+    assert_untouched(model, optim, loader, before)

@@ -159,6 +159,45 @@ def _same_order(saved: dict[str, Any] | None, mine: dict[str, Any] | None) -> bo
     return plain(saved) == plain(mine)
 
 
+def describe_order(order: dict[str, Any] | None) -> str:
+    """A sample order in words, for the note that a data position did not carry over."""
+    if not isinstance(order, dict):
+        return "a custom sampler's order"
+    kind = order.get("kind")
+    if kind == "distributed":
+        how = f"shuffled with seed {order.get('seed')}" if order.get("shuffle") else "in the dataset's order"
+        return f"the DistributedSampler's global order ({how})"
+    if kind == "random":
+        return "a RandomSampler's own shuffle"
+    if kind == "sequential":
+        return "the dataset's order"
+    return repr(order)
+
+
+def other_order(loader: Any, saved: dict[str, Any] | None) -> str | None:
+    """Why ``loader`` cannot continue the ``saved`` position at all, or None when it can try.
+
+    It cannot when it reads another global sample order (another sampler: a plain shuffling
+    DataLoader in one process after a run under a plan, a sampler of another seed), or when it has
+    no index to resume at (an IterableDataset). Those are not errors of a resume but another use of
+    the checkpoint (evaluate, export, fine-tune elsewhere): the weights still load, the loader is
+    left as given. A loader of the same order whose batches do not fit is :func:`resume_batches`'s
+    ConfigError instead: there the user meant to continue the run.
+    """
+    if not can_resume(loader):
+        kind = type(getattr(loader, "dataset", loader)).__name__
+        return f"the loader ({kind}) has no index to resume at"
+    if not isinstance(saved, dict):
+        return "the checkpoint holds no data position (saved with loader=None)"
+    if "samples" not in saved:
+        return None
+    order, _ = order_of(loader)
+    saved_order = saved.get("order")
+    if (saved_order or {}).get("kind") == (order or {}).get("kind") == "random" or _same_order(saved_order, order):
+        return None
+    return f"the loader reads {describe_order(order)}; the run saved a position in {describe_order(saved_order)}"
+
+
 def resume_batches(loader: DataLoader, saved: dict[str, Any]) -> int:
     """How many of its batches ``loader`` skips to continue the saved position; ConfigError if it cannot.
 
@@ -178,8 +217,8 @@ def resume_batches(loader: DataLoader, saved: dict[str, Any]) -> int:
             "loader sample order",
             order,
             f"the saved run's order {saved_order}: a plan applied under a process group (torchrun, "
-            "composable_atorch launch) reads it at any world size; or load_state(..., loader=None) to start the "
-            "epoch anew",
+            "composable_atorch launch) reads it at any world size; or load_state without exact_resume=True (the "
+            "weights load, the loader starts its epoch anew)",
         )
     if saved.get("per_batch") == per_batch:
         return int(saved.get("batches", 0))

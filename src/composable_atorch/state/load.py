@@ -12,6 +12,8 @@ is a typed error (ConfigError, or its CheckpointError naming the file).
 from __future__ import annotations
 
 import os
+import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -21,15 +23,14 @@ from composable_atorch.errors import CheckpointError, ConfigError
 from composable_atorch.runtime import resumable as _resumable
 from composable_atorch.runtime.optim import PlanOptimizer
 from composable_atorch.runtime.train_step import PIPELINE_ATTR
-from composable_atorch.state import verify
-from composable_atorch.state.files import FORMAT, META, VERSION, latest_checkpoint
+from composable_atorch.state import inflight, verify
+from composable_atorch.state.files import FORMAT, META, VERSION, _pointer_target, latest_checkpoint
+from composable_atorch.state.resumed import Resumed
 from composable_atorch.state.save import (
-    Resumed,
     _dcp,
     _distributed,
     _optimizer_shape,
     _rank_world,
-    _say_resumed,
     _scheduler_state,
     _single_process_is_intended,
     _split_optimizer,
@@ -128,29 +129,111 @@ def load_state(
     *,
     scheduler=None,
     verbose: bool = True,
+    exact_resume: bool = False,
 ) -> Resumed:
     """Load what save_state wrote into ``model``, ``optim`` and ``loader``, in place.
 
     ``directory`` is the one given to save_state (its latest complete checkpoint is loaded) or
-    one ``step-*`` checkpoint inside it. Call it on every rank, after applying the same plan as
-    the saving run (any world size). Everything is verified and checked before anything is
-    modified; a failure leaves model, optimizer and loader as they were. ``scheduler`` gets the LR
-    scheduler state saved with ``save_state(..., scheduler=)``. With ``verbose`` rank 0 prints the
-    step it resumes at and how many batches of the pass the loader skips.
+    one ``step-*`` checkpoint inside it. Call it on every rank of any layout and world size (the
+    plan of the saving run, another plan, or none in one process: DCP reshards the model and
+    optimizer). Everything is verified and checked before anything is modified; a failure
+    leaves model, optimizer and loader as they were, and a damaged checkpoint is a
+    CheckpointError naming the file and the checkpoint. ``scheduler`` gets the LR scheduler state
+    saved with ``save_state(..., scheduler=)``.
+
+    The data position carries over when ``loader`` reads the saved run's sample order (the same
+    plan, at any world size). A loader reading another order (a plain shuffling DataLoader in one
+    process, to evaluate or fine-tune) cannot continue it: the weights, optimizer and scheduler
+    still load, the loader is left as given, and the result says so (``.data_position``,
+    ``.explain()``); ``exact_resume=True`` makes that a ConfigError instead. With ``verbose``
+    rank 0 prints the step it resumes at and what became of the data position.
     """
     if not isinstance(model, torch.nn.Module):
         raise ConfigError("model", type(model).__name__, "a torch.nn.Module")
     refuse_expert_parallel(model, "load_state")
-    path = latest_checkpoint(directory)
+    inflight.wait_for_saves()  # a save of this process still being written is published first
+    path = None
+    try:
+        path = _checkpoint_to_load(directory)
+        return _load(path, model, optim, loader, scheduler, verbose, exact_resume)
+    except CheckpointError as exc:  # name the checkpoint directory (and its step) beside the file
+        raise _named(exc, path, directory) from None
+
+
+def _named(exc: CheckpointError, path: Path | None, directory) -> CheckpointError:
+    """``exc`` saying which checkpoint (directory, step) the damaged file belongs to, and that nothing loaded."""
+    if getattr(exc, "checkpoint", None) is not None:
+        return exc
+    checkpoint = Path(path) if path is not None else Path(exc.path).parent
+    match = re.fullmatch(r"step-(\d{8})(\.resaved)?", checkpoint.name)
+    where = f"checkpoint {checkpoint}" + (f" (step {int(match.group(1))})" if match else "")
+    if Path(directory) != checkpoint:
+        where += f", the one to load from {directory}"
+    named = CheckpointError(exc.path, f"{exc.problem}; in {where}; nothing was loaded", exc.fix)
+    named.checkpoint = str(checkpoint)
+    return named
+
+
+def _checkpoint_to_load(directory: str | os.PathLike) -> Path:
+    """The checkpoint latest_checkpoint picks; when none is complete, the error names what is wrong.
+
+    A damaged newest checkpoint with an older complete one beside it loads the older one (a crash
+    between two renames of a re-save looks the same) and warns, naming the damaged file.
+    """
+    root = Path(directory)
+    path = latest_checkpoint(root)
+    candidate = _newest_candidate(root)
+    if path is None and candidate is not None:
+        try:
+            _verify(candidate)
+        except CheckpointError as exc:  # the damaged or missing file, in the checkpoint it belongs to
+            raise _named(exc, candidate, directory) from None
     if path is None:
+        if root.is_file():
+            problem = "a file, not a checkpoint directory"
+        elif not root.exists():
+            problem = "does not exist"
+        else:
+            problem = "holds no latest.json nor step-* checkpoint (not written by save_state)"
         raise ConfigError(
             "load_state directory",
-            str(directory),
+            f"{directory} ({problem})",
             "a directory written by save_state (holding latest.json) or one of its step-* checkpoints",
         )
+    if candidate is not None and candidate != path and candidate.name > path.name:
+        try:
+            _verify(candidate)
+        except CheckpointError as exc:
+            warnings.warn(
+                f"composable_atorch: the newest checkpoint {candidate} is damaged ({exc.path}: {exc.problem}); "
+                f"loading the newest complete one, {path.name}",
+                stacklevel=3,
+            )
+    return path
+
+
+def _newest_candidate(root: Path) -> Path | None:
+    """The step directory a load would want: the one latest.json names, else the newest by name."""
+    if (root / META).exists():
+        return root
+    if not root.is_dir():
+        return None
+    named = _pointer_target(root)
+    if named is not None and named.is_dir():
+        return named
+    steps = sorted(p for p in root.glob("step-*") if p.is_dir())
+    return steps[-1] if steps else None
+
+
+def _verify(path: Path) -> dict[str, Any]:
     meta = verify.read_meta(path / META, FORMAT, VERSION)
+    verify.verify_files(path, meta[verify.FILES])
+    return meta
+
+
+def _load(path: Path, model, optim, loader, scheduler, verbose: bool, exact_resume: bool) -> Resumed:
+    meta = _verify(path)  # every byte, before anything else is read
     files = meta[verify.FILES]
-    verify.verify_files(path, files)  # every byte, before anything else is read
     inner, hooks, _ = _split_optimizer(optim)
     rank, world = _rank_world()
     same_world = meta["world_size"] == world
@@ -169,8 +252,6 @@ def load_state(
             f"saved mid accumulation window at world {meta['world_size']}",
             f"world {meta['world_size']}: unsynchronised per-rank gradients cannot be resharded",
         )
-    if loader is not None and not (_resumable.is_resumable(loader) or _resumable.can_resume(loader)):
-        _resumable.resumable(loader)  # raises the ConfigError naming what is allowed
     if scheduler is not None:
         _scheduler_state(scheduler)  # the type check
         if meta.get("scheduler") is None:
@@ -179,14 +260,8 @@ def load_state(
                 "no LR scheduler state",
                 "load_state(..., scheduler=None) for a checkpoint saved without one",
             )
-    if loader is not None and not meta["loader"]:
-        raise ConfigError(
-            f"checkpoint {path}",
-            "no data position",
-            "load_state(..., loader=None) for a checkpoint saved without a loader",
-        )
-    if loader is not None:  # the data position must fit this loader's layout before anything changes
-        _resumable.resume_batches(loader, rank_state["loader"])
+    # the data position must fit this loader before anything changes (or is left out, and said so)
+    carried, position_note = _plan_data_position(loader, meta, rank_state, exact_resume, path)
 
     # -- checked: read everything into fresh tensors ---------------------------------------------
     saved_optim = inner is not None and meta["optimizer"]["has_state"]
@@ -222,13 +297,62 @@ def load_state(
     if scheduler is not None:
         scheduler.load_state_dict(meta["scheduler"])
     if verbose and rank == 0:
-        _say_resumed(path, meta, rank_state["loader"] if loader is not None else None)
-    if loader is not None:
+        _say_resumed(path, meta, carried, position_note)
+    if carried:
         rng = rank_state["rng"] if same_world else None
         _resumable.resumable(loader).resume_at(rank_state["loader"], rng=rng, replay=same_world)
     elif same_world:
         _resumable.restore_rng(rank_state["rng"])
-    return Resumed(meta["step"], meta["extra"])
+    return Resumed.of(
+        meta["step"],
+        meta["extra"],
+        checkpoint=str(path),
+        data_position_carried=carried,
+        data_position=position_note,
+        rng_restored=same_world,
+    )
+
+
+def _plan_data_position(loader, meta: dict, rank_state: dict, exact: bool, path: Path) -> tuple[bool, str]:
+    """(carried over, what happens), checked before anything changes.
+
+    A loader that reads another sample order is left as given (ConfigError with ``exact``); one
+    of the saved order whose batches cannot continue the position is a ConfigError either way:
+    that user meant to resume the run (see resumable.other_order).
+    """
+    if loader is None:
+        if exact and meta["loader"]:
+            raise ConfigError(
+                "load_state loader", None, "the run's loader, to continue its data position (exact_resume=True)"
+            )
+        return False, "no loader given"
+    saved = rank_state["loader"] if meta["loader"] else None
+    reason = _resumable.other_order(loader, saved)
+    if reason is not None:
+        if exact:
+            raise ConfigError(
+                f"checkpoint {path} data position (exact_resume=True)",
+                reason,
+                "a loader reading the saved order (the saving run's plan, applied under a process group: torchrun or "
+                "composable_atorch launch, at any world size); or exact_resume=False to load the weights, optimizer "
+                "and scheduler and start the loader's epoch anew",
+            )
+        return False, f"{reason}; the loader was left as given (its epoch starts anew)"
+    batches = _resumable.resume_batches(loader, saved)
+    note = f"skipping the {batches} batch(es) of epoch {saved['epoch']} already seen"
+    if "samples" in saved:
+        note += f" ({saved['samples']} samples of the global order)"
+    return True, note
+
+
+def _say_resumed(path: Path, meta: dict[str, Any], carried: bool, note: str) -> None:
+    """One line for the user: which step, and what became of the data position."""
+    line = f"composable_atorch: resumed from {path.name} at step {meta['step']}"
+    if carried:
+        line += f"; {note}"
+    elif note != "no loader given":
+        line += f"; the data position did NOT carry over: {note}"
+    print(line, flush=True)
 
 
 def _read(path: Path, model, model_sd: dict, local, metadata, reader, meta: dict, rank: int) -> dict[str, Any]:

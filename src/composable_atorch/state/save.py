@@ -51,6 +51,18 @@ At another world size or layout (elastic restarts)
       seeded them: dropout masks (and anything else drawing per rank) differ from the
       uninterrupted run after the resume. Same world, same layout: everything is bitwise.
 
+Opened elsewhere (no plan, one process, another sampler)
+    Any layout's checkpoint loads into the plain model in one process (DCP gathers the shards; a
+    pipeline run's optimizer shape is saved joined over its stages). A loader reading another
+    sample order than the saved run's cannot continue its position: weights, optimizer and
+    scheduler load, the loader is left as given, and the result says so (resumed.py);
+    ``load_state(..., exact_resume=True)`` refuses instead.
+
+Asynchronous
+    ``save_state(..., asynchronous=True)`` returns once DCP's ``async_save`` has staged the
+    tensors; the same files, manifest and atomic publish follow on a background thread
+    (inflight.py), waited for by the next save, by load_state and at exit.
+
 Why a damaged or crafted checkpoint is refused
     ``checkpoint.json`` lists every file with its size and blake2b digest and carries its own;
     ``load_state`` (load.py) verifies them all, reads DCP's pickled ``.metadata`` through an
@@ -68,7 +80,7 @@ import os
 import shutil
 import warnings
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -76,7 +88,7 @@ import torch.distributed as dist
 from composable_atorch.errors import ConfigError
 from composable_atorch.runtime import resumable as _resumable
 from composable_atorch.runtime.optim import PlanOptimizer
-from composable_atorch.state import verify
+from composable_atorch.state import inflight, verify
 from composable_atorch.state.files import (
     FORMAT,
     META,
@@ -90,17 +102,13 @@ from composable_atorch.state.files import (
     recover,
     write_json,
 )
+from composable_atorch.state.resumed import Resumed
 from composable_atorch.transforms.parallel.expert import checkpoint as expert_checkpoint
 from composable_atorch.transforms.parallel.tensor import save_layout
 
-__all__ = ["Resumed", "latest_checkpoint", "save_state"]
+__all__ = ["Resumed", "latest_checkpoint", "save_state", "wait_for_saves"]
 
-
-class Resumed(NamedTuple):
-    """What :func:`load_state` returns: ``step, extra = load_state(...)``."""
-
-    step: int
-    extra: dict[str, Any]
+wait_for_saves = inflight.wait_for_saves
 
 
 # -- small helpers ---------------------------------------------------------------------------------
@@ -171,6 +179,23 @@ def _optimizer_shape(inner: torch.optim.Optimizer, hooks: list) -> dict[str, Any
         "group_sizes": [len(g["params"]) for g in inner.param_groups],
         "hooks": [type(h).__name__ for h in hooks],
     }
+
+
+def _joined_group_sizes(model: torch.nn.Module, inner: torch.optim.Optimizer) -> list[int]:
+    """Each param group's parameter count over the whole model, joined across ranks.
+
+    A pipeline stage's optimizer holds its own stage's parameters only; tensor and fsdp ranks hold
+    shards of the same names. The saved shape is therefore the union of every rank's parameter
+    names per group (a name is one parameter, as DCP keys it), which is what a plan-free model or
+    any other layout's full model has: a checkpoint of pipeline stages then loads anywhere.
+    """
+    names = {id(p): n for n, p in model.named_parameters()}
+    mine = [sorted(names.get(id(p), f"#{i}") for i, p in enumerate(g["params"])) for g in inner.param_groups]
+    if not _distributed():
+        return [len(group) for group in mine]
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return [len(set().union(*(r[i] for r in everyone if i < len(r)))) for i in range(len(mine))]
 
 
 def _plain(value: Any) -> bool:
@@ -256,13 +281,19 @@ def save_state(
     extra: dict[str, Any] | None = None,
     keep: int | None = None,
     scheduler=None,
-) -> Path:
+    asynchronous: bool = False,
+) -> Path | inflight.SaveInFlight:
     """Save model, optimizer (with the plan's hook states), LR scheduler, data position and RNG states.
 
     Call it on every rank (it is collective when a process group exists), after ``optim.step()``
     of the step you count in ``step``. ``extra`` is any JSON dict (returned by load_state).
     ``keep`` prunes all but the newest ``keep`` checkpoints. ``scheduler`` (a torch LR scheduler)
     is saved as JSON and restored by ``load_state(..., scheduler=)``. Returns the checkpoint's directory.
+
+    ``asynchronous=True`` returns once the tensors are copied to CPU memory (DCP's async_save);
+    the files are written, checksummed and published atomically on a background thread while
+    training goes on, and the result is a :class:`~composable_atorch.state.inflight.SaveInFlight`
+    (path-like; ``.wait()``). The next save, a load and process exit wait for it (inflight.py).
     """
     if not isinstance(model, torch.nn.Module):
         raise ConfigError("model", type(model).__name__, "a torch.nn.Module")
@@ -292,6 +323,9 @@ def save_state(
             "buffers",
         )
 
+    if not isinstance(asynchronous, bool):
+        raise ConfigError("save_state asynchronous", asynchronous, "True or False")
+    inflight.wait_for_saves()  # one save at a time: the one in flight is published before this one starts
     rank, world = _rank_world()
     root = Path(directory)
     partial = partial_dir(root, step)
@@ -314,6 +348,7 @@ def save_state(
     expert_checkpoint.to_global(model, state["model"], state.get("optim"))  # each rank's experts as its shard
     if micro_step:
         state["grads"] = _grad_state(model, rank)
+    group_sizes = None if inner is None else _joined_group_sizes(model, inner)  # collective
     position = None if loader is None else loader.position.to_json()
     write_json(
         partial / f"rank-{rank}.json",
@@ -325,9 +360,7 @@ def save_state(
             "hooks": hook_states,
         },
     )
-    with _single_process_is_intended():
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(partial, sync_files=True), no_dist=not _distributed())
-    _barrier()
+    meta = None
     if rank == 0:
         meta = {
             "format": FORMAT,
@@ -339,6 +372,7 @@ def save_state(
             if inner is None
             else {
                 **_optimizer_shape(inner, hooks),
+                "group_sizes": group_sizes,
                 "has_state": has_optim_state,
                 "hyperparameters": group_hyperparameters(inner),
             },
@@ -346,13 +380,41 @@ def save_state(
             "loader": position is not None,
             "scheduler": scheduler_state,
         }
+    writer = dcp.FileSystemWriter(partial, sync_files=True)
+    if not asynchronous:
+        with _single_process_is_intended():
+            dcp.save(state, storage_writer=writer, no_dist=not _distributed())
+        _finish(root, partial, step, meta, keep, _barrier)
+        return root / checkpoint_name(step)
+    group = inflight.save_group()
+    if group is None:
+        # DCP warns from its writing thread, after _single_process_is_intended() has ended (warning
+        # filters are process-wide, not per thread): this one message is filtered for good
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+    with _single_process_is_intended():  # stages (copies) the tensors here; writes on a thread
+        future = dcp.async_save(
+            state,
+            storage_writer=writer,
+            process_group=group,
+            no_dist=not _distributed(),
+            async_checkpointer_type=inflight.checkpointer_type(),
+        )
+    barrier = (lambda: dist.barrier(group=group)) if group is not None else (lambda: None)
+    return inflight.start(
+        root / checkpoint_name(step), future, lambda: _finish(root, partial, step, meta, keep, barrier)
+    )
+
+
+def _finish(root: Path, partial: Path, step: int, meta: dict | None, keep: int | None, barrier) -> None:
+    """Once every rank's files are written: rank 0 seals the manifest and publishes atomically."""
+    barrier()
+    if meta is not None:
         meta[verify.FILES] = verify.manifest(partial, skip=(META, f"{META}.tmp"))
         write_json(partial / META, verify.seal(meta))
         publish(root, partial, step)
         if keep is not None:
             prune(root, keep)
-    _barrier()
-    return root / checkpoint_name(step)
+    barrier()
 
 
 def _scheduler_state(scheduler) -> dict[str, Any] | None:
@@ -364,13 +426,3 @@ def _scheduler_state(scheduler) -> dict[str, Any] | None:
     ):
         raise ConfigError("scheduler", type(scheduler).__name__, "a torch.optim.lr_scheduler scheduler, or None")
     return check_jsonable(scheduler.state_dict(), f"{type(scheduler).__name__}.state_dict()")
-
-
-def _say_resumed(path: Path, meta: dict[str, Any], position: dict[str, Any] | None) -> None:
-    """One line for the user: which step, and how many batches the resumed pass skips."""
-    line = f"composable_atorch: resumed from {path.name} at step {meta['step']}"
-    if position is not None:
-        line += f"; skipping the {position['batches']} batch(es) of epoch {position['epoch']} already seen"
-        if "samples" in position:
-            line += f" ({position['samples']} samples of the global order)"
-    print(line, flush=True)
