@@ -49,4 +49,4 @@ class Resumed(_StepExtra):
 
     def __repr__(self) -> str:
         carried = "carried over" if self.data_position_carried else "not carried over"
-        return f"Resumed(step={self.step}, extra={self.extra!r}, data_position={carried!r}: {self.data_position!r})"
+        return f"Resumed(step={self.step}, extra={self.extra!r}; data position {carried}: {self.data_position})"
