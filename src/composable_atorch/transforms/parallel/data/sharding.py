@@ -35,7 +35,6 @@ from composable_atorch.transforms.parallel.data.common import (
     DDP_VS_FSDP,
     DDP_VS_ZERO2,
     EXPERT_MODULES,
-    EXPERT_REPLICA_MESH,
     FAIRSCALE,
     FSDP_VS_ZERO2,
     GRAD_SYNC,
@@ -55,6 +54,7 @@ from composable_atorch.transforms.parallel.data.common import (
     sharded_optimizer,
     zero_options,
 )
+from composable_atorch.transforms.parallel.data.meshes import shard_experts, shard_mesh
 from composable_atorch.transforms.parallel.data.wrap import (
     FSDP1_OPTIONS,
     FSDP1_REFUSED,
@@ -128,7 +128,7 @@ def shard(spec: Fsdp, who: str, state: TrainState, ctx: ApplyContext, *, sync_at
     targets = wrap_targets(
         model, spec.wrap, spec.min_params, ignored_modules, spec.wrap_trainable_outmost, spec.wrap_policy
     )
-    _shard_experts(experts, pc, kwargs, state, who)
+    shard_experts(experts, pc, kwargs, state, who)
     for module in targets:
         fully_shard(module, mesh=mesh, **kwargs)
     fully_shard(model, mesh=mesh, **kwargs)
@@ -158,86 +158,6 @@ def shard(spec: Fsdp, who: str, state: TrainState, ctx: ApplyContext, *, sync_at
             f"on every rank, gradients averaged over the {pc.data_size} data ranks before each step",
         )
     return state
-
-
-def shard_mesh(pc, spec: Fsdp, ctx: ApplyContext, state: TrainState, who: str):
-    """``(mesh, what explain() says)``: the mesh fully_shard shards over.
-
-    A ``zero`` dimension > 1 gives hybrid sharding (HSDP): torch's 2-D ``(replicate, shard)`` mesh
-    ``(data, zero)``, gradients reduce-scattered inside a zero group and all-reduced across the data
-    replicas. Without one, ATorch's ``sharding_strategy=HYBRID_SHARD`` (``spec.hybrid``) takes the groups
-    from the world: shard inside a node, replicate across nodes (:func:`world_hybrid_mesh`).
-    Otherwise flat sharding over all data ranks.
-    """
-    hybrid = pc.hybrid_mesh()
-    zero, data = pc.zero_size, pc.layout.size("data")
-    if hybrid is not None:
-        if spec.hybrid:
-            state.note(who, "sharding_strategy=HYBRID_SHARD: the shard groups are parallel_mode's 'zero' dimension")
-        return hybrid, (
-            f"hybrid (HSDP, 2-D mesh (data, zero)): each parameter sharded over a zero group of {zero}, replicated "
-            f"over data {data}; gradients reduce-scattered in the zero group, all-reduced across the replicas"
-        )
-    if zero > 1:
-        return pc.data_mesh(), f"over the zero group of {zero} (data 1: no replicas)"
-    if spec.hybrid:
-        return world_hybrid_mesh(pc, ctx, state, who)
-    return pc.data_mesh(), f"over {pc.data_size} ranks"
-
-
-def world_hybrid_mesh(pc, ctx: ApplyContext, state: TrainState, who: str):
-    """HYBRID_SHARD with the groups taken from the world, as FSDP1 does: a ``(nodes, processes per node)``
-    mesh of the data ranks (``Environment.nodes``, from torchrun's LOCAL_WORLD_SIZE)."""
-    from torch.distributed.device_mesh import DeviceMesh
-
-    env = ctx.env
-    per, nodes = env.processes_per_node, env.nodes
-    if pc.data_size != pc.layout.world_size:
-        raise ConfigError(
-            "fsdp sharding_strategy",
-            "HYBRID_SHARD",
-            f"with model parallelism in the layout ({pc.layout.describe()}), name the shard group: "
-            "parallel_mode([('zero', n), ..., ('data', m)]) shards over zero and replicates over data",
-        )
-    if nodes == 1 or per == 1:
-        state.note(
-            who,
-            f"sharding_strategy=HYBRID_SHARD on {nodes} node(s) of {per} process(es): nothing to "
-            + ("replicate across, sharded over the node" if nodes == 1 else "shard inside a node, sharded flat"),
-        )
-        return pc.data_mesh(), f"over {pc.data_size} ranks"
-    ranks = pc.data_mesh().mesh.reshape(nodes, per)
-    mesh = DeviceMesh(env.device, ranks, mesh_dim_names=("replicate", "shard"))
-    state.note(
-        who,
-        f"sharding_strategy=HYBRID_SHARD: groups taken from the world ({env.describe()}): shard inside each node "
-        f"of {per}, replicate across {nodes} nodes (give ('zero', n) in parallel_mode to choose them)",
-    )
-    return mesh, f"hybrid (HSDP, 2-D mesh (nodes {nodes}, per node {per}))"
-
-
-def _shard_experts(experts: list, pc, kwargs: dict, state: TrainState, who: str) -> None:
-    """Expert parallelism (ATorch's expert_fsdp): each experts module sharded over the ranks holding the
-    same experts (the data dimension), which average its gradient (already the mean over its expert
-    group: expert_parallel's dispatch scales it); without a data dimension the experts stay whole, kept
-    out of the parent groups."""
-    from torch.distributed.fsdp import fully_shard
-
-    if not experts:
-        return
-    replicas = pc.extras.get(EXPERT_REPLICA_MESH)
-    if replicas is None:
-        params = {p for m in experts for p in m.parameters()}
-        kwargs["ignored_params"] = (kwargs.get("ignored_params") or set()) | params
-        state.note(who, f"{len(experts)} experts module(s) kept whole (no data dimension to shard them over)")
-        return
-    for m in experts:
-        fully_shard(m, mesh=replicas, **kwargs)
-    state.note(
-        who,
-        f"{len(experts)} experts module(s) sharded over the data dim of {replicas.size()} (expert_fsdp); the rest "
-        f"over expert x data ({pc.data_size} ranks)",
-    )
 
 
 def _fsdp_kwargs(kwargs) -> tuple:
