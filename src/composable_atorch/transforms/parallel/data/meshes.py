@@ -5,18 +5,16 @@ over their replicas (ATorch's ``expert_fsdp``). Split from :mod:`.sharding`, whi
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from composable_atorch.core.transform import ApplyContext, TrainState
 from composable_atorch.errors import ConfigError
 from composable_atorch.transforms.parallel.data.common import EXPERT_REPLICA_MESH
 
-if TYPE_CHECKING:
-    from composable_atorch.transforms.parallel.data.sharding import Fsdp
 
-
-def shard_mesh(pc, spec: Fsdp, ctx: ApplyContext, state: TrainState, who: str):
+def shard_mesh(pc, spec, ctx: ApplyContext, state: TrainState, who: str):
     """``(mesh, what explain() says)``: the mesh fully_shard shards over.
+
+    ``spec`` is fsdp's or zero2's spec (only its ``hybrid`` flag is read here; not imported, so this module
+    stays below :mod:`.sharding` in the import graph).
 
     A ``zero`` dimension > 1 gives hybrid sharding (HSDP): torch's 2-D ``(replicate, shard)`` mesh
     ``(data, zero)``, gradients reduce-scattered inside a zero group and all-reduced across the data
