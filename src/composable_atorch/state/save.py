@@ -242,15 +242,15 @@ def _same_kind(current: Any, saved: Any) -> bool:
 
 
 def refuse_expert_parallel(model: torch.nn.Module, who: str) -> None:
-    """Experts split over the expert dimension *and* sharded by fsdp are not checkpointed yet (the
-    expert-parallel ddp layout is: see transforms.parallel.expert.checkpoint)."""
+    """Expert-parallel experts a checkpoint cannot place in the whole (see
+    transforms.parallel.expert.checkpoint): a ConfigError naming them and why, before any work."""
     split = expert_checkpoint.unsupported(model)
     if split:
         raise ConfigError(
-            f"{who} of an expert-parallel model sharded by fsdp",
-            ", ".join(split[:3]) + (" ..." if len(split) > 3 else ""),
-            "expert_parallel with ddp (the default) for checkpoints: experts split over the expert dimension and "
-            "sharded over the data dimension are not checkpointed in this version",
+            f"{who} of an expert-parallel model",
+            "; ".join(split[:3]) + (" ..." if len(split) > 3 else ""),
+            "experts sharded by fsdp over meshes of parallel_mode's dimensions (fsdp() as the plan applies it) or "
+            "kept whole by ddp: these experts' rows cannot be placed in the whole tensor the checkpoint holds",
         )
 
 

@@ -1,16 +1,23 @@
 """Checkpoints of expert-parallel models: each rank's experts written as its shard of the whole.
 
-An expert rank holds experts ``[r * E/n, (r+1) * E/n)`` under the full name, as a plain tensor of
-``E/n`` rows. DCP would read that as one replicated tensor (saving one rank's experts as all of
-them), so ``save_state`` hands it a DTensor view instead: the local rows as ``Shard(0)`` of the
-``[E, ...]`` whole over the expert mesh (the data replicas write the same chunk, which DCP keeps
-once). ``load_state`` builds the same views at the *loading* run's expert degree, so DCP reads each
-rank's rows of the whole, whatever degree saved it (a model without expert parallelism reads the
-whole tensor), then hands the plain rows back. The optimizer's per-parameter state (AdamW's
-moments) travels the same way.
+An expert rank holds experts ``[r * E/n, (r+1) * E/n)`` under the full name, as ``E/n`` rows. DCP
+would read that as the whole tensor (saving one rank's experts as all of them), so ``save_state``
+hands it a DTensor view instead: the local rows as ``Shard(0)`` of the ``[E, ...]`` whole over the
+expert mesh. ``load_state`` builds the same views at the *loading* run's expert degree, so DCP reads
+each rank's rows of the whole, whatever degree saved it (a model without expert parallelism reads the
+whole tensor, as any other parameter), then hands the rows back in the live parameter's form. The
+optimizer's per-parameter state (AdamW's moments) travels the same way.
 
-Experts sharded by fsdp as well (DTensors over the data mesh) are not handled here:
-:func:`unsupported` names them so save_state / load_state refuse before any work.
+Experts sharded by fsdp as well (ATorch's ``expert_fsdp``: a DTensor of the ``E/n`` rows over the
+data mesh, placements ``P``) are viewed over the 2-D ``(expert, *data dims)`` mesh with placements
+``[Shard(0), *P]``: DTensor splits the rows by expert first, then each expert rank's rows as fsdp
+did, which is where this rank's local rows sit in the whole. That mesh is built from the root
+mesh's rank layout without process groups (nothing here communicates; DCP only reads each chunk's
+offset from it). The data replicas of a ddp layout write the same chunk, which DCP keeps once.
+
+What cannot be viewed so (a data mesh whose dimensions are not named in the plan's device mesh, a
+placement other than Shard / Replicate) is named by :func:`unsupported`, and save_state /
+load_state refuse before any work.
 """
 
 from __future__ import annotations
@@ -32,20 +39,69 @@ def _split(model: nn.Module) -> dict[str, ExpertShard]:
     return out
 
 
+def _why_not(shard: ExpertShard, p) -> str | None:
+    """Why a split expert parameter cannot be written as its shard of the whole (None: it can)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    if not hasattr(p, "placements"):
+        return None if shard.mesh is not None else "no expert mesh"
+    names = p.device_mesh.mesh_dim_names or ()
+    root = shard.mesh._get_root_mesh().mesh_dim_names or ()
+    if not names or any(n not in root for n in names):
+        return f"its fsdp mesh {names or '(unnamed)'} is not made of the plan's mesh dimensions {root}"
+    odd = [type(pl).__name__ for pl in p.placements if type(pl) not in (Shard, Replicate)]
+    if odd:
+        return f"its placements {odd} are neither Shard nor Replicate"
+    return None
+
+
 def unsupported(model: nn.Module) -> list[str]:
-    """Split expert parameters that are also DTensors (fsdp over the data dimension): not checkpointed here."""
+    """``"name (why)"`` for every split expert parameter a checkpoint cannot place in the whole."""
     params = dict(model.named_parameters())
-    return [n for n in _split(model) if n in params and hasattr(params[n], "placements")]
+    out = []
+    for name, shard in _split(model).items():
+        why = _why_not(shard, params[name]) if name in params else None
+        if why:
+            out.append(f"{name} ({why})")
+    return out
+
+
+_MESHES: dict = {}
+
+
+def _expert_mesh(shard: ExpertShard, inner):
+    """The ``(expert, *inner's dims)`` mesh holding this rank, built from the root mesh's rank layout
+    without process groups (made once per pair of meshes)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    key = (id(shard.mesh), id(inner))
+    if key in _MESHES:
+        return _MESHES[key][2]
+    root = shard.mesh._get_root_mesh()
+    names = root.mesh_dim_names
+    dims = (shard.mesh.mesh_dim_names[0], *inner.mesh_dim_names)
+    coordinate = root.get_coordinate()
+    index = tuple(slice(None) if n in dims else coordinate[i] for i, n in enumerate(names))
+    kept = [n for n in names if n in dims]
+    ranks = root.mesh[index].permute([kept.index(d) for d in dims])
+    mesh = DeviceMesh(root.device_type, ranks, mesh_dim_names=dims, _init_backend=False)
+    _MESHES[key] = (shard.mesh, inner, mesh)  # the meshes kept alive: their ids stay theirs
+    return mesh
 
 
 def _global(t: torch.Tensor, shard: ExpertShard, fresh: bool = False):
     from torch.distributed.tensor import DTensor, Shard
 
-    if not isinstance(t, torch.Tensor) or isinstance(t, DTensor) or t.dim() == 0 or t.shape[0] != shard.per_rank:
+    if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != shard.per_rank:
         return t
-    t = torch.empty_like(t) if fresh else t
+    local = t.to_local() if isinstance(t, DTensor) else t
+    local = torch.empty_like(local) if fresh else local
     shape = torch.Size((shard.total, *t.shape[1:]))
-    return DTensor.from_local(t, shard.mesh, [Shard(0)], run_check=False, shape=shape, stride=_contiguous(shape))
+    if isinstance(t, DTensor):  # fsdp-sharded experts: expert first, then fsdp's own split
+        mesh, placements = _expert_mesh(shard, t.device_mesh), [Shard(0), *t.placements]
+    else:
+        mesh, placements = shard.mesh, [Shard(0)]
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=_contiguous(shape))
 
 
 def _contiguous(shape) -> tuple[int, ...]:
@@ -56,36 +112,48 @@ def _contiguous(shape) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
-def _local(t):
-    return t.to_local() if hasattr(t, "to_local") else t
+def _local(t, param):
+    """The rows this rank holds, in the live parameter's form (a DTensor over fsdp's mesh, or plain)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(t, DTensor) or (isinstance(param, DTensor) and t.device_mesh is param.device_mesh):
+        return t
+    local = t.to_local()
+    if isinstance(param, DTensor):
+        return DTensor.from_local(
+            local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+        )
+    return local
 
 
 def _convert(model: nn.Module, model_sd, optim_sd, one) -> None:
-    """Apply ``one(tensor, shard)`` to the split experts' entries of a model state dict and of an
-    optimizer state dict, nested (``state[fqn][key]``) or flattened as save_state writes it
+    """Apply ``one(tensor, shard, parameter)`` to the split experts' entries of a model state dict and of
+    an optimizer state dict, nested (``state[fqn][key]``) or flattened as save_state writes it
     (``"state.{fqn}.{key}"``)."""
     split = _split(model)
     if not split:
         return
+    params = dict(model.named_parameters())
     for name, shard in split.items():
+        p = params.get(name)
         if model_sd is not None and name in model_sd:
-            model_sd[name] = one(model_sd[name], shard)
+            model_sd[name] = one(model_sd[name], shard, p)
         if not optim_sd:
             continue
         nested = optim_sd.get("state")
         if isinstance(nested, dict) and name in nested:
-            nested[name] = {k: one(v, shard) for k, v in nested[name].items()}
+            nested[name] = {k: one(v, shard, p) for k, v in nested[name].items()}
         prefix = f"state.{name}."
         for key in [k for k in optim_sd if isinstance(k, str) and k.startswith(prefix)]:
-            optim_sd[key] = one(optim_sd[key], shard)
+            optim_sd[key] = one(optim_sd[key], shard, p)
 
 
 def to_global(model: nn.Module, model_sd: dict | None = None, optim_sd: dict | None = None, fresh=False) -> None:
     """Replace (in place) the split experts' entries of a model / optimizer state dict by global views
     (``fresh``: of new uninitialised tensors, for DCP to fill without touching the live ones)."""
-    _convert(model, model_sd, optim_sd, lambda t, shard: _global(t, shard, fresh))
+    _convert(model, model_sd, optim_sd, lambda t, shard, p: _global(t, shard, fresh))
 
 
 def to_local(model: nn.Module, model_sd: dict | None = None, optim_sd: dict | None = None) -> None:
-    """Undo :func:`to_global` (in place): the rows this rank holds, as plain tensors."""
-    _convert(model, model_sd, optim_sd, lambda t, shard: _local(t))
+    """Undo :func:`to_global` (in place): the rows this rank holds, as the live parameter holds them."""
+    _convert(model, model_sd, optim_sd, lambda t, shard, p: _local(t, p))

@@ -1,0 +1,188 @@
+"""A run split along the sequence resumes at another context degree, plan and world: every sample once.
+
+Context parallelism (``("context", 2)``) and Ulysses (``("sequence", 2)``) give every rank of a
+sequence group the *same* samples (half of each sequence): the data position a checkpoint carries is
+the global samples consumed, read from the data dimension alone, so a resume under context 1 (ddp,
+fsdp, or no plan in one process) and back, or at context 2 x data 2 at world 4, neither repeats nor
+skips a sample. Each run is compared with one plain process on the run's global order (a
+DistributedSampler of seed 0 read ``BATCH`` at a time): each step's sample ids exactly, its loss and
+the final weights to fp32 reduction order, SGD and AdamW (moments resharded too).
+
+Runs (a case is one training run in phases; each phase loads the previous one's checkpoint, trains,
+saves). Spawned in this order, each group batching every phase that runs at its size:
+world 2 (phase 1) -> one process, no process group (phase 2 of ``cp``) -> world 2 -> world 4.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
+from torch.utils.data.distributed import DistributedSampler
+
+import _seq
+import composable_atorch as ca
+from composable_atorch.runtime.resumable import resumable
+
+from _dist import run_world
+
+SEQ, SAMPLES, BATCH, TOTAL = 16, 16, 4, 6  # 4 steps per epoch: the run crosses into epoch 1
+OPTIMIZERS = {
+    "sgd": lambda p: torch.optim.SGD(p, lr=0.5),
+    "adamw": lambda p: torch.optim.AdamW(p, lr=1e-2, eps=1e-6),
+}
+PLANS = {
+    "context": lambda: ca.compose(ca.parallel_mode([("context", 2)]), ca.context_parallel()),
+    "context_data": lambda: ca.compose(ca.parallel_mode([("context", 2), ("data", 2)]), ca.context_parallel()),
+    "ulysses": lambda: ca.compose(ca.parallel_mode([("sequence", 2)]), ca.sequence_parallel()),
+    "ddp": lambda: ca.compose(ca.ddp()),
+    "fsdp": lambda: ca.compose(ca.fsdp()),
+    "plain": None,  # no plan, one process, no process group
+}
+#: case -> [(world, plan, first step, last step)]: each phase saves at its last step, the next loads it
+PHASES = {
+    "cp": [(2, "context", 1, 2), (1, "plain", 3, 4), (2, "context", 5, 6)],
+    "sp": [(2, "ulysses", 1, 2), (2, "fsdp", 3, 4), (2, "ulysses", 5, 6)],
+    "dp": [(2, "ddp", 1, 2), (2, "context", 3, 4), (4, "context_data", 5, 6)],
+    "wide": [(4, "context_data", 1, 3), (2, "ulysses", 4, 6)],
+}
+
+
+class Indexed(torch.utils.data.Dataset):
+    """Sample ``i`` is ``(i, inputs, targets)``: every batch says which samples it holds."""
+
+    def __len__(self):
+        return SAMPLES
+
+    def __getitem__(self, i):
+        tokens = torch.randint(0, 256, (SEQ + 1,), generator=torch.Generator().manual_seed(1000 + i))
+        return i, tokens[:-1], tokens[1:]
+
+
+def model():
+    return _seq.user_lm(d=16, heads=2, layers=2, max_len=SEQ)
+
+
+def loss_fn(logits, targets):
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def loader():
+    return DataLoader(Indexed(), batch_size=BATCH, shuffle=True)
+
+
+def one_process_loader():
+    """No plan: the run's global order read by the user's own sampler (the plan's order at data 1)."""
+    return resumable(
+        DataLoader(Indexed(), batch_size=BATCH, sampler=DistributedSampler(Indexed(), 1, 0, shuffle=True, seed=0))
+    )
+
+
+def global_order(epoch: int) -> list[int]:
+    sampler = DistributedSampler(Indexed(), num_replicas=1, rank=0, shuffle=True, seed=0)
+    sampler.set_epoch(epoch)
+    return list(sampler)
+
+
+def reference(opt: str):
+    """One process, plain torch, on the run's global batches: (losses, ids per step, final weights)."""
+    m = model()
+    optim = OPTIMIZERS[opt](m.parameters())
+    data = Indexed()
+    losses, ids = [], []
+    for step in range(TOTAL):
+        order = global_order(step * BATCH // SAMPLES)
+        start = step * BATCH % SAMPLES
+        batch = order[start : start + BATCH]
+        x = torch.stack([data[i][1] for i in batch])
+        y = torch.stack([data[i][2] for i in batch])
+        loss = loss_fn(m(x), y)
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.item())
+        ids.append(sorted(batch))
+    return losses, ids, {n: p.detach().numpy().copy() for n, p in m.named_parameters()}
+
+
+def run_phase(case: str, opt: str, directory: str, plan_name: str, first: int, last: int) -> dict:
+    """Apply the phase's plan, load the previous phase's checkpoint, train to ``last``, save."""
+    m = model()
+    optim = OPTIMIZERS[opt](m.parameters())
+    if PLANS[plan_name] is None:
+        data = one_process_loader()
+    else:
+        m, optim, data = PLANS[plan_name]()(m, optim, loader())
+    step, where = 0, f"{directory}/{case}-{opt}"
+    if first > 1:
+        resumed = ca.load_state(where, m, optim, data, verbose=False)
+        assert resumed.step == first - 1 and resumed.data_position_carried, resumed.explain()
+        step = resumed.step
+    epoch, record = data.epoch, []
+    while step < last:
+        data.sampler.set_epoch(epoch)
+        for ids, x, y in data:
+            loss = ca.train_step(m, optim, x, y, loss_fn)
+            step += 1
+            record.append((step, loss, ids.tolist(), tuple(x.shape)))
+            if step >= last:
+                break
+        epoch += 1
+    ca.save_state(where, m, optim, data, step=last)
+    params = {}
+    for name, p in ca.runtime.optim.named_parameters(m).items():
+        params[name] = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone().numpy()
+    return {"record": record, "params": params}
+
+
+def group(rank, world, directory, phases):
+    return {(case, opt): run_phase(case, opt, directory, *phase) for case, phase in phases for opt in OPTIMIZERS}
+
+
+def _phases(world: int, index: int) -> list:
+    return [(case, p[index][1:]) for case, p in PHASES.items() if len(p) > index and p[index][0] == world]
+
+
+@pytest.mark.dist
+def test_sequence_split_runs_resume_at_other_context_degrees_with_every_sample_once(tmp_path):
+    directory = str(tmp_path)
+    results: dict = collections.defaultdict(list)  # (case, opt) -> [per-rank results of each phase]
+
+    def collect(per_rank):
+        for key in per_rank[0]:
+            results[key].append([r[key] for r in per_rank])
+
+    collect(run_world(group, 2, directory, _phases(2, 0), timeout=600))
+    collect(run_world(group, 4, directory, _phases(4, 0), timeout=600))
+    collect([group(0, 1, directory, _phases(1, 1))])  # in this process: no process group at all
+    collect(run_world(group, 2, directory, _phases(2, 1), timeout=600))
+    collect(run_world(group, 2, directory, _phases(2, 2), timeout=600))
+    collect(run_world(group, 4, directory, _phases(4, 2), timeout=600))
+
+    for opt in OPTIMIZERS:
+        ref_losses, ref_ids, ref_params = reference(opt)
+        for case, phases in PHASES.items():
+            steps, params = [], None
+            for (world, plan, _, _), per_rank in zip(phases, results[(case, opt)], strict=True):
+                assert len(per_rank) == world, (case, plan)
+                split = 2 if plan in ("context", "context_data", "ulysses") else 1  # ranks sharing each sample
+                for i in range(len(per_rank[0]["record"])):
+                    step = per_rank[0]["record"][i][0]
+                    seen = collections.Counter(x for r in per_rank for x in r["record"][i][2])
+                    # each sample read by exactly the ranks that split its sequence, half a sequence each
+                    assert set(seen.values()) == {split}, (case, opt, plan, step, seen)
+                    assert {r["record"][i][3][1] for r in per_rank} == {SEQ // split}, (case, plan)
+                    loss = float(np.mean([r["record"][i][1] for r in per_rank]))
+                    steps.append((step, loss, sorted(seen)))
+                params = per_rank[0]["params"]
+            assert [s for s, _, _ in steps] == list(range(1, TOTAL + 1)), case
+            # no sample skipped or repeated across the resumes: each step's batch is the uninterrupted run's
+            assert [ids for _, _, ids in steps] == ref_ids, (case, opt)
+            gaps = [abs(loss - ref) for (_, loss, _), ref in zip(steps, ref_losses, strict=True)]
+            assert max(gaps) < 1e-4, (case, opt, gaps)
+            worst = max(float(np.abs(params[n] - ref_params[n]).max()) for n in ref_params)
+            assert worst < 1e-4, (case, opt, worst)
