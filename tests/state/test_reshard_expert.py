@@ -209,3 +209,28 @@ def test_a_parameter_the_new_model_lacks_is_named_before_anything_changes(tmp_pa
             ca.load_state(f"{tmp_path}/c-sgd", m, optim, verbose=False)
         assert missing in str(err.value)
         assert all(torch.equal(v, before[k]) for k, v in m.state_dict().items()) and not optim.state
+
+
+def test_experts_a_checkpoint_cannot_place_are_refused_naming_why_before_any_work(tmp_path):
+    """Experts sharded over a mesh that is not made of the plan's dimensions (fully_shard called by hand
+    on a mesh of one's own) have no place in the whole tensor: save_state and load_state name them and
+    why, and write or change nothing. (Stand-ins for the meshes: no process group needed to refuse.)"""
+    from types import SimpleNamespace
+
+    from composable_atorch.transforms.parallel.expert.transform import SHARD_ATTR, ExpertShard
+
+    root = SimpleNamespace(mesh_dim_names=("data", "expert"))
+    expert_mesh = SimpleNamespace(mesh_dim_names=("expert",), _get_root_mesh=lambda: root)
+    m = mm.build("user")
+    experts = m.blocks[0].experts
+    setattr(experts, SHARD_ATTR, ExpertShard(2, 0, 4, 8, None, expert_mesh))
+    experts.w_in.placements, experts.w_in.device_mesh = (), SimpleNamespace(mesh_dim_names=("mine",))
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    for call in (lambda: ca.save_state(tmp_path / "ckpt", m, step=1), lambda: ca.load_state(tmp_path, m)):
+        with pytest.raises(ConfigError, match="expert-parallel") as err:
+            call()
+        assert "blocks.0.experts.w_in (its fsdp mesh ('mine',) is not made of the plan's mesh dimensions" in str(
+            err.value
+        )
+    assert not list(tmp_path.iterdir())
+    assert all(torch.equal(v, before[k]) for k, v in m.state_dict().items())

@@ -37,10 +37,14 @@ At another world size or layout (elastic restarts)
     layout and the worlds that keep them; explain() says what was refitted). Then load_state:
 
     * weights and optimizer state: DCP reshards them across DDP / FSDP / tensor / pipeline layouts
-      (a pipeline stage reads its own blocks' part of the checkpoint);
+      (a pipeline stage reads its own blocks' part of the checkpoint); expert-parallel experts are
+      written as each rank's rows of the whole ``[E, ...]`` tensor (fsdp-sharded ones as their
+      sub-rows over the ``(expert, data)`` mesh) and read at the loading run's expert degree
+      (transforms.parallel.expert.checkpoint); context and Ulysses ranks hold whole weights;
     * the data position: under a process group a plan reads one global order at every data size
       (a DistributedSampler of the same seed, also at a data size of 1), and the position is saved
-      as the global samples consumed in the epoch (resumable.py); each rank derives its skip from
+      as the global samples consumed in the epoch (resumable.py; the ranks splitting a sequence
+      read the same samples, and the expert dimension splits the batch like data); each rank derives its skip from
       the new layout, so every sample is trained once per epoch and each step sees the same global
       batch (the global batch is kept; one that does not divide over the new data size is a
       ConfigError naming the world sizes that work, before any work);
