@@ -8,8 +8,8 @@ split. Each run is compared with one plain process on the run's global order: ea
 exactly, its loss and the final weights (the last checkpoint opened in one process) to fp32
 reduction order, SGD and AdamW (moments resharded with the experts).
 
-Spawned in this order, each group batching every phase that runs at its size: world 2 and world 4
-(phase 1) -> this process (phase 2 of ``a``), world 4, world 2 -> world 2 (phase 3).
+The phases run in three spawned groups (world 2, world 4, world 2) and this process (no process
+group: ``a``'s one-process phase), see _resharding.py.
 """
 
 from __future__ import annotations
@@ -26,10 +26,9 @@ from torch.utils.data.distributed import DistributedSampler
 
 import composable_atorch as ca
 import moe_models as mm
+from _resharding import run_all
 from composable_atorch.errors import ConfigError
 from composable_atorch.runtime.resumable import resumable
-
-from _dist import run_world
 
 SAMPLES, BATCH, TOTAL = 16, 4, 6  # 4 steps per epoch: the run crosses into epoch 1
 OPTIMIZERS = {
@@ -135,12 +134,12 @@ def run_phase(case: str, opt: str, directory: str, plan_name: str, first: int, l
     return {"record": record, "held": held}
 
 
-def group(rank, world, directory, phases):
-    return {(case, opt): run_phase(case, opt, directory, *phase) for case, phase in phases for opt in OPTIMIZERS}
-
-
-def _phases(world: int, index: int) -> list:
-    return [(case, p[index][1:]) for case, (_, p) in CASES.items() if len(p) > index and p[index][0] == world]
+def group(rank, world, work, directory):
+    return {
+        (case, index, opt): run_phase(case, opt, directory, *CASES[case][1][index][1:])
+        for case, index in work
+        for opt in OPTIMIZERS
+    }
 
 
 def open_in_one_process(directory: str, name: str, opt: str):
@@ -150,27 +149,24 @@ def open_in_one_process(directory: str, name: str, opt: str):
     return {n: p.detach().numpy() for n, p in m.named_parameters()}
 
 
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every case's phases: (checkpoint directory, {(case, phase index, opt): per-rank results})."""
+    directory = str(tmp_path_factory.mktemp("reshard_expert"))
+    return directory, run_all({case: phases for case, (_, phases) in CASES.items()}, group, directory)
+
+
 @pytest.mark.dist
-def test_expert_runs_resume_at_other_expert_degrees_with_experts_resharded_and_every_sample_once(tmp_path):
-    directory = str(tmp_path)
-    results: dict = collections.defaultdict(list)  # (case, opt) -> [per-rank results of each phase]
-
-    def collect(per_rank):
-        for key in per_rank[0]:
-            results[key].append([r[key] for r in per_rank])
-
-    for world, index in ((2, 0), (4, 0), (1, 1), (4, 1), (2, 1), (2, 2)):
-        if world == 1:  # in this process: no process group at all
-            collect([group(0, 1, directory, _phases(1, index))])
-        elif _phases(world, index):
-            collect(run_world(group, world, directory, _phases(world, index), timeout=600))
+def test_expert_runs_resume_at_other_expert_degrees_with_experts_resharded_and_every_sample_once(runs):
+    directory, results = runs
 
     for case, (name, phases) in CASES.items():
         whole = {n: p.numel() for n, p in mm.build(name).named_parameters()}
         for opt in OPTIMIZERS:
             ref_losses, ref_ids, ref_params = reference(name, opt)
             steps = []
-            for (world, plan, _, _), per_rank in zip(phases, results[(case, opt)], strict=True):
+            for index, (world, plan, _, _) in enumerate(phases):
+                per_rank = results[(case, index, opt)]
                 assert len(per_rank) == world, (case, plan)
                 for i in range(len(per_rank[0]["record"])):
                     step = per_rank[0]["record"][i][0]
@@ -193,21 +189,40 @@ def test_expert_runs_resume_at_other_expert_degrees_with_experts_resharded_and_e
 
 
 @pytest.mark.dist
-def test_a_parameter_the_new_model_lacks_is_named_before_anything_changes(tmp_path):
-    """Saved at expert 2 x fsdp 2; opened into a model without the head's bias and into one with a
-    block less: a ConfigError naming the parameters, with the weights and the optimizer as they were."""
-    run_world(group, 4, str(tmp_path), [("c", CASES["c"][1][0][1:])], timeout=600)
-    for change, missing in (("bias", "head.bias"), ("block", "blocks.1.experts.w_in")):
+def test_a_parameter_the_new_model_lacks_is_named_before_anything_changes(runs):
+    """Saved at expert 2 (case a) and at expert 2 x fsdp 2 (Mixtral); opened into a model without the
+    head's bias, one with a block less, and a one-layer Mixtral: a ConfigError naming the parameters,
+    with the weights and the optimizer as they were."""
+    import transformers
+
+    directory, _ = runs
+
+    def one_layer_mixtral():
+        config = mm._config("mixtral")
+        config.num_hidden_layers = 1
+        return transformers.AutoModelForCausalLM.from_config(config)
+
+    def without_bias():
         m = mm.build("user", seed=5)
-        if change == "bias":
-            m.head = torch.nn.Linear(32, mm.VOCAB, bias=False)
-        else:
-            del m.blocks[1]
+        m.head = torch.nn.Linear(32, mm.VOCAB, bias=False)
+        return m
+
+    def block_less():
+        m = mm.build("user", seed=5)
+        del m.blocks[1]
+        return m
+
+    for make, case, missing in (
+        (without_bias, "a", "head.bias"),
+        (block_less, "a", "blocks.1.experts.w_in"),
+        (one_layer_mixtral, "mixtral", "model.layers.1.mlp.experts.down_proj"),
+    ):
+        m = make()
         optim = torch.optim.AdamW(m.parameters(), lr=1e-2)
         before = {k: v.clone() for k, v in m.state_dict().items()}
         with pytest.raises(ConfigError, match="not in the model") as err:
-            ca.load_state(f"{tmp_path}/c-sgd", m, optim, verbose=False)
-        assert missing in str(err.value)
+            ca.load_state(f"{directory}/{case}-sgd", m, optim, verbose=False)
+        assert missing in str(err.value), str(err.value)
         assert all(torch.equal(v, before[k]) for k, v in m.state_dict().items()) and not optim.state
 
 

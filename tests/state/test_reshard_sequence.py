@@ -8,9 +8,9 @@ skips a sample. Each run is compared with one plain process on the run's global 
 DistributedSampler of seed 0 read ``BATCH`` at a time): each step's sample ids exactly, its loss and
 the final weights to fp32 reduction order, SGD and AdamW (moments resharded too).
 
-Runs (a case is one training run in phases; each phase loads the previous one's checkpoint, trains,
-saves). Spawned in this order, each group batching every phase that runs at its size:
-world 2 (phase 1) -> one process, no process group (phase 2 of ``cp``) -> world 2 -> world 4.
+A case is one training run in phases; each phase loads the previous one's checkpoint, trains and
+saves. They run in three spawned groups (world 2, world 4, world 2) and this process (no process
+group: ``cp``'s one-process phase), see _resharding.py.
 """
 
 from __future__ import annotations
@@ -26,9 +26,8 @@ from torch.utils.data.distributed import DistributedSampler
 
 import _seq
 import composable_atorch as ca
+from _resharding import run_all
 from composable_atorch.runtime.resumable import resumable
-
-from _dist import run_world
 
 SEQ, SAMPLES, BATCH, TOTAL = 16, 16, 4, 6  # 4 steps per epoch: the run crosses into epoch 1
 OPTIMIZERS = {
@@ -38,6 +37,9 @@ OPTIMIZERS = {
 PLANS = {
     "context": lambda: ca.compose(ca.parallel_mode([("context", 2)]), ca.context_parallel()),
     "context_data": lambda: ca.compose(ca.parallel_mode([("context", 2), ("data", 2)]), ca.context_parallel()),
+    "context_fsdp": lambda: ca.compose(
+        ca.parallel_mode([("context", 2), ("data", 2)]), ca.context_parallel(), ca.fsdp()
+    ),
     "ulysses": lambda: ca.compose(ca.parallel_mode([("sequence", 2)]), ca.sequence_parallel()),
     "ddp": lambda: ca.compose(ca.ddp()),
     "fsdp": lambda: ca.compose(ca.fsdp()),
@@ -48,7 +50,7 @@ PHASES = {
     "cp": [(2, "context", 1, 2), (1, "plain", 3, 4), (2, "context", 5, 6)],
     "sp": [(2, "ulysses", 1, 2), (2, "fsdp", 3, 4), (2, "ulysses", 5, 6)],
     "dp": [(2, "ddp", 1, 2), (2, "context", 3, 4), (4, "context_data", 5, 6)],
-    "wide": [(4, "context_data", 1, 3), (2, "ulysses", 4, 6)],
+    "wide": [(4, "context_fsdp", 1, 3), (2, "ulysses", 4, 6)],
 }
 
 
@@ -139,37 +141,26 @@ def run_phase(case: str, opt: str, directory: str, plan_name: str, first: int, l
     return {"record": record, "params": params}
 
 
-def group(rank, world, directory, phases):
-    return {(case, opt): run_phase(case, opt, directory, *phase) for case, phase in phases for opt in OPTIMIZERS}
-
-
-def _phases(world: int, index: int) -> list:
-    return [(case, p[index][1:]) for case, p in PHASES.items() if len(p) > index and p[index][0] == world]
+def group(rank, world, work, directory):
+    return {
+        (case, index, opt): run_phase(case, opt, directory, *PHASES[case][index][1:])
+        for case, index in work
+        for opt in OPTIMIZERS
+    }
 
 
 @pytest.mark.dist
 def test_sequence_split_runs_resume_at_other_context_degrees_with_every_sample_once(tmp_path):
-    directory = str(tmp_path)
-    results: dict = collections.defaultdict(list)  # (case, opt) -> [per-rank results of each phase]
-
-    def collect(per_rank):
-        for key in per_rank[0]:
-            results[key].append([r[key] for r in per_rank])
-
-    collect(run_world(group, 2, directory, _phases(2, 0), timeout=600))
-    collect(run_world(group, 4, directory, _phases(4, 0), timeout=600))
-    collect([group(0, 1, directory, _phases(1, 1))])  # in this process: no process group at all
-    collect(run_world(group, 2, directory, _phases(2, 1), timeout=600))
-    collect(run_world(group, 2, directory, _phases(2, 2), timeout=600))
-    collect(run_world(group, 4, directory, _phases(4, 2), timeout=600))
+    results = run_all(PHASES, group, str(tmp_path))  # (case, phase index, opt) -> per-rank results
 
     for opt in OPTIMIZERS:
         ref_losses, ref_ids, ref_params = reference(opt)
         for case, phases in PHASES.items():
             steps, params = [], None
-            for (world, plan, _, _), per_rank in zip(phases, results[(case, opt)], strict=True):
+            for index, (world, plan, _, _) in enumerate(phases):
+                per_rank = results[(case, index, opt)]
                 assert len(per_rank) == world, (case, plan)
-                split = 2 if plan in ("context", "context_data", "ulysses") else 1  # ranks sharing each sample
+                split = 2 if plan.startswith(("context", "ulysses")) else 1  # ranks sharing each sample
                 for i in range(len(per_rank[0]["record"])):
                     step = per_rank[0]["record"][i][0]
                     seen = collections.Counter(x for r in per_rank for x in r["record"][i][2])
