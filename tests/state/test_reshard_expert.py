@@ -29,6 +29,7 @@ import moe_models as mm
 from _resharding import run_all
 from composable_atorch.errors import ConfigError
 from composable_atorch.runtime.resumable import resumable
+from composable_atorch.state.hf import save_pretrained
 
 SAMPLES, BATCH, TOTAL = 16, 4, 6  # 4 steps per epoch: the run crosses into epoch 1
 OPTIMIZERS = {
@@ -130,6 +131,8 @@ def run_phase(case: str, opt: str, directory: str, plan_name: str, first: int, l
                 break
         epoch += 1
     ca.save_state(where, m, optim, data, step=last)
+    if case == "mixtral":  # the shipped artefact: every expert, gathered from the expert ranks
+        save_pretrained(m, f"{where}-hf-{last}")
     held = {n: (p.to_local() if hasattr(p, "to_local") else p).numel() for n, p in m.named_parameters()}
     return {"record": record, "held": held}
 
@@ -224,6 +227,22 @@ def test_a_parameter_the_new_model_lacks_is_named_before_anything_changes(runs):
             ca.load_state(f"{directory}/{case}-sgd", m, optim, verbose=False)
         assert missing in str(err.value), str(err.value)
         assert all(torch.equal(v, before[k]) for k, v in m.state_dict().items()) and not optim.state
+
+
+@pytest.mark.dist
+def test_save_pretrained_of_an_expert_parallel_model_ships_every_expert(runs):
+    """Mixtral saved as a Hugging Face directory at expert 2 x fsdp 1 (world 2) and expert 2 x fsdp 2
+    (world 4): from_pretrained in one process holds the weights the checkpoint of that step holds."""
+    import transformers
+
+    directory, _ = runs
+    for opt in OPTIMIZERS:
+        for _, plan, _, last in CASES["mixtral"][1]:
+            shipped = transformers.AutoModelForCausalLM.from_pretrained(f"{directory}/mixtral-{opt}-hf-{last}")
+            want = open_in_one_process(f"{directory}/mixtral-{opt}/step-{last:08d}", "mixtral", opt)
+            got = {n: p.detach().numpy() for n, p in shipped.named_parameters()}
+            assert sorted(got) == sorted(want), plan
+            assert all(np.array_equal(got[n], want[n]) for n in want), (plan, opt)
 
 
 def test_experts_a_checkpoint_cannot_place_are_refused_naming_why_before_any_work(tmp_path):

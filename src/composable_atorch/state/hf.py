@@ -6,7 +6,8 @@
 The full weights are gathered once, to CPU, on rank 0
 (``torch.distributed.checkpoint.state_dict.get_model_state_dict`` with ``full_state_dict=True,
 cpu_offload=True``): FSDP2's DTensor shards, DDP's replicas, ZeRO's partitions and plain modules
-alike. Then
+alike; expert-parallel experts are all-gathered over their expert group into the whole ``[E, ...]``
+tensors (each rank holds its own experts under the full names). Then
 
 * a ``transformers`` model is written by its own ``save_pretrained`` (``config.json``,
   ``generation_config.json`` when it has one, ``model.safetensors``);
@@ -29,6 +30,7 @@ import torch.distributed as dist
 
 from composable_atorch.errors import ConfigError, RequirementError
 from composable_atorch.runtime.optim import NAME_PREFIX_ATTR, canonical_name
+from composable_atorch.transforms.parallel.expert import checkpoint as expert_checkpoint
 
 __all__ = ["full_state_dict", "save_pretrained", "unwrap_model"]
 
@@ -59,6 +61,7 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     state = get_model_state_dict(model, options=options)
+    expert_checkpoint.gather_whole(model, state)  # expert parallelism: every rank's experts, not rank 0's
     prefix = getattr(model, NAME_PREFIX_ATTR, "")
     return {canonical_name(k.removeprefix(prefix)): v for k, v in state.items()}
 

@@ -157,3 +157,23 @@ def to_global(model: nn.Module, model_sd: dict | None = None, optim_sd: dict | N
 def to_local(model: nn.Module, model_sd: dict | None = None, optim_sd: dict | None = None) -> None:
     """Undo :func:`to_global` (in place): the rows this rank holds, as the live parameter holds them."""
     _convert(model, model_sd, optim_sd, lambda t, shard, p: _local(t, p))
+
+
+
+def gather_whole(model: nn.Module, state: dict) -> None:
+    """Replace (in place) the split experts' entries of a full model state dict (keys as the model names
+    its parameters) by the whole ``[E, ...]`` tensors, on CPU: each expert rank's rows (fsdp's shards
+    joined first), all-gathered over the expert group. Collective, every rank in the same order; a rank
+    whose state dict lacks the name (not rank 0 of a gather to rank 0) drops the result."""
+    import torch.distributed as dist
+
+    params = dict(model.named_parameters())
+    for name, shard in _split(model).items():
+        p = params.get(name)
+        if p is None:
+            continue
+        rows = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().contiguous()
+        whole = rows.new_empty((shard.total, *rows.shape[1:]))
+        dist.all_gather_into_tensor(whole, rows, group=shard.group)
+        if name in state:
+            state[name] = whole.cpu()
