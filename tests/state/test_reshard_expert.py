@@ -38,6 +38,7 @@ OPTIMIZERS = {
 }
 PLANS = {
     "ep": lambda: ca.compose(ca.parallel_mode([("expert", 2)]), ca.expert_parallel()),
+    "ep_data": lambda: ca.compose(ca.parallel_mode([("expert", 2), ("data", 2)]), ca.expert_parallel()),
     "ep_fsdp": lambda: ca.compose(ca.parallel_mode([("expert", 2), ("data", 2)]), ca.expert_parallel(), ca.fsdp()),
     "ep_fsdp_1": lambda: ca.compose(ca.parallel_mode([("expert", 2), ("data", 1)]), ca.expert_parallel(), ca.fsdp()),
     "ddp": lambda: ca.compose(ca.ddp()),
@@ -49,6 +50,7 @@ CASES = {
     "a": ("user", [(2, "ep", 1, 2), (1, "plain", 3, 4), (2, "ep", 5, 6)]),
     "b": ("user", [(2, "fsdp", 1, 2), (4, "ep_fsdp", 3, 4), (2, "ddp", 5, 6)]),
     "c": ("user", [(4, "ep_fsdp", 1, 2), (2, "ep", 3, 4), (2, "fsdp", 5, 6)]),
+    "d": ("user", [(4, "ep_data", 1, 3), (2, "ep_fsdp_1", 4, 6)]),  # ddp's data replicas write their experts once
     "mixtral": ("mixtral", [(2, "ep_fsdp_1", 1, 3), (4, "ep_fsdp", 4, 6)]),
 }
 
