@@ -6,7 +6,7 @@ process) and the other way, and expert 2 x fsdp 2 at world 4 to and from both. T
 is a batch dimension, so the data position (global samples consumed) carries over as for any data
 split. Each run is compared with one plain process on the run's global order: each step's sample ids
 exactly, its loss and the final weights (the last checkpoint opened in one process) to fp32
-reduction order, SGD and AdamW (moments resharded with the experts).
+reduction order, SGD and AdamW (moments resharded with the experts). Expert x fsdp saves asynchronously.
 
 The phases run in three spawned groups (world 2, world 4, world 2) and this process (no process
 group: ``a``'s one-process phase), see _resharding.py.
@@ -132,7 +132,10 @@ def run_phase(case: str, opt: str, directory: str, plan_name: str, first: int, l
             if step >= last:
                 break
         epoch += 1
-    ca.save_state(where, m, optim, data, step=last)
+    # expert x fsdp saves asynchronously: DCP stages the (expert, data)-mesh views, then writes on a thread
+    saved = ca.save_state(where, m, optim, data, step=last, asynchronous=plan_name.startswith("ep_fsdp"))
+    if hasattr(saved, "wait"):
+        saved.wait()  # before the group is destroyed (the next phase's load_state would wait too)
     if case == "mixtral":  # the shipped artefact: every expert, gathered from the expert ranks
         save_pretrained(m, f"{where}-hf-{last}")
     held = {n: (p.to_local() if hasattr(p, "to_local") else p).numel() for n, p in m.named_parameters()}
