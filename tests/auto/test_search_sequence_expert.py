@@ -19,7 +19,7 @@ from composable_atorch.auto.degrees import KNOB, LONG_SEQUENCE
 from composable_atorch.auto.policy import Budget, SpaceOptions, StudyOptions, TrialSettings
 from composable_atorch.auto.predict import Prediction, Predictor, StepTimeCheck
 from composable_atorch.auto.study import build_space, search
-from composable_atorch.auto.trial import TrialResult
+from composable_atorch.auto.trial import TrialResult, run_trial, samples_per_step, sequence_split
 from composable_atorch.auto.workload import Workload
 from composable_atorch.core.plan import Plan
 from composable_atorch.core.transform import lookup
@@ -192,3 +192,32 @@ def test_a_short_study_at_world_2_on_a_moe_measures_expert_parallelism_and_its_p
     for rank in out:
         assert all(shape[0] == 2 for shape in rank["held"].values()), rank["held"]  # 2 of 4 experts each
         assert all(loss == loss and loss < 10 for loss in rank["losses"])
+
+
+def test_a_sequence_split_counts_each_sample_once_not_once_per_part():
+    env = Environment(world_size=4)
+    context = ca.compose(ca.parallel_mode([("context", 2), ("data", 2)]), lookup("context_parallel")(), env=env)
+    implied = ca.compose(lookup("sequence_parallel")(), env=env)
+    assert sequence_split(context.to_json()) == 2 and sequence_split(implied.to_json()) == 2
+    assert sequence_split(ca.compose(ca.parallel_mode([("zero", 2), ("data", 2)]), env=env).to_json()) == 1
+    # two data ranks of two context parts each: 2 samples per data rank, 4 digests each (halves differ)
+    ranks = [
+        {"sample_ids": [[f"{s}{part}" for s in "ab" for part in "xy"]]},
+        {"sample_ids": [[f"{s}{p}" for s in "cd" for p in "xy"]]},
+    ]
+    assert samples_per_step(ranks, 4, split=2) == 4
+
+
+@pytest.mark.dist
+def test_a_context_trial_measures_the_global_batch_per_step():
+    space = space_of(dense_model, LONG_SEQUENCE, 2, excluded=("checkpoint", "amp", "module_replace", "accumulate"))
+    label = next(label for label in degree_options(space) if label.startswith("context 2"))
+    point = space.point(
+        {**{k: "absent" if "absent" in v else next(iter(v)) for k, v in space.options.items()}, KNOB: label}
+    )
+    assert point.valid, point.error
+    settings = TrialSettings(world_size=2, warmup_steps=1, measure_steps=2, precision=None, timeout=120)
+    result = run_trial(point.plan.to_json(), workload(dense_model, LONG_SEQUENCE), settings, point.plan.named_objects())
+    assert result.ok, result.reason
+    assert result.samples_per_step == 4  # the global batch, though each rank's digests are of half-sequences
+    assert result.tokens_per_s == pytest.approx(result.samples_per_s * LONG_SEQUENCE)
