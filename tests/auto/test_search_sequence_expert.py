@@ -221,3 +221,10 @@ def test_a_context_trial_measures_the_global_batch_per_step():
     assert result.ok, result.reason
     assert result.samples_per_step == 4  # the global batch, though each rank's digests are of half-sequences
     assert result.tokens_per_s == pytest.approx(result.samples_per_s * LONG_SEQUENCE)
+
+
+def test_included_parallel_mode_pins_the_knob_to_its_degrees():
+    space = space_of(moe_model, 16, 4, nodes=2, included=("parallel_mode",))
+    assert "absent" not in space.options[KNOB]
+    assert {label.split(" ")[0] for label in space.options[KNOB]} == {"expert", "zero"}
+    assert "parallel_mode" not in space_of(moe_model, 16, 4, nodes=2, excluded=("parallel_mode",)).options

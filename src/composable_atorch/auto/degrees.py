@@ -165,7 +165,6 @@ def propose(
         return out
     wanted = {k for k in KINDS if k not in excluded and _kind(k) is not None}
     forced = wanted & included
-    out.pinned = bool(forced)
     divisors = [n for n in range(2, world + 1) if world % n == 0]
 
     def add(label: str, *steps: Transform) -> None:
@@ -211,7 +210,7 @@ def propose(
             )
     if forced:  # every plan holds one of the included kinds
         out.options = {k: v for k, v in out.options.items() if any(t.name in forced for t in v)}
-        out.pinned = bool(out.options)
+    out.pinned = bool(out.options) and bool(forced or KNOB in included)
     return out
 
 
