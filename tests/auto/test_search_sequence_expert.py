@@ -136,22 +136,31 @@ def test_every_proposed_degree_composes_and_explain_says_what_it_does():
 
 def test_a_plan_the_estimate_cannot_simulate_is_measured_not_ruled_out():
     def refuses(plan, model, batch, **_):
-        raise EstimateError("expert parallelism is not simulated", "all-to-all split sizes", "measure it")
+        raise EstimateError("context parallelism is not simulated here", "its collectives", "measure it")
 
-    wl = workload(moe_model, 16)
+    def crashes(plan, model, batch, **_):
+        raise RuntimeError("crashed on fake tensors")
+
     env = Environment(world_size=2)
-    plan = ca.compose(ca.parallel_mode([("expert", 2), ("data", 1)]), lookup("expert_parallel")(), env=env)
-    pred = Predictor(refuses, wl, env)(plan)
+    dense = workload(dense_model, LONG_SEQUENCE)
+    split = ca.compose(ca.parallel_mode([("context", 2), ("data", 1)]), lookup("context_parallel")(), env=env)
+    pred = Predictor(refuses, dense, env)(split)  # a typed refusal on a step new to the estimate
     assert pred.measure and not pred.known and "measured instead" in pred.reason
-    # even after trials, the step-time check never rules it out for having no prediction
+    crashed = Predictor(crashes, dense, env)(split)  # any other error: as before, a plan that may crash
+    assert not crashed.measure and "crashed" in crashed.reason
+    # after trials, the step-time check never rules out the first for having no prediction
     check = StepTimeCheck()
     for step in (0.1, 0.1):
         check.observe(Prediction(step_time_s=step), TrialResult(status="ok", step_time=step, samples_per_s=1.0))
     assert check.loses(pred) is None
-    assert check.loses(Prediction(reason="RuntimeError: crashed on fake tensors")) is not None  # unchanged
-    # an estimate that runs but leaves expert_parallel out of its simulation gives no figure either
-    ok = Predictor(lambda *a, **k: type("E", (), {"ranks": [], "peak": 1, "step_time_s": 0.1})(), wl, env)(plan)
-    assert ok.measure and ok.peak_bytes is None and "leaves expert_parallel out" in ok.reason
+    assert check.loses(crashed) is not None  # unchanged
+    # expert_parallel is left out of the estimate's simulation (its split experts would count whole):
+    # not asked at all, measured
+    calls = []
+    experts = ca.compose(ca.parallel_mode([("expert", 2), ("data", 1)]), lookup("expert_parallel")(), env=env)
+    left_out = Predictor(lambda *a, **k: calls.append(a), workload(moe_model, 16), env)(experts)
+    assert left_out.measure and left_out.peak_bytes is None and "leaves expert_parallel out" in left_out.reason
+    assert calls == []
 
 
 def split_experts(rank: int, world: int, plan_json: str) -> dict:

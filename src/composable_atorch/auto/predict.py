@@ -231,6 +231,9 @@ class Predictor:
                 return Prediction(reason="the search's time budget is spent")
         if self.hung is not None:  # not cached: a later search may predict it
             return Prediction(reason=f"not predicted: {self.hung} for another plan (each runs the same forward)")
+        left_out = cannot_estimate(plan, None)
+        if left_out is not None:  # its figure would not be the plan's: not asked for, the plan is measured
+            self.cache[key] = Prediction(reason=left_out, precision=compute_precision(plan), measure=True)
         if key not in self.cache:
             try:
                 with time_limit(limit), _simulation_warnings():
@@ -255,10 +258,6 @@ class Predictor:
             except Exception as exc:  # noqa: BLE001 - no prediction: the plan is measured instead
                 why = cannot_estimate(plan, exc)
                 self.cache[key] = Prediction(reason=why or f"{type(exc).__name__}: {exc}"[:300], measure=bool(why))
-            else:
-                why = cannot_estimate(plan, None)
-                if why is not None:  # a figure without the step it leaves out: not the plan's, not used
-                    self.cache[key] = Prediction(reason=why, precision=self.cache[key].precision, measure=True)
         return self.cache[key]
 
 
