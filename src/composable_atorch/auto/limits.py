@@ -120,5 +120,6 @@ def user_code_limit(bound: tuple[float, str], part: str):
             f"it did not finish within {seconds:.3g} s ({why}); interrupted",
             "make the model's forward finish (a hang?), give the trials more time (TrialSettings(timeout=)) or the "
             "search (Budget(time_limit=)); without tensor-parallel plans (SpaceOptions(excluded=('tensor_parallel',"
-            "))) no forward runs here",
+            "))) and sequence splits (excluded=('context_parallel', 'sequence_parallel'): their meta-device forward "
+            "measures the activations) no forward runs here",
         ) from None

@@ -43,6 +43,9 @@ class Prediction:
     reason: str | None = None  # why there is no prediction
     #: the plan's compute precision ("fp32", "bf16", "fp16", "fp8"): the model's error differs per dtype
     precision: str = "fp32"
+    #: the estimate cannot simulate this plan (a step it leaves out uncounted, or a typed refusal): the
+    #: plan is measured instead, never ruled out for having no prediction (:meth:`StepTimeCheck.loses`)
+    measure: bool = False
 
     @property
     def known(self) -> bool:
@@ -85,6 +88,52 @@ def default_estimator() -> Estimator | None:
     except ImportError:
         return None
     return estimate
+
+
+#: the parallel steps whose simulation is new to the estimate: a typed refusal to estimate a plan
+#: holding one (``EstimateError``) means "cannot estimate this yet", not "this plan crashes"
+NEW_TO_ESTIMATE = frozenset({"context_parallel", "sequence_parallel", "expert_parallel"})
+
+
+def unmodelled_steps(plan: Plan) -> list[str]:
+    """The plan's steps the estimate leaves out of its simulation without adding their cost back
+    (their contract's ``Cost(simulated=False)`` declares nothing, unlike ddp's gradient buckets): a
+    prediction of such a plan is not the plan's (expert_parallel's split experts would count whole)."""
+    out = []
+    for t in plan.transforms:
+        cost = t.contract.cost
+        if not cost.simulated and not cost.grad_copies:
+            out.append(t.name)
+    return out
+
+
+def cannot_estimate(plan: Plan, exc: BaseException | None) -> str | None:
+    """Why ``plan`` is measured rather than predicted, or None: a step the estimate leaves out
+    uncounted (:func:`unmodelled_steps`), or a typed refusal to estimate — ``NotImplementedError``, or
+    the estimate's ``EstimateError`` on a plan with a step new to it (:data:`NEW_TO_ESTIMATE`)."""
+    left_out = unmodelled_steps(plan)
+    if left_out:
+        return (
+            f"not predicted: the estimate leaves {', '.join(left_out)} out of its simulation (its per-rank split "
+            "would not be counted); measured instead"
+        )
+    if exc is None:
+        return None
+    typed = isinstance(exc, NotImplementedError) or (
+        type(exc).__name__ == "EstimateError" and NEW_TO_ESTIMATE & set(plan.names)
+    )
+    if typed:
+        return f"not predicted ({type(exc).__name__}: {exc}"[:260] + "); measured instead"
+    return None
+
+
+def first_batch(workload: Workload):
+    """The workload's first global batch, as its loader yields it (unshuffled)."""
+    from torch.utils.data import DataLoader
+
+    kwargs = {"drop_last": True, **workload.loader_kwargs, "shuffle": False}
+    kwargs.pop("generator", None)
+    return next(iter(DataLoader(workload.dataset, batch_size=workload.batch_size, **kwargs)))
 
 
 def predict_plan(
@@ -161,11 +210,7 @@ class Predictor:
 
     def batch(self):
         if self._batch is None:
-            from torch.utils.data import DataLoader
-
-            kwargs = {"drop_last": True, **self.workload.loader_kwargs, "shuffle": False}
-            kwargs.pop("generator", None)
-            self._batch = next(iter(DataLoader(self.workload.dataset, batch_size=self.workload.batch_size, **kwargs)))
+            self._batch = first_batch(self.workload)
         return self._batch
 
     def model(self):
@@ -186,6 +231,9 @@ class Predictor:
                 return Prediction(reason="the search's time budget is spent")
         if self.hung is not None:  # not cached: a later search may predict it
             return Prediction(reason=f"not predicted: {self.hung} for another plan (each runs the same forward)")
+        left_out = cannot_estimate(plan, None)
+        if left_out is not None:  # its figure would not be the plan's: not asked for, the plan is measured
+            self.cache[key] = Prediction(reason=left_out, precision=compute_precision(plan), measure=True)
         if key not in self.cache:
             try:
                 with time_limit(limit), _simulation_warnings():
@@ -208,7 +256,8 @@ class Predictor:
                 # prediction is started (each would hang as long)
                 self.cache[key], self.hung = cut, cut.reason
             except Exception as exc:  # noqa: BLE001 - no prediction: the plan is measured instead
-                self.cache[key] = Prediction(reason=f"{type(exc).__name__}: {exc}"[:300])
+                why = cannot_estimate(plan, exc)
+                self.cache[key] = Prediction(reason=why or f"{type(exc).__name__}: {exc}"[:300], measure=bool(why))
         return self.cache[key]
 
 
@@ -265,8 +314,9 @@ class StepTimeCheck:
             return None
         if not prediction.step_time_s:
             # the model ranks the measured plans; one it could not estimate cannot be expected to beat
-            # them (a simulated step that fails is how most plans that crash in a trial show up here)
-            if not prediction.reason:
+            # them (a simulated step that fails is how most plans that crash in a trial show up here),
+            # unless the estimate said it cannot simulate the plan (then it is measured: the only figure)
+            if not prediction.reason or prediction.measure:
                 return None
             return f"no step-time prediction ({prediction.reason[:160]}); the model ranks the plans that have one"
         # the most favourable scale the trials of its precision showed: a plan is skipped only when even

@@ -75,6 +75,8 @@ def summary(result: SearchResult) -> dict:
             "duplicate_assignments": e.duplicates,
             "rejected_sub_combinations": len(result.space.rejected),
             "knobs": {k: list(v) for k, v in result.space.options.items()},
+            # why a parallel degree (sequence split, experts, hybrid) was not proposed (auto/degrees.py)
+            "degree_notes": list(result.space.degrees.notes),
         },
         "environment": result.space.env.describe(),
         "memory_limit_mib": None if result.memory_limit is None else round(result.memory_limit / MiB, 2),
@@ -182,6 +184,7 @@ def text_table(result: SearchResult) -> str:
         lines.append(f"      plan: {r['plan']}")
         if r["reason"]:
             lines.append(f"      reason: {r['reason']}")
+    lines.extend(f"note: {note}" for note in result.space.degrees.notes)
     return "\n".join(lines)
 
 
@@ -190,6 +193,8 @@ def show(console, result: SearchResult) -> None:
     :func:`text_table`, where rich would fold each plan into a column a few words wide."""
     if console.is_terminal:
         console.print(table(result))
+        for note in result.space.degrees.notes:
+            console.print(f"note: {note}", markup=False, highlight=False)
     else:
         console.print(text_table(result), markup=False, highlight=False, soft_wrap=True)
 

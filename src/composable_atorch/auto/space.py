@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from composable_atorch.auto.degrees import KNOB as DEGREES_KNOB
+from composable_atorch.auto.degrees import Degrees
 from composable_atorch.core import codec
 from composable_atorch.core.compose import compose
 from composable_atorch.core.plan import Plan
@@ -84,6 +86,16 @@ def pipeline_degree(plan: Plan) -> int:
     return parallel_degree(plan, "pipeline")
 
 
+def checked_dim(transform: Transform) -> str:
+    """The mesh dimension whose degree a step's ``check(model, degree)`` takes: the one its contract
+    implies a ``parallel_mode`` for (expert_parallel: "expert"), else "tensor" (tensor planning)."""
+    for implication in transform.contract.implies:
+        groups = (implication.config or {}).get("groups") if implication.name == "parallel_mode" else None
+        if groups:
+            return groups[0][0]
+    return "tensor"
+
+
 def planning_admit(model: torch.nn.Module, then: Callable[[Plan], str | None] | None = None):
     """``admit(plan)`` for :class:`SearchSpace`: a plan with a step whose ``check(model, degree)``
     (model-parallel planning, e.g. tensor_parallel's) refuses ``model`` is invalid at no trial cost;
@@ -94,7 +106,7 @@ def planning_admit(model: torch.nn.Module, then: Callable[[Plan], str | None] | 
         for t in plan.transforms:
             if not callable(getattr(t, "check", None)):
                 continue
-            key = (repr(t), parallel_degree(plan, "tensor"))
+            key = (repr(t), parallel_degree(plan, checked_dim(t)))
             if key not in seen:
                 try:
                     t.check(model, key[1])
@@ -195,6 +207,9 @@ class SearchSpace:
     to fine-tune from); ``customize(plan) -> plan`` adjusts every composed plan (settings that are
     not searched, such as ``find_unused_parameters``); ``admit(plan) -> reason | None`` rejects
     composed plans the workload cannot train (a pipeline without a criterion), like compose() does.
+    ``degrees`` (:func:`composable_atorch.auto.degrees.propose`) are the parallel degrees read from the
+    model and its batch (sequence splits, experts, hybrid sharding): one more knob, ``parallel_mode``,
+    whose options each lay out a mesh with the step that uses it.
     """
 
     def __init__(
@@ -206,6 +221,7 @@ class SearchSpace:
         extra: Iterable[Transform] = (),
         customize: Callable[[Plan], Plan] | None = None,
         admit: Callable[[Plan], str | None] | None = None,
+        degrees: Degrees | None = None,
     ):
         self.search = search
         self.customize = customize
@@ -213,6 +229,8 @@ class SearchSpace:
         self.env = search.env
         excluded_kinds = {k for k in (canonical_kind(n) for n in excluded) if k is not None}
         included_kinds = set()
+        self.degrees = degrees or Degrees()
+        by_degrees = {t.name for combo in self.degrees.options.values() for t in combo}
         for name in included:
             kind = canonical_kind(name)
             if kind is None:
@@ -228,12 +246,13 @@ class SearchSpace:
             found = list(cls.candidates(search))
             found += [t for t in extra if t.name == kind and t not in found]
             if not found:
-                if kind in included_kinds:
+                if kind in included_kinds and kind not in by_degrees:
+                    why = "; ".join(self.degrees.notes)
                     raise ConfigError(
                         "included",
                         kind,
-                        f"transforms that offer search candidates here ({kind} offers none for {self.env.describe()}); "
-                        "pass it in load_strategy instead",
+                        f"transforms that offer search candidates here ({kind} offers none for {self.env.describe()}"
+                        f"{': ' + why if why else ''}); pass it in load_strategy instead",
                     )
                 continue
             per_kind[kind] = ([] if kind in included_kinds else [None]) + list(dict.fromkeys(found))
@@ -243,6 +262,9 @@ class SearchSpace:
         self.options: dict[str, dict[str, tuple[Transform, ...]]] = {}
         for group in dimensions(classes):
             self.options["+".join(group)] = self._knob(group, per_kind)
+        if self.degrees.options:
+            absent = {} if self.degrees.pinned else {ABSENT: ()}
+            self.options[DEGREES_KNOB] = {**absent, **self.degrees.options}
 
     def _knob(self, group: tuple[str, ...], per_kind: dict) -> dict[str, tuple[Transform, ...]]:
         if len(group) == 1:
@@ -345,7 +367,8 @@ class SearchSpace:
         wanted = {t.name: t for t in plan.requested}
         out = {}
         for knob, choices in self.options.items():
-            mine = {wanted.pop(k) for k in knob.split("+") if k in wanted}
+            kinds = set(knob.split("+")) | {t.name for combo in choices.values() for t in combo}
+            mine = {wanted.pop(k) for k in kinds if k in wanted}
             label = next((lab for lab, combo in choices.items() if set(combo) == mine), None)
             if label is None and not mine:
                 label = self.implied_label(knob)
@@ -395,6 +418,7 @@ class SearchSpace:
             lines.append(f"  {knob}: {', '.join(choices)}")
         if self.rejected:
             lines.append(f"  ({len(self.rejected)} sub-combination(s) rejected by compose() while building the knobs)")
+        lines.extend(f"  ({note})" for note in self.degrees.notes)
         return "\n".join(lines)
 
 

@@ -24,6 +24,9 @@ from typing import Any
 
 from rich.markup import escape
 
+from composable_atorch.auto.degrees import Degrees
+from composable_atorch.auto.degrees import admit_rule as degrees_admit
+from composable_atorch.auto.degrees import propose as propose_degrees
 from composable_atorch.auto.limits import in_process_limit, user_code_limit
 from composable_atorch.auto.policy import (
     Budget,
@@ -38,6 +41,7 @@ from composable_atorch.auto.predict import (
     Predictor,
     StepTimeCheck,
     default_estimator,
+    first_batch,
     first_to_measure,
     predictions_note,
 )
@@ -47,6 +51,7 @@ from composable_atorch.auto.space import (
     Point,
     SearchSpace,
     block_classes,
+    canonical_kind,
     example_model,
     plan_needs_criterion,
     planning_admit,
@@ -132,6 +137,52 @@ def search(
     return result
 
 
+def read_degrees(model, workload: Workload, env: Environment, space: SpaceOptions) -> Degrees:
+    """The parallel degrees the model and its first batch call for (:mod:`.degrees`); none, with the
+    reason as a note, when the batch cannot be read here (the preflight names a broken dataset)."""
+
+    def kinds(names):
+        return {k for k in (canonical_kind(n) for n in names) if k is not None}
+
+    try:
+        batch = first_batch(workload)
+    except Exception as exc:  # noqa: BLE001 - the workload's own error is the preflight's to report
+        return Degrees(notes=[f"parallel degrees not read: the first batch failed ({type(exc).__name__}: {exc})"])
+    return propose_degrees(
+        model,
+        batch,
+        env,
+        batch_size=workload.batch_size,
+        loss_fn=workload.loss_fn,
+        criterion=workload.criterion,
+        excluded=kinds(space.excluded),
+        included=kinds(space.included),
+    )
+
+
+def build_space(workload: Workload, env: Environment, space: SpaceOptions) -> tuple[SearchSpace, Any]:
+    """The search's space for ``workload`` at ``env`` and the example model it was read from (built on
+    the meta device where it can be): the registry's candidates, the parallel degrees the model and
+    its first batch call for (:mod:`.degrees`), and the rules that rule plans out before any trial.
+    Runs the user's model code: call it under a limit (the study does)."""
+    from composable_atorch.core.transform import SearchContext
+
+    example = example_model(workload.model_fn)
+    context = SearchContext(env, block_classes(example), workload.batch_size, space.allow_compile)
+    degrees = read_degrees(example, workload, env, space)
+    needs = None if workload.criterion is not None else plan_needs_criterion
+    built = SearchSpace(
+        context,
+        excluded=space.excluded,
+        included=space.included,
+        extra=space.start_from.requested if space.start_from else (),
+        customize=space.customize,
+        admit=planning_admit(example, degrees_admit(example, degrees, needs)),
+        degrees=degrees,
+    )
+    return built, example
+
+
 class _Loop:
     """The ask/tell loop, one method per outcome of a proposal: invalid, duplicate, failed, measured."""
 
@@ -151,24 +202,12 @@ class _Loop:
         import optuna
 
         self.started = time.monotonic() if started is None else started
-
-        from composable_atorch.core.transform import SearchContext
-
         self.trial_settings, self.budget, self.runner, self.progress, self.env = trial, budget, runner, progress, env
         self.limit = budget.memory_bytes
         start_from = space.start_from
         # the user's model is built and run here (tensor-parallel placement): under a limit (auto/limits.py)
         with user_code_limit(in_process_limit(trial, budget, self.started), "listing the plans"):
-            example = example_model(workload.model_fn)
-            context = SearchContext(env, block_classes(example), workload.batch_size, space.allow_compile)
-            self.space = SearchSpace(
-                context,
-                excluded=space.excluded,
-                included=space.included,
-                extra=start_from.requested if start_from else (),
-                customize=space.customize,
-                admit=planning_admit(example, None if workload.criterion is not None else plan_needs_criterion),
-            )
+            self.space, example = build_space(workload, env, space)
             self.enumeration = self.space.enumerate()
         # the space's classes, held here: the best plan's JSON is read back against them (core.codec)
         self.trusted = tuple({type(m) for m in example.modules()}) + tuple(
@@ -401,6 +440,9 @@ class _Loop:
         timeout = full if remaining is None else max(1.0, min(full, remaining))
         result = self.runner(point.plan, timeout=timeout)
         self.counts["measured"] += 1
+        unpredicted = self.predictions.get(point.key)
+        if unpredicted is not None and unpredicted.measure:  # said in the trials table, not dropped silently
+            trial.set_user_attr("reason", unpredicted.reason)
         trial.set_user_attr("plan_json", point.plan.to_json(indent=None))
         if point.key in self.predictions:
             trial.set_user_attr("predicted", self.predictions[point.key].to_dict())
