@@ -49,7 +49,7 @@ from composable_atorch.transforms.parallel.data.common import (
     sharded_optimizer,
     zero_options,
 )
-from composable_atorch.transforms.parallel.data.probe import unused_parameters
+from composable_atorch.transforms.parallel.data.probe import probe_unused
 
 # ---------------------------------------------------------------------------------------------
 # parallel_mode
@@ -316,7 +316,15 @@ def _probe_unused(state: TrainState) -> bool:
     have finished reduction". ddp then finds unused parameters itself, and says so."""
     if sum(p.numel() for p in state.model.parameters()) > PROBE_LIMIT:
         return False
-    unused = unused_parameters(state.model)
+    probe = probe_unused(state.model)
+    if probe.unused is None:
+        state.note(
+            "ddp",
+            f"not probed for unused parameters: {probe.reason}; find_unused_parameters stays off (a parameter "
+            "without a gradient would stop torch's reducer at the second step: ddp(find_unused_parameters=True) then)",
+        )
+        return False
+    unused = probe.unused
     if not unused:
         return False
     shown = ", ".join(unused[:3]) + (" ..." if len(unused) > 3 else "")
