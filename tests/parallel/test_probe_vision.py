@@ -85,6 +85,19 @@ def test_an_input_that_cannot_be_built_is_a_reason_not_a_crash():
     assert no_layers.unused is None and "no example input" in no_layers.reason
 
 
+def test_a_model_over_the_probe_limit_is_said_to_be_not_probed(monkeypatch):
+    from types import SimpleNamespace
+
+    from composable_atorch.transforms.parallel.data import data_parallel
+
+    notes = []
+    state = SimpleNamespace(model=_spare("cnn"), note=lambda name, text: notes.append((name, text)))
+    assert data_parallel._probe_unused(state) and "spare_classifier.weight" in notes[-1][1]
+    monkeypatch.setattr(data_parallel, "PROBE_LIMIT", 1000)
+    assert not data_parallel._probe_unused(state)
+    assert "not probed for unused parameters" in notes[-1][1] and "over the probe's" in notes[-1][1]
+
+
 def _loss(name, model, data):
     if name == "dict":
         return nn.functional.mse_loss(model(data), data["target"])

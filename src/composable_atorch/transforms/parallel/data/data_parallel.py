@@ -49,7 +49,7 @@ from composable_atorch.transforms.parallel.data.common import (
     sharded_optimizer,
     zero_options,
 )
-from composable_atorch.transforms.parallel.data.probe import probe_unused
+from composable_atorch.transforms.parallel.data.probe import Probe, probe_unused
 
 # ---------------------------------------------------------------------------------------------
 # parallel_mode
@@ -314,9 +314,16 @@ def _probe_unused(state: TrainState) -> bool:
     """True when a probe forward/backward (zero-weight replica, example input) leaves parameters
     without a gradient: torch's reducer would otherwise stop at the second step with "Expected to
     have finished reduction". ddp then finds unused parameters itself, and says so."""
-    if sum(p.numel() for p in state.model.parameters()) > PROBE_LIMIT:
-        return False
-    probe = probe_unused(state.model)
+    numel = sum(p.numel() for p in state.model.parameters())
+    probe = (
+        probe_unused(state.model)
+        if numel <= PROBE_LIMIT
+        else Probe(
+            None,
+            f"{numel:,} parameters, over the probe's limit of {PROBE_LIMIT:,} (it holds a zero copy of the model "
+            "in CPU memory)",
+        )
+    )
     if probe.unused is None:
         state.note(
             "ddp",

@@ -61,7 +61,10 @@ def probe_unused(model: nn.Module) -> Probe:
             None,
             "no example input could be built for it (no config's main input, no first Embedding / Conv2d / Linear)",
         )
-    rep = replica(model, grad=True)
+    try:
+        rep = replica(model, grad=True)
+    except Exception as e:  # noqa: BLE001 - a model deepcopy cannot copy is not probed
+        return Probe(None, f"it could not be copied for the probe ({type(e).__name__}: {str(e)[:160]})")
     args, kwargs = example
     shown = ", ".join(f"{k}{list(v.shape)}" for k, v in kwargs.items()) or ", ".join(str(list(a.shape)) for a in args)
     try:
