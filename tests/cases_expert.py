@@ -9,12 +9,9 @@ from matrix import Case
 
 def _byte_vocab():
     """The user MoE model over the matrix loader's byte vocabulary."""
-    import torch
-
     import moe_models
 
-    torch.manual_seed(0)
-    return moe_models.UserMoEModel(vocab=256)
+    return moe_models.build("user", vocab=256)
 
 
 CASES = {

@@ -8,48 +8,30 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-VOCAB, SEQ = 128, 16
-_SHAPE = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+from zoo.configs import SEQ, VOCAB, cfg, deepseek_v3, qwen2_moe, shape
+from zoo.user import UserModel
+
+__all__ = ["SEQ", "VOCAB"]
+
+#: width 32, 2 layers, 2 key/value heads; 4 experts, top-2 in every family
+_SHAPE = shape(32, num_key_value_heads=2)
 
 
 def _config(name: str):
-    import transformers
-
     if name == "mixtral":
-        return transformers.MixtralConfig(**_SHAPE, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2)
+        return cfg("MixtralConfig", **_SHAPE, num_local_experts=4, num_experts_per_tok=2)
     if name == "qwen3_moe":
-        return transformers.Qwen3MoeConfig(
-            **_SHAPE, intermediate_size=64, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, head_dim=8
+        return cfg(
+            "Qwen3MoeConfig", **_SHAPE, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, head_dim=8
         )
     if name == "qwen2_moe":
-        return transformers.Qwen2MoeConfig(
-            **_SHAPE,
-            intermediate_size=64,
-            moe_intermediate_size=32,
-            shared_expert_intermediate_size=32,
-            num_experts=4,
-            num_experts_per_tok=2,
-        )
+        return qwen2_moe(32, moe=32, shared=32)
     if name == "deepseek_v3":
         # grouped routing (2 groups of 2 experts, top-1 group), a shared expert, the first layer dense
-        return transformers.DeepseekV3Config(
-            **{**_SHAPE, "num_key_value_heads": 4},
-            intermediate_size=64,
-            moe_intermediate_size=16,
-            n_routed_experts=4,
-            num_experts_per_tok=2,
-            n_group=2,
-            topk_group=1,
-            first_k_dense_replace=1,
-            q_lora_rank=16,
-            kv_lora_rank=16,
-            qk_rope_head_dim=8,
-            qk_nope_head_dim=8,
-            v_head_dim=8,
-        )
+        return deepseek_v3(32, moe=16, q_lora=16, v_head=8, n_group=2)
     if name == "gpt_oss":
-        return transformers.GptOssConfig(
-            **_SHAPE, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, head_dim=8
+        return cfg(
+            "GptOssConfig", **_SHAPE | {"intermediate_size": 32}, num_local_experts=4, num_experts_per_tok=2, head_dim=8
         )
     raise KeyError(name)
 
@@ -91,27 +73,18 @@ class UserMoE(nn.Module):
         return h + self.experts(x, index, weights).reshape(b, t, d)
 
 
-class UserMoEModel(nn.Module):
-    """Embedding, two MoE blocks, a norm and a head: ids -> logits."""
+class UserMoEModel(UserModel):
+    """The zoo's user model with MoE blocks: embedding, two MoE blocks, a norm and a head: ids -> logits."""
 
     def __init__(self, vocab: int = 256, d: int = 32):
-        super().__init__()
-        self.embed = nn.Embedding(vocab, d)
-        self.blocks = nn.ModuleList(UserMoE(d) for _ in range(2))
-        self.norm = nn.LayerNorm(d)
-        self.head = nn.Linear(d, vocab)
-
-    def forward(self, ids):
-        h = self.embed(ids)
-        for block in self.blocks:
-            h = block(h)
-        return self.head(self.norm(h))
+        super().__init__(vocab, d, layers=2, block=UserMoE)
 
 
-def build(name: str, seed: int = 0) -> nn.Module:
+def build(name: str, seed: int = 0, vocab: int = VOCAB) -> nn.Module:
+    """The family ``name`` (``"user"``: :class:`UserMoEModel` over ``vocab`` ids), weights fixed by ``seed``."""
     torch.manual_seed(seed)
     if name == "user":
-        return UserMoEModel(vocab=VOCAB)
+        return UserMoEModel(vocab=vocab)
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_config(_config(name))

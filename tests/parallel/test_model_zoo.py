@@ -1,4 +1,4 @@
-"""Every zoo architecture (tests/zoo.py) under every single-model transform at world 2, against one process.
+"""Every zoo architecture (tests/zoo/) under every single-model transform at world 2, against one process.
 
 Each case trains 3 steps on the same global batches with SGD and with AdamW (a gradient-scale bug
 hides under Adam's normalisation, not under SGD), compares the final parameters gathered whole

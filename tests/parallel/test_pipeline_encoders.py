@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 import composable_atorch as ca
-import zoo_pipeline_extra as zx
 from composable_atorch.transforms.parallel.pipeline import UncuttableModelError
+from zoo import pipeline as zx
 
 from _dist import run_world
 

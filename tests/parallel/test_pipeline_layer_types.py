@@ -13,10 +13,10 @@ import torch
 from torch import nn
 
 import composable_atorch as ca
-import zoo_pipeline_extra as zx
 from composable_atorch.transforms.parallel.pipeline.anatomy import anatomy_of
 from composable_atorch.transforms.parallel.pipeline.check import StageMismatchError, check_stage, reference
 from composable_atorch.transforms.parallel.pipeline.cutter import Absent, call_whole, cut_stage
+from zoo import pipeline as zx
 
 from _dist import run_world
 

@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import composable_atorch as ca
-import zoo_pipeline_extra as zx
+from zoo import pipeline as zx
 
 from _dist import run_world
 

@@ -40,7 +40,7 @@ def _full(model) -> dict[str, torch.Tensor]:
 
 
 def _case(name: str, optim_kind: str, sp: bool = False) -> dict:
-    import zoo_tp_extra as zoo
+    from zoo import tp as zoo
 
     batches = [zoo.batch(name, s) for s in range(STEPS)]
     ref = zoo.build(name)
@@ -138,7 +138,7 @@ def test_wrapped_moe_and_pointwise_models_match_one_process():
 
 
 def test_plans_and_notes():
-    import zoo_tp_extra as zoo
+    from zoo import tp as zoo
 
     lora = auto_plan(zoo.build("lora_llama"))
     assert ("col", "layers.*.self_attn.q_proj", ()) in lora and ("row", "layers.*.mlp.down_proj", ()) in lora

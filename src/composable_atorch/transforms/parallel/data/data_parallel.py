@@ -49,7 +49,7 @@ from composable_atorch.transforms.parallel.data.common import (
     sharded_optimizer,
     zero_options,
 )
-from composable_atorch.transforms.parallel.data.probe import unused_parameters
+from composable_atorch.transforms.parallel.data.probe import Probe, probe_unused
 
 # ---------------------------------------------------------------------------------------------
 # parallel_mode
@@ -314,9 +314,24 @@ def _probe_unused(state: TrainState) -> bool:
     """True when a probe forward/backward (zero-weight replica, example input) leaves parameters
     without a gradient: torch's reducer would otherwise stop at the second step with "Expected to
     have finished reduction". ddp then finds unused parameters itself, and says so."""
-    if sum(p.numel() for p in state.model.parameters()) > PROBE_LIMIT:
+    numel = sum(p.numel() for p in state.model.parameters())
+    probe = (
+        probe_unused(state.model)
+        if numel <= PROBE_LIMIT
+        else Probe(
+            None,
+            f"{numel:,} parameters, over the probe's limit of {PROBE_LIMIT:,} (it holds a zero copy of the model "
+            "in CPU memory)",
+        )
+    )
+    if probe.unused is None:
+        state.note(
+            "ddp",
+            f"not probed for unused parameters: {probe.reason}; find_unused_parameters stays off (a parameter "
+            "without a gradient would stop torch's reducer at the second step: ddp(find_unused_parameters=True) then)",
+        )
         return False
-    unused = unused_parameters(state.model)
+    unused = probe.unused
     if not unused:
         return False
     shown = ", ".join(unused[:3]) + (" ..." if len(unused) > 3 else "")

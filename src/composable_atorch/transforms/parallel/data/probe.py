@@ -1,52 +1,24 @@
-"""A probe of a model's structure without its weights: a guessed example input and a zero-weight
-CPU replica to run it on. The tensor-parallel planner traces and verifies its plans on it; ddp
-finds the parameters that get no gradient (an MLM head's unused bias) before torch's reducer
-fails on them at the second step.
+"""A probe of a model's structure without its weights: a guessed example input
+(:mod:`composable_atorch.transforms.example_input`: ids, images, or both) and a zero-weight CPU
+replica to run it on. The tensor-parallel planner traces and verifies its plans on it; ddp finds
+the parameters that get no gradient (an MLM head's unused bias, a vision model's spare classifier
+branch) before torch's reducer fails on them at the second step.
 """
 
 from __future__ import annotations
 
 import copy
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
-
-def is_conv1d(m) -> bool:
-    return (
-        type(m).__name__ == "Conv1D"
-        and hasattr(m, "nf")
-        and getattr(m, "weight", None) is not None
-        and m.weight.dim() == 2
-    )
-
-
-def is_linear(m) -> bool:
-    return isinstance(m, nn.Linear) or is_conv1d(m)
-
-
-def features(m) -> tuple[int, int]:
-    """``(in, out)`` of a Linear or Conv1D."""
-    return (m.weight.shape[0], m.weight.shape[1]) if is_conv1d(m) else (m.in_features, m.out_features)
-
-
-def example_input(model: nn.Module) -> tuple[tuple, dict] | None:
-    """A few tokens the model accepts: HF models by their main input name, plain models by their first
-    layer (an Embedding takes ids, a Linear takes features). None when no guess is possible."""
-    cfg = getattr(model, "config", None)
-    if cfg is not None and hasattr(model, "main_input_name"):
-        vocab = int(getattr(cfg, "vocab_size", 2) or 2)
-        ids = torch.arange(8).remainder(max(vocab - 1, 1)).add(1).unsqueeze(0)
-        kwargs = {model.main_input_name: ids}
-        if getattr(cfg, "is_encoder_decoder", False):
-            kwargs["decoder_input_ids"] = ids
-        return (), kwargs
-    for m in model.modules():
-        if isinstance(m, nn.Embedding):
-            return (torch.arange(8).remainder(m.num_embeddings).unsqueeze(0),), {}
-        if is_linear(m):
-            return (torch.zeros(1, 8, features(m)[0], dtype=m.weight.dtype),), {}
-    return None
+from composable_atorch.transforms.example_input import (  # noqa: F401 - re-exported
+    example_input,
+    features,
+    is_conv1d,
+    is_linear,
+)
 
 
 def replica(model: nn.Module, grad: bool = False) -> nn.Module:
@@ -72,22 +44,42 @@ def run(model: nn.Module, example) -> None:
         model(*args, **kwargs)
 
 
-def unused_parameters(model: nn.Module) -> list[str] | None:
-    """Names of trainable parameters that get no gradient from one forward/backward of the replica
-    on an example input (the sum of its floating outputs as the loss); None when it cannot run."""
+class Probe(NamedTuple):
+    """What a probe step found: the trainable parameters without a gradient, or, when the model could
+    not be probed, None and the reason (for explain)."""
+
+    unused: list[str] | None
+    reason: str = ""
+
+
+def probe_unused(model: nn.Module) -> Probe:
+    """One forward/backward of the zero-weight replica on the example input (the sum of its floating
+    outputs as the loss): the trainable parameters that get no gradient."""
     example = example_input(model)
     if example is None:
-        return None
-    rep = replica(model, grad=True)
+        return Probe(
+            None,
+            "no example input could be built for it (no config's main input, no first Embedding / Conv2d / Linear)",
+        )
+    try:
+        rep = replica(model, grad=True)
+    except Exception as e:  # noqa: BLE001 - a model deepcopy cannot copy is not probed
+        return Probe(None, f"it could not be copied for the probe ({type(e).__name__}: {str(e)[:160]})")
     args, kwargs = example
+    shown = ", ".join(f"{k}{list(v.shape)}" for k, v in kwargs.items()) or ", ".join(str(list(a.shape)) for a in args)
     try:
         with torch.random.fork_rng(devices=[]):
             out = rep(*args, **kwargs)
         leaves = out.values() if isinstance(out, dict) else (out if isinstance(out, tuple | list) else (out,))
         floats = [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad]
         if not floats:
-            return None
+            return Probe(None, f"its forward on the example input ({shown}) returned no floating tensor")
         sum(t.float().sum() for t in floats).backward()
-    except Exception:  # noqa: BLE001 - a model that does not take the guessed input is not probed
-        return None
-    return [n for n, p in rep.named_parameters() if p.requires_grad and p.grad is None]
+    except Exception as e:  # noqa: BLE001 - a model that does not take the guessed input is not probed
+        return Probe(None, f"its forward on the example input ({shown}) failed: {type(e).__name__}: {str(e)[:160]}")
+    return Probe([n for n, p in rep.named_parameters() if p.requires_grad and p.grad is None])
+
+
+def unused_parameters(model: nn.Module) -> list[str] | None:
+    """:func:`probe_unused`'s names; None when the model could not be probed."""
+    return probe_unused(model).unused

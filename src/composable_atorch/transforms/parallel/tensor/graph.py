@@ -17,7 +17,6 @@ moves (:func:`verify`): a plan that would give a shape error is refused then, no
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field
 
 import torch
@@ -26,7 +25,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from composable_atorch.transforms.parallel.data import probe
+from composable_atorch.transforms.example_input import example_input  # noqa: F401 - re-exported
 from composable_atorch.transforms.parallel.data.probe import (  # noqa: F401 - re-exported
     features,
     is_conv1d,
@@ -66,29 +65,6 @@ def proj_features(m) -> tuple[int, int]:
     """``(in, out)`` of a projection (a LoRA wrapper's are its base layer's)."""
     base = lora_base(m)
     return features(base if base is not None else m)
-
-
-def example_input(model: nn.Module) -> tuple[tuple, dict] | None:
-    """:func:`probe.example_input`, plus images for models that take them: transformers vision models
-    (``pixel_values`` at the config's image size) and a plain model whose first layer is a Conv2d."""
-    cfg = getattr(model, "config", None)
-    if cfg is not None and getattr(model, "main_input_name", None) == "pixel_values":
-        return (), {"pixel_values": _pixels(cfg)}
-    if cfg is None:
-        first = next((m for m in model.modules() if isinstance(m, nn.Embedding | nn.Conv2d) or is_linear(m)), None)
-        if isinstance(first, nn.Conv2d):
-            return (torch.zeros(1, first.in_channels, 32, 32, dtype=first.weight.dtype),), {}
-    example = probe.example_input(model)
-    vision = getattr(cfg, "vision_config", None)
-    if example is not None and vision is not None and "pixel_values" in inspect.signature(model.forward).parameters:
-        example[1]["pixel_values"] = _pixels(vision)  # a two-tower model (CLIP) takes text and an image
-    return example
-
-
-def _pixels(cfg) -> torch.Tensor:
-    size = getattr(cfg, "image_size", 32)
-    h, w = (size, size) if isinstance(size, int) else tuple(size)[:2]
-    return torch.zeros(1, int(getattr(cfg, "num_channels", 3)), h, w)
 
 
 # ---------------------------------------------------------------------------------------------
