@@ -27,6 +27,7 @@ from torch.overrides import TorchFunctionMode
 
 from composable_atorch.errors import ConfigError
 from composable_atorch.transforms.parallel.sequence.comm import gather_sequence, heads_to_sequence, sequence_to_heads
+from composable_atorch.transforms.parallel.sequence.ring import ring_attention
 from composable_atorch.transforms.parallel.sequence.shard import all_positions, chunk_positions
 
 #: attribute an attention module carries: its :class:`Attend`
@@ -49,6 +50,8 @@ class Attend:
     rank: int
     n: int
     who: str
+    #: context parallelism's key/value exchange: ``"allgather"`` or ``"ring"`` (:mod:`.ring`)
+    rotation: str = "allgather"
     calls: int = 0
 
     @property
@@ -58,7 +61,7 @@ class Attend:
     def __deepcopy__(self, memo):
         """A copy of the model (a probe's zero-weight replica) attends locally: it must not join the
         group's collectives, which the other ranks may not be running."""
-        return Attend(kind=self.kind, group=None, rank=0, n=1, who=self.who)
+        return Attend(kind=self.kind, group=None, rank=0, n=1, who=self.who, rotation=self.rotation)
 
     def __call__(self, q, k, v, *, causal: bool, scale=None, dropout: float = 0.0) -> torch.Tensor:
         """``q, k, v``: ``(batch, heads, local seq, dim)`` -> this rank's output, same shape as ``q``."""
@@ -71,7 +74,17 @@ class Attend:
         return self._ulysses(q, k, v, causal, scale, dropout)
 
     def _context(self, q, k, v, causal, scale, dropout):
-        # all-gather of keys and values (exact; a ring would overlap it with compute)
+        if self.rotation == "ring":
+            if dropout:
+                raise ConfigError(
+                    f"{self.who}: attention dropout",
+                    dropout,
+                    "0.0, or context_parallel(rotation='allgather'): the ring merges partial softmaxes and has no "
+                    "dropout on its probabilities",
+                )
+            k, v = _repeat_heads(k, q.size(1)), _repeat_heads(v, q.size(1))
+            return ring_attention(q, k, v, self.group, self.rank, self.n, causal=causal, scale=scale)
+        # all-gather of keys and values (exact; one collective, then one fused attention)
         k_all = _repeat_heads(gather_sequence(k, self.group, self.n), q.size(1))
         v_all = _repeat_heads(gather_sequence(v, self.group, self.n), q.size(1))
         mask = None

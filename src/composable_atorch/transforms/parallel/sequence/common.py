@@ -65,7 +65,9 @@ def _first_length(loader) -> int | None:
     return first.size(0) if hasattr(first, "dim") and first.dim() >= 1 else None
 
 
-def apply_split(transform, state: TrainState, ctx: ApplyContext, dim: str, kind: str, positions: bool) -> TrainState:
+def apply_split(
+    transform, state: TrainState, ctx: ApplyContext, dim: str, kind: str, positions: bool, rotation: str = "allgather"
+) -> TrainState:
     """Split every sequence over the ``dim`` dimension of the mesh and route attention (``kind``)."""
     who = transform.name
     pc = parallel_context(state, who)
@@ -100,7 +102,7 @@ def apply_split(transform, state: TrainState, ctx: ApplyContext, dim: str, kind:
     mesh = pc.mesh[dim]
     group = mesh.get_group()
     rank = mesh.get_local_rank()
-    attend = Attend(kind=kind, group=group, rank=rank, n=n, who=who)
+    attend = Attend(kind=kind, group=group, rank=rank, n=n, who=who, rotation=rotation)
     broadcast_local(model, group)
     if interface:
         before = route_transformers(model, attend)
