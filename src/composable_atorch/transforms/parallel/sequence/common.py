@@ -10,11 +10,13 @@ process computes). That mean is taken before the optimizer step by an all-reduce
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
-from composable_atorch.core.contract import Conflict
+from composable_atorch.core.contract import Conflict, Order
 from composable_atorch.core.transform import ApplyContext, TrainState
 from composable_atorch.errors import ConfigError
+from composable_atorch.runtime.layout import BATCH_DIMS
 from composable_atorch.runtime.loader import rebuild_loader
 from composable_atorch.transforms.parallel.data.common import DataGradSync, broadcast_local, parallel_context
 from composable_atorch.transforms.parallel.sequence.attention import (
@@ -34,7 +36,6 @@ NOT_WITH_MODEL_PARALLEL = "is not built together with {other} in this version (u
 def model_parallel_conflicts(who: str) -> tuple[Conflict, ...]:
     """Refusals with the families it is not built with yet (each names the true reason)."""
     whys = {
-        "tensor_parallel": "the tensor planner traces a forward that would run the split's collectives",
         "sequence_parallel" if who == "context_parallel" else "context_parallel": "both split every sequence",
         "pipeline_parallel": "pipeline stages do not see the root model's positions or loader split",
         "mixed_parallel": "its pipeline stages do not see the root model's positions or loader split",
@@ -44,6 +45,35 @@ def model_parallel_conflicts(who: str) -> tuple[Conflict, ...]:
         Conflict(other, f"{who} " + NOT_WITH_MODEL_PARALLEL.format(other=other, why=why), f"drop {other} or {who}")
         for other, why in whys.items()
     )
+
+
+def after_tensor_parallel(who: str) -> Order:
+    """The split applies to the tensor-parallel model: the tensor planner traces the user's forward
+    untouched, and the split's loss group (set last) is the one train_step reads."""
+    return Order(
+        "tensor_parallel",
+        f"{who} routes the attention of the tensor-sharded model (each rank's heads) and averages the loss over "
+        "data x its group, which tensor_parallel's data-only loss group would overwrite",
+    )
+
+
+def mark_split_loss_group(model, pc, dim: str) -> str | None:
+    """train_step averages the reported loss over the ranks holding different tokens: data x ``dim``.
+
+    Only needed when a model-parallel transform marked the data group alone (without one, the
+    whole world is averaged, which is the same group); the group is flattened from the mesh, as
+    torchtitan flattens data x context."""
+    from composable_atorch.runtime.train_step import LOSS_GROUP_ATTR, mark_loss_group
+
+    if getattr(model, LOSS_GROUP_ATTR, None) is None:
+        return None
+    names = tuple(n for n in pc.layout.mesh_dim_names if n in (*BATCH_DIMS, dim) and pc.layout.size(n) > 1)
+    key = "sequence_loss_mesh_" + "_".join(names)
+    if key not in pc.extras:
+        pc.extras[key] = pc.mesh[names[0]] if len(names) == 1 else pc.mesh[names]._flatten("_".join(names))
+    size = math.prod(pc.layout.size(n) for n in names)
+    mark_loss_group(model, pc.extras[key].get_group(), size)
+    return f"loss reported as the mean over {' x '.join(names)} ({size} ranks)"
 
 
 def _heads(model) -> tuple[int | None, int | None]:
@@ -116,6 +146,9 @@ def apply_split(
         loader.collate_fn = ShardCollate(state.loader.collate_fn, rank, n, balanced, who)
         state.loader = loader
     state.hooks.append(DataGradSync(model, group, n))
+    loss_note = mark_split_loss_group(model, pc, dim)
+    if loss_note:
+        state.note(who, loss_note)
     return state
 
 

@@ -23,7 +23,12 @@ from composable_atorch.core.contract import Conflict, Contract, MinWorldSize, St
 from composable_atorch.core.transform import ApplyContext, TrainState, Transform
 from composable_atorch.errors import ConfigError
 from composable_atorch.transforms.parallel.data.common import implies_mesh_dim
-from composable_atorch.transforms.parallel.sequence.common import apply_split, group_note, model_parallel_conflicts
+from composable_atorch.transforms.parallel.sequence.common import (
+    after_tensor_parallel,
+    apply_split,
+    group_note,
+    model_parallel_conflicts,
+)
 
 ROTATIONS = ("allgather", "ring")
 
@@ -41,6 +46,7 @@ class ContextParallel(Transform):
         stage=Stage.TENSOR_PARALLEL,
         roles=("sequence_split",),
         reads=("checkpoint",),
+        orders=(after_tensor_parallel("context_parallel"),),
         requires=(MinWorldSize(minimum=2, on_unmet="skip"),),
         implies=(
             implies_mesh_dim(
