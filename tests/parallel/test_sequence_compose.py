@@ -1,8 +1,9 @@
 """context_parallel and Ulysses composed with other parallelism at world 4, each equal to one process
 (fp32, atol 1e-4): context 2 x tensor 2 and Ulysses 2 x tensor 2 (Llama, and a user model whose
-attention reads its heads from the width), Ulysses 2 x fsdp 2, context 2 x fsdp over ATorch's
-``zero`` group (hybrid sharding proper, replicate x shard beside context 2, needs world 8: not run
-here), and Ulysses with checkpoint(Block) at world 2."""
+attention reads its heads from the width), context 2 x pipeline 2 and Ulysses 2 x pipeline 2
+(Llama; a model whose own forward takes the positions is refused there), Ulysses 2 x fsdp 2,
+context 2 x fsdp over ATorch's ``zero`` group (hybrid sharding proper, replicate x shard beside
+context 2, needs world 8: not run here), and Ulysses with checkpoint(Block) at world 2."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from torch import nn
 
 import _seq
 import composable_atorch as ca
-from composable_atorch.errors import CompositionError
+from composable_atorch.errors import CompositionError, ConfigError
 
 from _dist import run_world
 
@@ -78,6 +79,7 @@ def _split(kind):
 
 TP_CASES = [("llama", "sgd", "context"), ("llama", "adamw", "ulysses"), ("heads_from_width", "adamw", "context")]
 TP_CASES += [("heads_from_width", "sgd", "ulysses"), ("llama", "adamw", "ring")]
+PP_CASES = [("llama", "sgd", "context"), ("llama", "adamw", "ulysses"), ("llama", "adamw", "ring")]
 FSDP_CASES = [("user", "adamw", "ulysses", "fsdp"), ("llama", "sgd", "ulysses", "fsdp")]
 FSDP_CASES += [("llama", "adamw", "context", "zero")]
 
@@ -98,6 +100,22 @@ def _world4(rank, world):
         out[(how, model_name, optim_name, kind)] = _seq.run(
             model_name, optim_name, ca.parallel_mode(groups), split, ca.fsdp()
         )
+    for model_name, optim_name, kind in PP_CASES:
+        dim, split = _split(kind)
+        out[("pp", model_name, optim_name, kind)] = _seq.run(
+            model_name, optim_name, ca.parallel_mode([(dim, 2), ("pipeline", 2)]), split, ca.pipeline_parallel()
+        )
+    try:
+        _seq.run(
+            "user",
+            "sgd",
+            ca.parallel_mode([("context", 2), ("pipeline", 2)]),
+            *_split("context")[1:],
+            ca.pipeline_parallel(),
+        )
+        out["pp_user"] = "trained"
+    except ConfigError as exc:
+        out["pp_user"] = str(exc)
     return out
 
 
@@ -131,6 +149,27 @@ def test_split_2_with_fsdp_equals_one_process(world4, model_name, optim_name, ki
         assert dp < ATOL and dl < ATOL, (rank, dp, dl)
 
 
+@pytest.mark.dist
+@pytest.mark.parametrize("model_name,optim_name,kind", PP_CASES)
+def test_split_2_with_pipeline_2_equals_one_process(world4, model_name, optim_name, kind):
+    params, losses = _seq.reference(model_name, optim_name)
+    held = set()
+    for rank in range(4):
+        got = world4[rank][("pp", model_name, optim_name, kind)]
+        assert got["shapes"][0] == (_seq.BATCH, _seq.SEQ // 2)
+        held |= set(got["params"])
+        dp = max((torch.as_tensor(v) - params[k]).abs().max().item() for k, v in got["params"].items())
+        dl = max(abs(x - y) for x, y in zip(got["losses"], losses, strict=True))
+        assert dp < ATOL and dl < ATOL, (rank, dp, dl)
+    assert held == set(params)  # the stages hold the whole model between them
+    assert "pipeline_parallel:" in got["explain"] and "checked before training" in got["explain"]
+
+
+@pytest.mark.dist
+def test_pipeline_with_a_model_taking_its_own_positions_is_refused(world4):
+    assert "a pipeline stage calls the model's forward with the tokens" in world4[0]["pp_user"]
+
+
 def _world2(rank, world):
     return {
         "ulysses_checkpoint": _seq.run(
@@ -151,11 +190,11 @@ def test_ulysses_with_checkpoint():
         assert dp < ATOL and dl < ATOL, (dp, dl)
 
 
-def test_pipeline_refused_with_its_reason():
+def test_mixed_parallel_refused_with_its_reason():
     env = ca.Environment(world_size=4)
-    for split, dim in ((ca.context_parallel(), "context"), (ca.sequence_parallel(), "sequence")):
-        with pytest.raises(CompositionError, match="pipeline"):
-            ca.compose(ca.parallel_mode([(dim, 2), ("pipeline", 2)]), split, ca.pipeline_parallel(), env=env)
+    for split in (ca.context_parallel(), ca.sequence_parallel()):
+        with pytest.raises(CompositionError, match="has not been run with a sequence split"):
+            ca.compose(split, ca.mixed_parallel(), env=env)
     # tensor parallelism composes: the split is ordered after it
     plan = ca.compose(
         ca.parallel_mode([("context", 2), ("tensor", 2)]), ca.context_parallel(), ca.tensor_parallel(), env=env

@@ -18,12 +18,14 @@ from composable_atorch.core.transform import ApplyContext, TrainState
 from composable_atorch.errors import ConfigError
 from composable_atorch.runtime.layout import BATCH_DIMS
 from composable_atorch.runtime.loader import rebuild_loader
+from composable_atorch.runtime.sequence import mark_sequence_split
 from composable_atorch.transforms.parallel.data.common import DataGradSync, broadcast_local, parallel_context
 from composable_atorch.transforms.parallel.sequence.attention import (
     Attend,
     SequenceHooks,
     check_heads,
     forward_takes,
+    positions_module,
     route_transformers,
     uses_attention_interface,
 )
@@ -37,8 +39,8 @@ def model_parallel_conflicts(who: str) -> tuple[Conflict, ...]:
     """Refusals with the families it is not built with yet (each names the true reason)."""
     whys = {
         "sequence_parallel" if who == "context_parallel" else "context_parallel": "both split every sequence",
-        "pipeline_parallel": "pipeline stages do not see the root model's positions or loader split",
-        "mixed_parallel": "its pipeline stages do not see the root model's positions or loader split",
+        "mixed_parallel": "its one step of tensor and pipeline parallelism has not been run with a sequence split; "
+        "tensor_parallel and pipeline_parallel, each composed with it, have",
         "ds_3d_parallel": "DeepSpeed's pipeline engine does not see the loader split",
     }
     return tuple(
@@ -125,6 +127,14 @@ def apply_split(
             "a transformers model (its attention interface is kept when checkpointing recomputes the forward); the "
             "recomputation of scaled_dot_product_attention runs outside the forward this split intercepts",
         )
+    if positions and ctx.find("pipeline_parallel") is not None and positions_module(model) is model:
+        raise ConfigError(
+            f"{who} with pipeline_parallel",
+            type(model).__name__,
+            "a transformers model (its base model takes position_ids from the head model's forward), or "
+            f"{who}(positions=False) for a model without positions: a pipeline stage calls the model's forward with "
+            "the tokens or the received activation only, so the global position_ids cannot be given to it",
+        )
     length = _first_length(state.loader) if state.loader is not None else None
     if length is not None:
         check_length(length, n, balanced, who)
@@ -141,6 +151,7 @@ def apply_split(
         state.note(who, "attention: calls to scaled_dot_product_attention inside the model's forward intercepted")
     SequenceHooks(model, attend, intercept_sdpa=not interface, positions=positions)
     setattr(model, SPLIT_ATTR, attend)  # for sequence_cross_entropy (a copy of the model gets a local one)
+    mark_sequence_split(model, group, n)  # for a pipeline's own loss report
     if state.loader is not None:
         loader = rebuild_loader(state.loader)
         loader.collate_fn = ShardCollate(state.loader.collate_fn, rank, n, balanced, who)

@@ -45,7 +45,7 @@ class ContextParallel(Transform):
     contract = Contract(
         stage=Stage.TENSOR_PARALLEL,
         roles=("sequence_split",),
-        reads=("checkpoint",),
+        reads=("checkpoint", "pipeline_parallel"),
         orders=(after_tensor_parallel("context_parallel"),),
         requires=(MinWorldSize(minimum=2, on_unmet="skip"),),
         implies=(

@@ -46,7 +46,7 @@ class Ulysses(Transform):
     contract = Contract(
         stage=Stage.TENSOR_PARALLEL,
         roles=("sequence_split",),
-        reads=("checkpoint",),
+        reads=("checkpoint", "pipeline_parallel"),
         orders=(after_tensor_parallel("sequence_parallel"),),
         requires=(MinWorldSize(minimum=2, on_unmet="skip"),),
         implies=(implies_mesh_dim("sequence", "Ulysses splits sequences over parallel_mode's 'sequence' dimension"),),
