@@ -24,10 +24,12 @@ def kernel_errors(rank, world):
     """Max differences of the ring's output and q/k/v gradients from SDPA over the whole sequence."""
     import torch.distributed as dist
 
+    from composable_atorch.transforms.parallel.sequence import ring
     from composable_atorch.transforms.parallel.sequence.ring import ring_attention
 
-    errors = {}
-    for causal in (True, False):
+    errors, original = {}, ring._flash
+    for causal, flash in ((True, True), (False, True), (True, False), (False, False)):
+        ring._flash = lambda q, flash=flash: flash  # CPU flash kernel, or the plain matmul blocks
         torch.manual_seed(0)
         q, k, v, dout = (torch.randn(2, 3, 8 * world, 4) for _ in range(4))
         for t in (q, k, v):
@@ -40,7 +42,8 @@ def kernel_errors(rank, world):
         out.backward(dout.index_select(2, index))
         diffs = [(out - ref.detach().index_select(2, index)).abs().max().item()]
         diffs += [(p.grad - t.grad.index_select(2, index)).abs().max().item() for p, t in zip(part, (q, k, v))]
-        errors[causal] = max(diffs)
+        errors[(causal, flash)] = max(diffs)
+    ring._flash = original
     return errors
 
 

@@ -35,10 +35,21 @@ def is_probing() -> bool:
     return _PROBING.get()
 
 
+class _Split:
+    """The marker: a copy of the model (a probe's replica) gets none (a process group does not copy)."""
+
+    def __init__(self, group, size: int):
+        self.group, self.size = group, size
+
+    def __deepcopy__(self, memo):
+        return None
+
+
 def mark_sequence_split(model: torch.nn.Module, group, size: int) -> None:
-    object.__setattr__(model, SPLIT_GROUP_ATTR, (group, int(size)))
+    object.__setattr__(model, SPLIT_GROUP_ATTR, _Split(group, int(size)))
 
 
 def sequence_split(model: torch.nn.Module) -> tuple | None:
     """``(group, size)`` of the sequence split installed on ``model``, or None."""
-    return getattr(model, SPLIT_GROUP_ATTR, None)
+    split = getattr(model, SPLIT_GROUP_ATTR, None)
+    return None if split is None else (split.group, split.size)

@@ -8,11 +8,12 @@ is over global positions (the load-balanced chunks of :mod:`.shard`: every block
 this rank's queries see, so none is skipped, and no step depends on the data: the estimator's
 fake tensors run it).
 
-The backward is written out (flash-attention's): it recomputes each block's probabilities from
-the saved log-sum-exp, accumulates the query gradient locally, and sends each block's key/value
-gradient around the ring with the block, one more step, back to its owner. Nothing of size
-``n x local`` is kept for the backward (the all-gather rotation keeps the gathered keys and values
-and the ``(local, whole)`` scores): per-rank memory is that of the rank's own part.
+Each block runs torch's CPU flash-attention kernel (``_scaled_dot_product_flash_attention_for_cpu``:
+output and log-sum-exp, no scores held; plain matmuls on other devices). The backward is written
+out (flash-attention's): the kernel's backward for each block from the whole attention's output and
+log-sum-exp, the query gradient accumulated locally, each block's key/value gradient sent around
+the ring with the block, one more step, back to its owner. Nothing of size ``n x local`` is kept
+for the backward (the all-gather rotation keeps the gathered keys and values).
 """
 
 from __future__ import annotations
@@ -44,9 +45,57 @@ def _mask(q_pos: torch.Tensor | None, k_pos: torch.Tensor | None) -> torch.Tenso
     return None if q_pos is None else q_pos[:, None] >= k_pos[None, :]
 
 
-def _scores(q, k, scale, mask):
-    s = torch.matmul(q, k.transpose(-2, -1)) * scale
-    return s if mask is None else s.masked_fill(~mask, float("-inf"))
+def _flash(q: torch.Tensor) -> bool:
+    """torch's CPU flash-attention kernel (it returns the log-sum-exp and takes it back in its
+    backward, and never holds a block's scores); elsewhere the blocks are plain matmuls."""
+    return q.device.type == "cpu"
+
+
+def _block_forward(q, k, v, mask, scale) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out fp32, lse fp32)`` of ``q`` over one key/value block; rows that see none of it: lse -inf."""
+    if _flash(q):
+        add = (
+            None
+            if mask is None
+            else torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
+        )
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, False, attn_mask=add, scale=scale
+        )
+        if mask is not None:  # the kernel gives a row that sees nothing lse 0 and output 0
+            lse = torch.where(mask.any(-1), lse.float(), float("-inf"))
+        return out.float(), lse.float()
+    s = torch.matmul(q.float(), k.float().transpose(-2, -1)) * scale
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    return torch.matmul(torch.exp(s - safe[..., None]), v.float()), lse
+
+
+def _block_backward(dout, q, k, v, out, lse, mask, scale) -> tuple[torch.Tensor, ...]:
+    """``(dq, dk, dv)`` fp32 of one block's share, from the whole attention's ``out`` and ``lse``."""
+    if _flash(q):
+        add = (
+            None
+            if mask is None
+            else torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
+        )
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout.to(q.dtype), q, k, v, out.to(q.dtype), lse, 0.0, False, attn_mask=add, scale=scale
+        )
+        return tuple(g.float() for g in grads)
+    qf, kf, vf, dout = q.float(), k.float(), v.float(), dout.float()
+    s = torch.matmul(qf, kf.transpose(-2, -1)) * scale
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    p = torch.exp(s - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)[..., None])
+    ds = p * (torch.matmul(dout, vf.transpose(-2, -1)) - (dout * out).sum(-1, keepdim=True))
+    return (
+        torch.matmul(ds, kf) * scale,
+        torch.matmul(ds.transpose(-2, -1), qf) * scale,
+        torch.matmul(p.transpose(-2, -1), dout),
+    )
 
 
 class _RingAttention(torch.autograd.Function):
@@ -58,21 +107,18 @@ class _RingAttention(torch.autograd.Function):
         acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
         kv, works = [k, v], []
+        # with load-balanced chunks every block holds keys some of this rank's queries see: none is
+        # skipped, and no step depends on the data (the estimator's fake tensors run it)
         for step in range(n):
             if step < n - 1:
                 nxt, works = _shift(kv, group, rank, n)
             src = (rank - step) % n
-            k_pos = chunk_positions(src, n, length, True, q.device) if causal else None
-            mask = _mask(q_pos, k_pos)
-            if True:  # with load-balanced chunks no block lies wholly in the future of this rank's queries
-                s = _scores(q.float(), kv[0].float(), scale, mask)
-                blk = torch.logsumexp(s, dim=-1)
-                safe = torch.where(torch.isinf(blk), torch.zeros_like(blk), blk)
-                out = torch.matmul(torch.exp(s - safe[..., None]), kv[1].float())
-                new = torch.logaddexp(lse, blk)
-                new_safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)
-                acc = acc * torch.exp(lse - new_safe)[..., None] + out * torch.exp(blk - new_safe)[..., None]
-                lse = new
+            mask = _mask(q_pos, chunk_positions(src, n, length, True, q.device) if causal else None)
+            out, blk = _block_forward(q, kv[0], kv[1], mask, scale)
+            new = torch.logaddexp(lse, blk)
+            new_safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)
+            acc = acc * torch.exp(lse - new_safe)[..., None] + out * torch.exp(blk - new_safe)[..., None]
+            lse = new
             if step < n - 1:
                 _wait(works)
                 kv = nxt
@@ -85,12 +131,8 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         group, rank, n, scale = ctx.group, ctx.rank, ctx.n, ctx.scale
         length = q.size(2)
-        dout = grad.float()
-        delta = (dout * out).sum(-1, keepdim=True)
-        safe_lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)[..., None]
         q_pos = chunk_positions(rank, n, length, True, q.device) if ctx.causal else None
-        qf = q.float()
-        dq = torch.zeros_like(qf)
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         # the block in hand travels with its key/value gradient accumulated so far
         kv = [k, v]
         dkv = [torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)]
@@ -98,15 +140,10 @@ class _RingAttention(torch.autograd.Function):
             if step < n - 1:
                 nxt_kv, kv_works = _shift(kv, group, rank, n)
             src = (rank - step) % n
-            k_pos = chunk_positions(src, n, length, True, q.device) if ctx.causal else None
-            mask = _mask(q_pos, k_pos)
-            if True:
-                kf, vf = kv[0].float(), kv[1].float()
-                p = torch.exp(_scores(qf, kf, scale, mask) - safe_lse)
-                dkv[1] = dkv[1] + torch.matmul(p.transpose(-2, -1), dout)
-                ds = p * (torch.matmul(dout, vf.transpose(-2, -1)) - delta)
-                dq = dq + torch.matmul(ds, kf) * scale
-                dkv[0] = dkv[0] + torch.matmul(ds.transpose(-2, -1), qf) * scale
+            mask = _mask(q_pos, chunk_positions(src, n, length, True, q.device) if ctx.causal else None)
+            dq_b, dk_b, dv_b = _block_backward(grad, q, kv[0], kv[1], out, lse, mask, scale)
+            dq = dq + dq_b
+            dkv = [dkv[0] + dk_b, dkv[1] + dv_b]
             # every block's gradient moves on with it; after n moves it is back at its owner
             dkv_next, dkv_works = _shift(dkv, group, rank, n)
             _wait(dkv_works)
