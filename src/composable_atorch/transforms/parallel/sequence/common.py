@@ -6,6 +6,13 @@ collectives' backward sends every rank the gradients of all ranks' losses for it
 so the mean of the group's gradients is the gradient of the whole sequence's mean loss (what one
 process computes). That mean is taken before the optimizer step by an all-reduce over the group
 (:class:`DataGradSync`); the data dimension is synchronized by ddp / fsdp as without the split.
+
+With model parallelism: the split is applied after ``tensor_parallel`` (it routes each rank's
+heads; the reported loss is averaged over data x the split's group), and before
+``pipeline_parallel``, whose probe forwards run with the split inert
+(:func:`composable_atorch.runtime.sequence.probing`) and whose own loss report averages over the
+split's group; transformers models get their global positions at the base model, which a
+pipeline stage still calls with keywords.
 """
 
 from __future__ import annotations
