@@ -38,8 +38,8 @@ def test_atorch_name_is_ulysses_and_megatron_stays_in_tensor_parallel():
             [("parallel_mode", ([("sequence", 2), ("data", 2)], None)), ("sequence_parallel", {"sp_size": 4})],
             env=env4,
         )
-    with pytest.raises(CompositionError, match="not built together with tensor_parallel"):
-        ca.compose(ca.sequence_parallel(), ca.tensor_parallel(), env=env4)
+    with pytest.raises(CompositionError, match="not built together with mixed_parallel"):
+        ca.compose(ca.sequence_parallel(), ca.mixed_parallel(), env=env4)
     assert "sequence_parallel" not in ca.strategy.load([SP], env=ca.Environment(world_size=1)).names
 
 

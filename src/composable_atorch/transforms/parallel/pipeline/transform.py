@@ -46,6 +46,7 @@ from torch import nn
 from composable_atorch.core.contract import Conflict, Contract, MinWorldSize, Stage
 from composable_atorch.core.transform import ApplyContext, TrainState, Transform
 from composable_atorch.errors import ConfigError, ParameterMappingError
+from composable_atorch.runtime.sequence import probing, sequence_split
 from composable_atorch.runtime.train_step import PIPELINE_ATTR, mark_loss_group
 from composable_atorch.transforms.parallel.data.common import (
     GRAD_SYNC,
@@ -114,6 +115,8 @@ class PipelineRunner:
         self.an, self.main = an, main
         self.microbatches, self.schedule_name = microbatches, schedule
         self.pp_group, self.data_group, self.data_size = pp_group, data_group, data_size
+        #: ``(group, size)`` of a sequence split installed before the cut: its ranks' losses are parts of one
+        self.split: tuple | None = None
         self.running = False
         self._schedules: dict[int, Any] = {}
 
@@ -175,6 +178,9 @@ class PipelineRunner:
         if self.data_size > 1:
             dist.all_reduce(mean, group=self.data_group)
             mean /= self.data_size
+        if self.split is not None:  # each rank of a sequence split reports its part's mean
+            dist.all_reduce(mean, group=self.split[0])
+            mean /= self.split[1]
         return float(mean)
 
 
@@ -352,7 +358,8 @@ class PipelineParallel(Transform):
         pc = parallel_context(state, self.name)
         pp = pc.layout.size("pipeline")
         model = state.model
-        an, cuts = cut_plan or self.cut_plan(model, pp)  # checks before any change
+        with probing():  # the probe forwards see the model as one process runs it (a sequence split stays out)
+            an, cuts = cut_plan or self.cut_plan(model, pp)  # checks before any change
         if (
             state.loader is not None
             and getattr(state.loader, "batch_size", None)
@@ -380,7 +387,8 @@ class PipelineParallel(Transform):
         bounds = (0, *cuts, len(blocks))
         sizes = [sum(numel(blocks[i]) for i in range(lo, hi)) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
         kept, stage_mods = rank_modules(model, bounds, local, an)
-        checked = _check_stages(an, stage_mods, local, bounds)
+        with probing():
+            checked = _check_stages(an, stage_mods, local, bounds)
         # a tied weight the last stage holds through its head only goes by the head's name there
         state.param_names.update({id(p): n for n, p in kept.named_parameters()})
         pp_group = pc.mesh["pipeline"].get_group()
@@ -412,6 +420,7 @@ class PipelineParallel(Transform):
             an,
             inputs_of(model, an)[0] if an is not None else "",
         )
+        runner.split = sequence_split(model)
         object.__setattr__(kept, PIPELINE_ATTR, runner)  # a plain attribute, not a submodule
         mark_loss_group(kept, data_group, pc.data_size)
         if state.optim is not None:

@@ -1,9 +1,10 @@
 """Splitting every sequence over ranks: ``context_parallel`` (keys/values all-gathered over the
-``context`` dimension, load-balanced causal chunks) and ATorch's ``sequence_parallel`` (Ulysses:
-all-to-all between sequence and heads over the ``sequence`` dimension). ``shard`` says which
-tokens a rank holds, ``comm`` has the collectives with autograd, ``attention`` routes a model's
-attention to them, ``common`` is the apply both transforms share, ``loss`` the whole sequence's
-token mean when parts count different numbers of tokens.
+``context`` dimension, or passed around it with ``rotation="ring"``: ``ring``; load-balanced
+causal chunks) and ATorch's ``sequence_parallel`` (Ulysses: all-to-all between sequence and heads
+over the ``sequence`` dimension). ``shard`` says which tokens a rank holds, ``comm`` has the
+collectives with autograd, ``attention`` routes a model's attention to them, ``common`` is the
+apply both transforms share, ``loss`` the whole sequence's token mean when parts count different
+numbers of tokens.
 """
 
 from composable_atorch.transforms.parallel.sequence.context import ContextParallel, context_parallel

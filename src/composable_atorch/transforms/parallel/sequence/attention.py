@@ -26,7 +26,9 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from composable_atorch.errors import ConfigError
+from composable_atorch.runtime.sequence import is_probing
 from composable_atorch.transforms.parallel.sequence.comm import gather_sequence, heads_to_sequence, sequence_to_heads
+from composable_atorch.transforms.parallel.sequence.ring import ring_attention
 from composable_atorch.transforms.parallel.sequence.shard import all_positions, chunk_positions
 
 #: attribute an attention module carries: its :class:`Attend`
@@ -49,6 +51,8 @@ class Attend:
     rank: int
     n: int
     who: str
+    #: context parallelism's key/value exchange: ``"allgather"`` or ``"ring"`` (:mod:`.ring`)
+    rotation: str = "allgather"
     calls: int = 0
 
     @property
@@ -58,12 +62,12 @@ class Attend:
     def __deepcopy__(self, memo):
         """A copy of the model (a probe's zero-weight replica) attends locally: it must not join the
         group's collectives, which the other ranks may not be running."""
-        return Attend(kind=self.kind, group=None, rank=0, n=1, who=self.who)
+        return Attend(kind=self.kind, group=None, rank=0, n=1, who=self.who, rotation=self.rotation)
 
     def __call__(self, q, k, v, *, causal: bool, scale=None, dropout: float = 0.0) -> torch.Tensor:
         """``q, k, v``: ``(batch, heads, local seq, dim)`` -> this rank's output, same shape as ``q``."""
         self.calls += 1
-        if self.n == 1:
+        if self.n == 1 or is_probing():  # a probe forward (a transform's check) runs as one process
             k, v = _repeat_heads(k, q.size(1)), _repeat_heads(v, q.size(1))
             return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=causal, scale=scale)
         if self.kind == "context":
@@ -71,7 +75,17 @@ class Attend:
         return self._ulysses(q, k, v, causal, scale, dropout)
 
     def _context(self, q, k, v, causal, scale, dropout):
-        # all-gather of keys and values (exact; a ring would overlap it with compute)
+        if self.rotation == "ring":
+            if dropout:
+                raise ConfigError(
+                    f"{self.who}: attention dropout",
+                    dropout,
+                    "0.0, or context_parallel(rotation='allgather'): the ring merges partial softmaxes and has no "
+                    "dropout on its probabilities",
+                )
+            k, v = _repeat_heads(k, q.size(1)), _repeat_heads(v, q.size(1))
+            return ring_attention(q, k, v, self.group, self.rank, self.n, causal=causal, scale=scale)
+        # all-gather of keys and values (exact; one collective, then one fused attention)
         k_all = _repeat_heads(gather_sequence(k, self.group, self.n), q.size(1))
         v_all = _repeat_heads(gather_sequence(v, self.group, self.n), q.size(1))
         mask = None
@@ -173,27 +187,47 @@ def forward_takes(model: torch.nn.Module, name: str) -> bool:
     return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
+def positions_module(model: torch.nn.Module) -> torch.nn.Module:
+    """Where global ``position_ids`` are given: a transformers model's base model (its decoder stack,
+    called with keywords by the head model's forward, also when a pipeline stage replaced that
+    forward), else the root model."""
+    base = getattr(model, "base_model", None)
+    if isinstance(base, torch.nn.Module) and base is not model and forward_takes(base, "position_ids"):
+        return base
+    return model
+
+
 class SequenceHooks:
-    """The root model's forward pre-hook and hook: global ``position_ids``, the SDPA mode, the check."""
+    """The model's forward hooks: global ``position_ids`` (on :func:`positions_module`), the SDPA mode
+    and the check that attention was reached (on the root). Probe forwards (:func:`is_probing`) pass."""
 
     def __init__(self, model: torch.nn.Module, attend: Attend, *, intercept_sdpa: bool, positions: bool):
         self.attend, self.intercept_sdpa, self.positions = attend, intercept_sdpa, positions
         self._modes: list[_SDPAMode] = []
         model.register_forward_pre_hook(self.before, with_kwargs=True)
         model.register_forward_hook(self.after, with_kwargs=True, always_call=True)
+        if positions:
+            positions_module(model).register_forward_pre_hook(self.give_positions, with_kwargs=True)
+
+    def give_positions(self, module, args, kwargs):
+        if is_probing() or kwargs.get("position_ids") is not None:
+            return args, kwargs
+        for t in (args[0] if args else None, kwargs.get("input_ids"), kwargs.get("inputs_embeds")):
+            if isinstance(t, torch.Tensor) and t.dim() >= 2:
+                pos = chunk_positions(self.attend.rank, self.attend.n, t.size(1), self.attend.balanced)
+                kwargs["position_ids"] = pos.to(t.device).unsqueeze(0).expand(t.size(0), -1)
+                break
+        return args, kwargs
 
     def before(self, module, args, kwargs):
         self.attend.calls = 0
+        if is_probing():
+            return args, kwargs
         mask = kwargs.get("attention_mask")
         if isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool(mask.all()):
             raise ConfigError(
                 f"{self.attend.who}: attention_mask", "with padding", "unpadded (packed) sequences, or no mask"
             )
-        if self.positions and kwargs.get("position_ids") is None:
-            tokens = args[0] if args else kwargs.get("input_ids")
-            if isinstance(tokens, torch.Tensor) and tokens.dim() >= 2:
-                pos = chunk_positions(self.attend.rank, self.attend.n, tokens.size(1), self.attend.balanced)
-                kwargs["position_ids"] = pos.to(tokens.device).unsqueeze(0).expand(tokens.size(0), -1)
         if self.intercept_sdpa:
             mode = _SDPAMode(self.attend)
             mode.__enter__()
@@ -203,7 +237,7 @@ class SequenceHooks:
     def after(self, module, args, kwargs, output):
         if self._modes:
             self._modes.pop().__exit__(None, None, None)
-        if self.attend.calls == 0 and sys.exc_info()[0] is None:
+        if self.attend.calls == 0 and sys.exc_info()[0] is None and not is_probing():
             how = "scaled_dot_product_attention" if self.intercept_sdpa else "transformers' attention interface"
             raise ConfigError(
                 f"{self.attend.who}: the model's attention",

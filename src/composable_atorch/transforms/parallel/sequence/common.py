@@ -6,22 +6,33 @@ collectives' backward sends every rank the gradients of all ranks' losses for it
 so the mean of the group's gradients is the gradient of the whole sequence's mean loss (what one
 process computes). That mean is taken before the optimizer step by an all-reduce over the group
 (:class:`DataGradSync`); the data dimension is synchronized by ddp / fsdp as without the split.
+
+With model parallelism: the split is applied after ``tensor_parallel`` (it routes each rank's
+heads; the reported loss is averaged over data x the split's group), and before
+``pipeline_parallel``, whose probe forwards run with the split inert
+(:func:`composable_atorch.runtime.sequence.probing`) and whose own loss report averages over the
+split's group; transformers models get their global positions at the base model, which a
+pipeline stage still calls with keywords.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
-from composable_atorch.core.contract import Conflict
+from composable_atorch.core.contract import Conflict, Order
 from composable_atorch.core.transform import ApplyContext, TrainState
 from composable_atorch.errors import ConfigError
+from composable_atorch.runtime.layout import BATCH_DIMS
 from composable_atorch.runtime.loader import rebuild_loader
+from composable_atorch.runtime.sequence import mark_sequence_split
 from composable_atorch.transforms.parallel.data.common import DataGradSync, broadcast_local, parallel_context
 from composable_atorch.transforms.parallel.sequence.attention import (
     Attend,
     SequenceHooks,
     check_heads,
     forward_takes,
+    positions_module,
     route_transformers,
     uses_attention_interface,
 )
@@ -34,16 +45,44 @@ NOT_WITH_MODEL_PARALLEL = "is not built together with {other} in this version (u
 def model_parallel_conflicts(who: str) -> tuple[Conflict, ...]:
     """Refusals with the families it is not built with yet (each names the true reason)."""
     whys = {
-        "tensor_parallel": "the tensor planner traces a forward that would run the split's collectives",
         "sequence_parallel" if who == "context_parallel" else "context_parallel": "both split every sequence",
-        "pipeline_parallel": "pipeline stages do not see the root model's positions or loader split",
-        "mixed_parallel": "its pipeline stages do not see the root model's positions or loader split",
+        "mixed_parallel": "its one step of tensor and pipeline parallelism has not been run with a sequence split; "
+        "tensor_parallel and pipeline_parallel, each composed with it, have",
         "ds_3d_parallel": "DeepSpeed's pipeline engine does not see the loader split",
     }
     return tuple(
         Conflict(other, f"{who} " + NOT_WITH_MODEL_PARALLEL.format(other=other, why=why), f"drop {other} or {who}")
         for other, why in whys.items()
     )
+
+
+def after_tensor_parallel(who: str) -> Order:
+    """The split applies to the tensor-parallel model: the tensor planner traces the user's forward
+    untouched, and the split's loss group (set last) is the one train_step reads."""
+    return Order(
+        "tensor_parallel",
+        f"{who} routes the attention of the tensor-sharded model (each rank's heads) and averages the loss over "
+        "data x its group, which tensor_parallel's data-only loss group would overwrite",
+    )
+
+
+def mark_split_loss_group(model, pc, dim: str) -> str | None:
+    """train_step averages the reported loss over the ranks holding different tokens: data x ``dim``.
+
+    Only needed when a model-parallel transform marked the data group alone (without one, the
+    whole world is averaged, which is the same group); the group is flattened from the mesh, as
+    torchtitan flattens data x context."""
+    from composable_atorch.runtime.train_step import LOSS_GROUP_ATTR, mark_loss_group
+
+    if getattr(model, LOSS_GROUP_ATTR, None) is None:
+        return None
+    names = tuple(n for n in pc.layout.mesh_dim_names if n in (*BATCH_DIMS, dim) and pc.layout.size(n) > 1)
+    key = "sequence_loss_mesh_" + "_".join(names)
+    if key not in pc.extras:
+        pc.extras[key] = pc.mesh[names[0]] if len(names) == 1 else pc.mesh[names]._flatten("_".join(names))
+    size = math.prod(pc.layout.size(n) for n in names)
+    mark_loss_group(model, pc.extras[key].get_group(), size)
+    return f"loss reported as the mean over {' x '.join(names)} ({size} ranks)"
 
 
 def _heads(model) -> tuple[int | None, int | None]:
@@ -65,7 +104,9 @@ def _first_length(loader) -> int | None:
     return first.size(0) if hasattr(first, "dim") and first.dim() >= 1 else None
 
 
-def apply_split(transform, state: TrainState, ctx: ApplyContext, dim: str, kind: str, positions: bool) -> TrainState:
+def apply_split(
+    transform, state: TrainState, ctx: ApplyContext, dim: str, kind: str, positions: bool, rotation: str = "allgather"
+) -> TrainState:
     """Split every sequence over the ``dim`` dimension of the mesh and route attention (``kind``)."""
     who = transform.name
     pc = parallel_context(state, who)
@@ -93,6 +134,14 @@ def apply_split(transform, state: TrainState, ctx: ApplyContext, dim: str, kind:
             "a transformers model (its attention interface is kept when checkpointing recomputes the forward); the "
             "recomputation of scaled_dot_product_attention runs outside the forward this split intercepts",
         )
+    if positions and ctx.find("pipeline_parallel") is not None and positions_module(model) is model:
+        raise ConfigError(
+            f"{who} with pipeline_parallel",
+            type(model).__name__,
+            "a transformers model (its base model takes position_ids from the head model's forward), or "
+            f"{who}(positions=False) for a model without positions: a pipeline stage calls the model's forward with "
+            "the tokens or the received activation only, so the global position_ids cannot be given to it",
+        )
     length = _first_length(state.loader) if state.loader is not None else None
     if length is not None:
         check_length(length, n, balanced, who)
@@ -100,7 +149,7 @@ def apply_split(transform, state: TrainState, ctx: ApplyContext, dim: str, kind:
     mesh = pc.mesh[dim]
     group = mesh.get_group()
     rank = mesh.get_local_rank()
-    attend = Attend(kind=kind, group=group, rank=rank, n=n, who=who)
+    attend = Attend(kind=kind, group=group, rank=rank, n=n, who=who, rotation=rotation)
     broadcast_local(model, group)
     if interface:
         before = route_transformers(model, attend)
@@ -109,11 +158,15 @@ def apply_split(transform, state: TrainState, ctx: ApplyContext, dim: str, kind:
         state.note(who, "attention: calls to scaled_dot_product_attention inside the model's forward intercepted")
     SequenceHooks(model, attend, intercept_sdpa=not interface, positions=positions)
     setattr(model, SPLIT_ATTR, attend)  # for sequence_cross_entropy (a copy of the model gets a local one)
+    mark_sequence_split(model, group, n)  # for a pipeline's own loss report
     if state.loader is not None:
         loader = rebuild_loader(state.loader)
         loader.collate_fn = ShardCollate(state.loader.collate_fn, rank, n, balanced, who)
         state.loader = loader
     state.hooks.append(DataGradSync(model, group, n))
+    loss_note = mark_split_loss_group(model, pc, dim)
+    if loss_note:
+        state.note(who, loss_note)
     return state
 
 

@@ -21,6 +21,7 @@ from composable_atorch.core.transform import ApplyContext, TrainState, Transform
 from composable_atorch.errors import ConfigError
 from composable_atorch.transforms.parallel.data.common import implies_mesh_dim
 from composable_atorch.transforms.parallel.sequence.common import (
+    after_tensor_parallel,
     apply_split,
     group_note,
     model_parallel_conflicts,
@@ -45,7 +46,8 @@ class Ulysses(Transform):
     contract = Contract(
         stage=Stage.TENSOR_PARALLEL,
         roles=("sequence_split",),
-        reads=("checkpoint",),
+        reads=("checkpoint", "pipeline_parallel"),
+        orders=(after_tensor_parallel("sequence_parallel"),),
         requires=(MinWorldSize(minimum=2, on_unmet="skip"),),
         implies=(implies_mesh_dim("sequence", "Ulysses splits sequences over parallel_mode's 'sequence' dimension"),),
         conflicts=(

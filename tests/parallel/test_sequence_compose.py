@@ -1,0 +1,202 @@
+"""context_parallel and Ulysses composed with other parallelism at world 4, each equal to one process
+(fp32, atol 1e-4): context 2 x tensor 2 and Ulysses 2 x tensor 2 (Llama, and a user model whose
+attention reads its heads from the width), context 2 x pipeline 2 and Ulysses 2 x pipeline 2
+(Llama; a model whose own forward takes the positions is refused there), Ulysses 2 x fsdp 2,
+context 2 x fsdp over ATorch's ``zero`` group (hybrid sharding proper, replicate x shard beside
+context 2, needs world 8: not run here), and Ulysses with checkpoint(Block) at world 2."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import _seq
+import composable_atorch as ca
+from composable_atorch.errors import CompositionError, ConfigError
+
+from _dist import run_world
+
+ATOL = 1e-4
+
+
+class HeadsFromWidth(nn.Module):
+    """A user's block written for tensor parallelism: separate q/k/v, heads read from the width
+    (``view(b, t, -1, head_dim)``), so a rank holding half of the projections runs half of the heads."""
+
+    def __init__(self, vocab=256, d=32, head_dim=8, layers=2, max_len=_seq.SEQ):
+        super().__init__()
+        self.head_dim = head_dim
+        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(max_len, d)
+        self.blocks = nn.ModuleList(
+            nn.ModuleDict(
+                {
+                    "ln1": nn.LayerNorm(d),
+                    "q": nn.Linear(d, d),
+                    "k": nn.Linear(d, d),
+                    "v": nn.Linear(d, d),
+                    "o": nn.Linear(d, d),
+                    "ln2": nn.LayerNorm(d),
+                    "fc1": nn.Linear(d, 2 * d),
+                    "fc2": nn.Linear(2 * d, d),
+                }
+            )
+            for _ in range(layers)
+        )
+        self.ln_f = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, tokens, position_ids=None):
+        b, t = tokens.shape
+        if position_ids is None:
+            position_ids = torch.arange(t, device=tokens.device)[None]
+        x = self.tok(tokens) + self.pos(position_ids)
+        for blk in self.blocks:
+            h = blk["ln1"](x)
+            q, k, v = (blk[n](h).view(b, t, -1, self.head_dim).transpose(1, 2) for n in "qkv")
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + blk["o"](a.transpose(1, 2).reshape(b, t, -1))
+            x = x + blk["fc2"](F.gelu(blk["fc1"](blk["ln2"](x))))
+        return self.head(self.ln_f(x))
+
+
+def heads_from_width(seed: int = 0) -> HeadsFromWidth:
+    torch.manual_seed(seed)
+    return HeadsFromWidth()
+
+
+_seq.MODELS["heads_from_width"] = heads_from_width
+
+
+def _split(kind):
+    if kind == "context":
+        return "context", ca.context_parallel()
+    if kind == "ring":
+        return "context", ca.context_parallel(rotation="ring")
+    return "sequence", ca.sequence_parallel()
+
+
+TP_CASES = [("llama", "sgd", "context"), ("llama", "adamw", "ulysses"), ("heads_from_width", "adamw", "context")]
+TP_CASES += [("heads_from_width", "sgd", "ulysses"), ("llama", "adamw", "ring")]
+PP_CASES = [("llama", "sgd", "context"), ("llama", "adamw", "ulysses"), ("llama", "adamw", "ring")]
+FSDP_CASES = [("user", "adamw", "ulysses", "fsdp"), ("llama", "sgd", "ulysses", "fsdp")]
+FSDP_CASES += [("llama", "adamw", "context", "zero")]
+
+
+def _world4(rank, world):
+    out = {}
+    for model_name, optim_name, kind in TP_CASES:
+        dim, split = _split(kind)
+        out[("tp", model_name, optim_name, kind)] = _seq.run(
+            model_name, optim_name, ca.parallel_mode([(dim, 2), ("tensor", 2)]), split, ca.tensor_parallel()
+        )
+    for model_name, optim_name, kind, how in FSDP_CASES:
+        dim, split = _split(kind)
+        if how == "zero":  # fsdp shards over ATorch's zero group (the hybrid layout with one replica)
+            groups = [(dim, 2), ("zero", 2), ("data", 1)]
+        else:
+            groups = [(dim, 2), ("data", 2)]
+        out[(how, model_name, optim_name, kind)] = _seq.run(
+            model_name, optim_name, ca.parallel_mode(groups), split, ca.fsdp()
+        )
+    for model_name, optim_name, kind in PP_CASES:
+        dim, split = _split(kind)
+        out[("pp", model_name, optim_name, kind)] = _seq.run(
+            model_name, optim_name, ca.parallel_mode([(dim, 2), ("pipeline", 2)]), split, ca.pipeline_parallel()
+        )
+    try:
+        _seq.run(
+            "user",
+            "sgd",
+            ca.parallel_mode([("context", 2), ("pipeline", 2)]),
+            *_split("context")[1:],
+            ca.pipeline_parallel(),
+        )
+        out["pp_user"] = "trained"
+    except ConfigError as exc:
+        out["pp_user"] = str(exc)
+    return out
+
+
+@pytest.fixture(scope="module")
+def world4():
+    return run_world(_world4, 4)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("model_name,optim_name,kind", TP_CASES)
+def test_split_2_with_tensor_2_equals_one_process(world4, model_name, optim_name, kind):
+    ref = _seq.reference(model_name, optim_name)
+    for rank in range(4):
+        got = world4[rank][("tp", model_name, optim_name, kind)]
+        assert got["shapes"][0] == (_seq.BATCH, _seq.SEQ // 2)
+        dp, dl = _seq.close(got, ref)
+        assert dp < ATOL and dl < ATOL, (rank, dp, dl)
+    assert "DTensor parallelize_module over the tensor dim of 2" in got["explain"]
+    # the split applies to the tensor-sharded model, and its loss is reported over the ranks of other tokens
+    assert got["explain"].index("tensor_parallel:") < got["explain"].index("_parallel:\n    - attention")
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("model_name,optim_name,kind,how", FSDP_CASES)
+def test_split_2_with_fsdp_equals_one_process(world4, model_name, optim_name, kind, how):
+    ref = _seq.reference(model_name, optim_name)
+    for rank in range(4):
+        got = world4[rank][(how, model_name, optim_name, kind)]
+        assert got["shapes"][0][1] == _seq.SEQ // 2
+        dp, dl = _seq.close(got, ref)
+        assert dp < ATOL and dl < ATOL, (rank, dp, dl)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("model_name,optim_name,kind", PP_CASES)
+def test_split_2_with_pipeline_2_equals_one_process(world4, model_name, optim_name, kind):
+    params, losses = _seq.reference(model_name, optim_name)
+    held = set()
+    for rank in range(4):
+        got = world4[rank][("pp", model_name, optim_name, kind)]
+        assert got["shapes"][0] == (_seq.BATCH, _seq.SEQ // 2)
+        held |= set(got["params"])
+        dp = max((torch.as_tensor(v) - params[k]).abs().max().item() for k, v in got["params"].items())
+        dl = max(abs(x - y) for x, y in zip(got["losses"], losses, strict=True))
+        assert dp < ATOL and dl < ATOL, (rank, dp, dl)
+    assert held == set(params)  # the stages hold the whole model between them
+    assert "pipeline_parallel:" in got["explain"] and "checked before training" in got["explain"]
+
+
+@pytest.mark.dist
+def test_pipeline_with_a_model_taking_its_own_positions_is_refused(world4):
+    assert "a pipeline stage calls the model's forward with the tokens" in world4[0]["pp_user"]
+
+
+def _world2(rank, world):
+    return {
+        "ulysses_checkpoint": _seq.run(
+            "llama",
+            "adamw",
+            ca.parallel_mode([("sequence", 2)]),
+            ca.sequence_parallel(),
+            ca.checkpoint("LlamaDecoderLayer"),
+        )
+    }
+
+
+@pytest.mark.dist
+def test_ulysses_with_checkpoint():
+    ref = _seq.reference("llama", "adamw")
+    for got in run_world(_world2, 2):
+        dp, dl = _seq.close(got["ulysses_checkpoint"], ref)
+        assert dp < ATOL and dl < ATOL, (dp, dl)
+
+
+def test_mixed_parallel_refused_with_its_reason():
+    env = ca.Environment(world_size=4)
+    for split in (ca.context_parallel(), ca.sequence_parallel()):
+        with pytest.raises(CompositionError, match="has not been run with a sequence split"):
+            ca.compose(split, ca.mixed_parallel(), env=env)
+    # tensor parallelism composes: the split is ordered after it
+    plan = ca.compose(
+        ca.parallel_mode([("context", 2), ("tensor", 2)]), ca.context_parallel(), ca.tensor_parallel(), env=env
+    )
+    assert plan.names.index("tensor_parallel") < plan.names.index("context_parallel")
