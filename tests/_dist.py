@@ -2,10 +2,16 @@
 
     results = run_world(check_ddp, 2, cfg)      # check_ddp(rank, world, cfg) runs in each rank
 
-The function must be importable (module level); its return value must be picklable. Spawning a
-group costs ~5 s at world 2, so batch several cases per call. A rank that raises fails the call
-with that rank's traceback; a group that hangs is killed after ``timeout`` seconds, leaving no
-process behind.
+The function must be importable (module level); its return value must be picklable. A rank that
+raises fails the call with that rank's traceback; a group that hangs is killed after ``timeout``
+seconds, leaving no process behind.
+
+Ranks are forked from a "forkserver" that imported torch, transformers (its modeling code) and
+composable_atorch once per test session: a spawned rank spent 5-12 s of this 2-core machine
+re-importing them, each rank of each group. The server is started lazily, single-threaded (no
+OpenMP pool, no gloo: it only imports), and holds no process group; every rank still creates and
+destroys its own. Each rank takes the parent's environment of the moment it is started (as a
+spawned one did), not the server's.
 """
 
 from __future__ import annotations
@@ -26,7 +32,50 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(fn, rank, world, init_file, port, args, results):
+#: imported once in the forkserver; every rank forked from it starts with them loaded
+PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch.distributed.fsdp",
+    "torch.distributed.tensor",
+    "torch.distributed.tensor.parallel",
+    "torch.distributed.pipelining",
+    "torch.distributed.checkpoint",
+    "torch.nn.parallel",
+    "transformers",
+    "transformers.modeling_utils",
+    "transformers.models.llama.modeling_llama",
+    "transformers.models.gpt2.modeling_gpt2",
+    "composable_atorch",
+    "composable_atorch.transforms",
+    "composable_atorch.auto",
+    "composable_atorch.state",
+    "composable_atorch.compat",
+]
+
+
+def _context():
+    """The forkserver context, its server started (once) with the preloads and DeepSpeed on CPU."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    from multiprocessing import forkserver
+
+    # the server imports with the environment it starts with: DS_ACCELERATOR as every rank sets it
+    saved = os.environ.get("DS_ACCELERATOR")
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    try:
+        forkserver.ensure_running()
+    finally:
+        if saved is None:
+            del os.environ["DS_ACCELERATOR"]
+        else:
+            os.environ["DS_ACCELERATOR"] = saved
+    return ctx
+
+
+def _child(fn, rank, world, init_file, port, args, results, environ):
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.update(
         OMP_NUM_THREADS="1",
         RANK=str(rank),
@@ -66,13 +115,15 @@ def _exit_reason(code: int) -> str:
 
 def run_world(fn, world: int = 2, *args, timeout: float = 300.0) -> list:
     """``[fn(rank, world, *args) for rank in range(world)]``, each in its own process."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "pg_init")
         port = free_port()
         procs = [
-            ctx.Process(target=_child, args=(fn, r, world, init_file, port, args, results), daemon=True)
+            ctx.Process(
+                target=_child, args=(fn, r, world, init_file, port, args, results, dict(os.environ)), daemon=True
+            )
             for r in range(world)
         ]
         for p in procs:

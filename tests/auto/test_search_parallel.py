@@ -56,7 +56,8 @@ def test_world_4_study_explores_parallel_degrees_and_the_chosen_plan_trains_one_
     others = tuple(sorted(set(ca.registry()) - {"mixed_parallel"}))
     result = search(
         TINY.workload(),
-        trial=TrialSettings(world_size=4, warmup_steps=1, measure_steps=2, timeout=240),
+        # what the plans do is asserted, not how precisely their speed is known: a short measuring cap
+        trial=TrialSettings(world_size=4, warmup_steps=1, measure_steps=2, timeout=240, max_measure_s=2.0),
         budget=Budget(n_trials=4),
         space=SpaceOptions(excluded=others, included=("mixed_parallel",)),
         study=StudyOptions(seed=0, sampler="random", predict=False),
