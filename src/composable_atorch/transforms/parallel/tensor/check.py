@@ -17,7 +17,7 @@ import contextlib
 import torch
 from torch import nn
 
-from composable_atorch.errors import TensorPlanMismatchError
+from composable_atorch.errors import CompositionError, TensorPlanMismatchError
 from composable_atorch.transforms.parallel.tensor.graph import example_input
 
 #: relative tolerance (of the largest output) for fp32; reduced precision widens it by its epsilon
@@ -52,9 +52,11 @@ def _output(out) -> torch.Tensor | None:
     return out.detach().float()
 
 
-def _device(model: nn.Module):
-    p = next(iter(model.parameters()), None)
-    return None if p is None else p.device
+def _moved(x, like: torch.Tensor):
+    """The guessed input on the weights' device; an image in their (half) dtype."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    return x.to(like.device, like.dtype) if x.is_floating_point() and like.is_floating_point() else x.to(like.device)
 
 
 def probe(model: nn.Module):
@@ -65,10 +67,9 @@ def probe(model: nn.Module):
     example = example_input(model)
     if example is None:
         return None, "numerical check skipped (no example input could be guessed for this model)"
-    device = _device(model)
     args, kwargs = example
-    args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
-    kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    args = tuple(_moved(a, params[0]) for a in args)
+    kwargs = {k: _moved(v, params[0]) for k, v in kwargs.items()}
     try:
         with _evaluating(model):
             out = _output(model(*args, **kwargs))
@@ -79,14 +80,27 @@ def probe(model: nn.Module):
     return ((args, kwargs), out), ""
 
 
+def tolerance(model: nn.Module) -> float:
+    """Of the output's scale: ``RTOL`` in fp32; a few epsilons of a half dtype the model was cast to
+    (sharded sums round in another order); TF32 matmuls on a GPU round to ~1e-3."""
+    p = next(iter(model.parameters()))
+    rtol = max(RTOL, 8 * torch.finfo(p.dtype).eps) if p.dtype.is_floating_point else RTOL
+    if p.device.type == "cuda" and torch.get_float32_matmul_precision() != "highest":
+        rtol = max(rtol, 1e-2)
+    return rtol
+
+
 def compare(model: nn.Module, reference, group, degree: int, suspects: list[str]) -> str:
     """Run the sharded ``model`` on the probe and compare with ``reference`` (from :func:`probe`);
     every tensor rank agrees on the verdict (the largest difference is all-reduced over ``group``)."""
     import torch.distributed as dist
 
     (args, kwargs), want = reference
-    with _evaluating(model):
-        got = _output(model(*args, **kwargs))
+    try:
+        with _evaluating(model):
+            got = _output(model(*args, **kwargs))
+    except CompositionError as e:  # the probe itself does not fit (its 8 tokens under sequence parallelism)
+        return f"numerical check skipped (the probe input does not fit the sharded model: {e})"
     if got is None or got.shape != want.shape:
         diff = torch.tensor(float("inf"), device=want.device)
     else:
@@ -94,8 +108,7 @@ def compare(model: nn.Module, reference, group, degree: int, suspects: list[str]
     scale = max(float(want.abs().max()), 1.0)
     if group is not None:
         dist.all_reduce(diff, op=dist.ReduceOp.MAX, group=group)
-    dtype = next(iter(model.parameters())).dtype
-    tol = max(RTOL, 50 * torch.finfo(dtype).eps if dtype.is_floating_point else RTOL) * scale
+    tol = tolerance(model) * scale
     rel = float(diff) / scale
     if not float(diff) <= tol:
         shown = ", ".join(suspects[:6]) + (" ..." if len(suspects) > 6 else "")
