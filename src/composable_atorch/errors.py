@@ -129,3 +129,14 @@ class DatasetSizeError(CompositionError, ValueError):
             f"the loader's dataset {what}. Fix: pass a dataset with at least {global_batch} samples, "
             f"or a loader whose batch_size (the global batch) is at most the dataset's size."
         )
+
+
+class TensorPlanMismatchError(ConfigError):
+    """A tensor-parallel plan whose sharded model computes another output than the whole model on the
+    same probe input and weights (shapes fit, numbers do not: a silent wrong result). Raised before
+    any training step; names the likely layers and the fix."""
+
+    def __init__(self, problem: str, fix: str):
+        self.problem, self.fix = problem, fix
+        CompositionError.__init__(self, f"tensor_parallel: {problem}. Fix: {fix}.")
+        self.field, self.value, self.allowed = "tensor_parallel.plan", problem, fix

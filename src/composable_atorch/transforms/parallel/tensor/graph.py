@@ -257,3 +257,57 @@ def partial_grad_modules(tr: Trace, p: Pair, sharded: set[str]) -> list[str]:
     sees its heads only, so their gradients are summed over the tensor ranks."""
     cols = set(p.cols)
     return [c.name for c in tr.calls if not c.linear and c.taint and c.taint <= cols and c.name not in sharded]
+
+
+# ---------------------------------------------------------------------------------------------
+# how a column projection's output is read
+# ---------------------------------------------------------------------------------------------
+
+_VIEWS = {torch.Tensor.view, torch.Tensor.reshape, torch.reshape, torch.Tensor.unflatten}
+
+
+class _Views(TorchFunctionMode):
+    """Records the shapes a column projection's own output is viewed into (split into heads)."""
+
+    def __init__(self, outputs: dict[int, str]):
+        super().__init__()
+        self.outputs, self.seen = outputs, {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in _VIEWS and args and isinstance(args[0], torch.Tensor) and id(args[0]) in self.outputs:
+            src = args[0]
+            if isinstance(out, torch.Tensor) and out.dim() > src.dim():
+                self.seen.setdefault(self.outputs[id(src)], []).append(tuple(out.shape))
+        return out
+
+
+def split_views(rep: nn.Module, example, cols) -> dict[str, list[tuple]]:
+    """``{column projection: [shapes its output is split into]}`` for one forward of ``rep``."""
+    outputs: dict[int, str] = {}
+    keep: list = []  # the outputs stay alive (ids are not reused) until the forward is done
+    modules = dict(rep.named_modules())
+    handles = []
+    for n in cols:
+
+        def post(mod, args, output, n=n):
+            if isinstance(output, torch.Tensor):
+                outputs[id(output)] = n
+                keep.append(output)
+
+        handles.append(modules[n].register_forward_hook(post))
+    mode = _Views(outputs)
+    try:
+        with mode:
+            run(rep, example)
+    finally:
+        for h in handles:
+            h.remove()
+    return mode.seen
+
+
+def fixed_head_reads(whole: dict, local: dict) -> list[str]:
+    """Column projections whose output a rank splits into smaller heads than the whole model does
+    (the innermost size changed): the head count is fixed in the forward, not read from the width,
+    so a shard is read as all the heads at a fraction of their size."""
+    return sorted(n for n, shapes in whole.items() if [s[-1] for s in shapes] != [s[-1] for s in local.get(n, [])])

@@ -343,8 +343,10 @@ def verify(model: nn.Module, shard: dict, shrink: dict, degree: int) -> str:
     example = graph.example_input(model)
     if example is None:
         return "plan not verified (no example input could be guessed for this model)"
+    cols = [n for n, (kind, kw) in shard.items() if kind == "col" and not kw.get("gather_output")]
+    cols = [n for n in cols if is_linear(dict(model.named_modules())[n])]  # LoRA wrappers: their output is a sum
     try:
-        graph.run(graph.replica(model), example)
+        whole = graph.split_views(graph.replica(model), example, cols)
     except Exception as e:  # noqa: BLE001 - the model itself does not take the guessed input
         return f"plan not verified (the model does not run on a guessed example input: {type(e).__name__})"
     rep = graph.replica(model)
@@ -355,7 +357,7 @@ def verify(model: nn.Module, shard: dict, shrink: dict, degree: int) -> str:
         for a in attrs:
             setattr(modules[n], a, getattr(modules[n], a) // degree)
     try:
-        graph.run(rep, example)
+        local = graph.split_views(rep, example, cols)
     except Exception as e:  # noqa: BLE001 - any failure of the sharded shapes is the plan's fault
         raise TensorParallelPlanError(
             f"at tensor degree {degree} one rank's shapes fail a forward on an example input "
@@ -363,4 +365,13 @@ def verify(model: nn.Module, shard: dict, shrink: dict, degree: int) -> str:
             sorted(shard),
             MANUAL_FORM,
         ) from None
+    fixed = graph.fixed_head_reads(whole, local)
+    if fixed:
+        raise TensorParallelPlanError(
+            f"at tensor degree {degree} a rank's shard of these projections is split into smaller heads, not "
+            "fewer (the forward views it with a head count fixed at init, e.g. .view(b, t, 3, self.heads, -1)): "
+            "the shapes fit but it would compute another model",
+            fixed,
+            "a plan keeping them whole, or read the heads from the width (.view(b, t, 3, -1, head_dim))",
+        )
     return f"plan verified at tensor degree {degree}: one rank's shapes run a forward on an example input"

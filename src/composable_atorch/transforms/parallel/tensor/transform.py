@@ -40,7 +40,7 @@ from composable_atorch.core.transform import ApplyContext, TrainState, Transform
 from composable_atorch.errors import ConfigError
 from composable_atorch.runtime.train_step import mark_loss_group
 from composable_atorch.transforms.parallel.data.common import implies_mesh_dim, parallel_context
-from composable_atorch.transforms.parallel.tensor import lora
+from composable_atorch.transforms.parallel.tensor import check, lora
 from composable_atorch.transforms.parallel.tensor.dropout import sequence_sliced
 from composable_atorch.transforms.parallel.tensor.graph import is_proj, proj_features
 from composable_atorch.transforms.parallel.tensor.planner import (
@@ -255,6 +255,7 @@ class TensorParallel(Transform):
         )
 
         mesh = pc.mesh["tensor"]
+        reference, why = check.probe(model)  # the whole model's output, before any weight moves
         modules = dict(model.named_modules())
         tied = tied_params(model)
         trainable = requires_grad(model)
@@ -342,7 +343,17 @@ class TensorParallel(Transform):
             "CPU RNG state synchronized over the tensor dim (replicated dropouts draw one process's "
             f"masks){drop_note(drops)}",
         )
+        if reference is None:
+            state.note(self.name, why)
+        else:
+            state.note(self.name, check.compare(model, reference, mesh.get_group(), degree, suspects(layers)))
         return state
+
+
+def suspects(layers: dict[str, tuple[str, dict]]) -> list[str]:
+    """Column layers a wrong reading most likely comes from: fused (strided) ones first."""
+    cols = [n for n, (k, _) in layers.items() if k == "col"]
+    return sorted(cols, key=lambda n: int(dict(layers[n][1]).get("stride", 1)) == 1)
 
 
 def full_weight(module: nn.Module, name: str = "weight", value: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,0 +1,128 @@
+"""The numerical check: does the sharded model compute what the whole model computes?
+
+The planner verifies a plan at one rank's *shapes* before any weight moves, but shapes can fit
+while the numbers are wrong: a fused ``qkv`` projection split with a head count fixed in the
+user's ``__init__`` (``.view(b, t, 3, self.heads, -1)``) reads a rank's half of the width as all
+the heads at half the head size, and trains a different model with no error. So before any
+training step, one tiny probe forward (the guessed example input, eval mode, the RNG untouched)
+runs through the whole model before sharding and through the sharded model after; outputs that
+differ beyond floating-point tolerance are refused with :class:`TensorPlanMismatchError`, naming
+the fused / reshaped projections and the fix.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from composable_atorch.errors import CompositionError, TensorPlanMismatchError
+from composable_atorch.transforms.parallel.tensor.graph import example_input
+
+#: relative tolerance (of the largest output) for fp32; reduced precision widens it by its epsilon
+RTOL = 1e-4
+
+
+@contextlib.contextmanager
+def _evaluating(model: nn.Module):
+    """Dropout off, no graph, the random streams untouched; each module's mode restored after."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            yield
+    finally:
+        for m, mode in modes:
+            m.training = mode
+
+
+def _output(out) -> torch.Tensor | None:
+    """The tensor a forward returns (logits, a loss, a plain tensor), whole and in fp32."""
+    if hasattr(out, "logits"):
+        out = out.logits
+    elif hasattr(out, "last_hidden_state"):
+        out = out.last_hidden_state
+    if isinstance(out, tuple | list):
+        out = next((o for o in out if isinstance(o, torch.Tensor)), None)
+    if not isinstance(out, torch.Tensor) or not out.is_floating_point():
+        return None
+    if hasattr(out, "full_tensor"):
+        out = out.full_tensor()
+    return out.detach().float()
+
+
+def _moved(x, like: torch.Tensor):
+    """The guessed input on the weights' device; an image in their (half) dtype."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    return x.to(like.device, like.dtype) if x.is_floating_point() and like.is_floating_point() else x.to(like.device)
+
+
+def probe(model: nn.Module):
+    """``(example, output)`` of the whole model before sharding, or ``(None, why not)``."""
+    params = list(model.parameters())
+    if not params or any(p.is_meta or hasattr(p, "to_local") for p in params):
+        return None, "numerical check skipped (weights not materialized or already distributed)"
+    example = example_input(model)
+    if example is None:
+        return None, "numerical check skipped (no example input could be guessed for this model)"
+    args, kwargs = example
+    args = tuple(_moved(a, params[0]) for a in args)
+    kwargs = {k: _moved(v, params[0]) for k, v in kwargs.items()}
+    try:
+        with _evaluating(model):
+            out = _output(model(*args, **kwargs))
+    except Exception as e:  # noqa: BLE001 - the model does not take the guessed input: nothing to compare
+        return None, f"numerical check skipped (the model does not run on a guessed example input: {type(e).__name__})"
+    if out is None:
+        return None, "numerical check skipped (the forward returns no floating tensor)"
+    return ((args, kwargs), out), ""
+
+
+def tolerance(model: nn.Module) -> float:
+    """Of the output's scale: ``RTOL`` in fp32; a few epsilons of a half dtype the model was cast to
+    (sharded sums round in another order); TF32 matmuls on a GPU round to ~1e-3."""
+    p = next(iter(model.parameters()))
+    rtol = max(RTOL, 8 * torch.finfo(p.dtype).eps) if p.dtype.is_floating_point else RTOL
+    if p.device.type == "cuda" and torch.get_float32_matmul_precision() != "highest":
+        rtol = max(rtol, 1e-2)
+    return rtol
+
+
+def compare(model: nn.Module, reference, group, degree: int, suspects: list[str]) -> str:
+    """Run the sharded ``model`` on the probe and compare with ``reference`` (from :func:`probe`);
+    every tensor rank agrees on the verdict (the largest difference is all-reduced over ``group``)."""
+    import torch.distributed as dist
+
+    (args, kwargs), want = reference
+    try:
+        with _evaluating(model):
+            got = _output(model(*args, **kwargs))
+    except CompositionError as e:  # the probe itself does not fit (its 8 tokens under sequence parallelism)
+        return f"numerical check skipped (the probe input does not fit the sharded model: {e})"
+    if got is None or got.shape != want.shape:
+        diff = torch.tensor(float("inf"), device=want.device)
+    else:
+        diff = (got - want).abs().max()
+    scale = max(float(want.abs().max()), 1.0)
+    if group is not None:
+        dist.all_reduce(diff, op=dist.ReduceOp.MAX, group=group)
+    tol = tolerance(model) * scale
+    rel = float(diff) / scale
+    if not float(diff) <= tol:
+        shown = ", ".join(suspects[:6]) + (" ..." if len(suspects) > 6 else "")
+        raise TensorPlanMismatchError(
+            f"at tensor degree {degree} the sharded model's output on a probe input differs from the whole "
+            f"model's on the same input and weights (largest difference {rel:.3g} of the output's scale, "
+            f"tolerance {tol / scale:.1g}): the shapes fit but the numbers do not, so training would "
+            f"silently train another model. Likely: a fused or reshaped projection read with a head count "
+            f"fixed at init (.view(..., heads, -1) of a rank's shard gives smaller heads, not fewer) "
+            f"among {shown}",
+            "keep that layer whole with a manual plan (tensor_parallel({'blocks.*.fc1': 'colwise', "
+            "'blocks.*.fc2': 'rowwise'}) or TPInfo().shard_col(...).shard_row(...) naming only the layers "
+            "that split right), or read the head count from the width in the forward "
+            "(.view(b, t, 3, -1, head_dim)), or name the attention's head-count attribute num_heads so it "
+            "is divided",
+        )
+    return f"sharded output checked against the whole model's on a probe input (difference {rel:.1g} of its scale)"
