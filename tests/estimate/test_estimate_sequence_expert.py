@@ -45,3 +45,28 @@ def test_expert_parallel_is_refused_with_a_typed_error():
     plan = ca.compose(ca.parallel_mode([("expert", 2)]), ca.expert_parallel(), env=Environment(world_size=2))
     with pytest.raises(CompositionError, match="expert_parallel"):
         _estimate("mixtral", plan)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_moe_peak_within_bound_of_the_measured_peak(name):
+    """One process, no splitting steps: the estimate against MemTracker over a real step (the
+    estimate tests' way of measuring), within 10 %."""
+    from composable_atorch.auto.worker import peak_bytes_of_step
+
+    torch.manual_seed(0)
+    model = mm.build(name)
+    optim = torch.optim.AdamW(model.parameters())
+    ids = mm.batch(0, 4)
+
+    def step(before_micro=None):
+        if before_micro is not None:
+            before_micro()
+        model(input_ids=ids, labels=ids).loss.backward()
+        optim.step()
+        optim.zero_grad()
+
+    step()
+    step()
+    peak = peak_bytes_of_step(step, model, optim, "cpu")[0]
+    predicted = _estimate(name, ca.compose(), world=1).peak
+    assert abs(predicted - peak) / peak <= 0.10, (predicted, peak)
