@@ -30,6 +30,7 @@ from composable_atorch.core.plan import Plan
 from composable_atorch.core.transform import ApplyContext, TrainState
 from composable_atorch.errors import ConfigError
 from composable_atorch.estimate.inputs import EstimateError, default_loss, fake_batch, make_optimizer
+from composable_atorch.estimate.moe import fake_grouped_mm, refuse_unpriced
 from composable_atorch.estimate.pipeline import NEEDS_CRITERION, Mailbox, runner_of, schedule_step, split_batch, wire
 from composable_atorch.estimate.steptime import OpTrace
 from composable_atorch.runtime.optim import PlanOptimizer, parameter_names, rebuild_optimizer
@@ -126,6 +127,7 @@ def apply_plan(plan: Plan, model, optim, loader) -> tuple[Any, PlanOptimizer, An
     for step in plan.steps:
         cost = step.transform.contract.cost
         if not cost.simulated:
+            refuse_unpriced(step.transform)
             skipped.append(step.transform.describe())
             grad_copies += cost.grad_copies
             continue
@@ -195,7 +197,7 @@ def simulate_rank(
         trained = [p for p in model.parameters() if p.requires_grad]
         grad_bytes = sum(local_bytes(p) for p in trained)
         bucket_bytes = int(grad_copies * grad_bytes)
-        with fake:
+        with fake, fake_grouped_mm():
             inputs = fake_batch(batch, global_batch, micro)
             shard = getattr(getattr(loader, "collate_fn", None), "shard", None)
             if shard is not None:  # a sequence split (context / Ulysses): this rank's part of every sequence

@@ -1,0 +1,86 @@
+"""estimate's per-rank peak against the measured peak for the transformers-5 MoE families and Llama.
+
+One process (world 1, no plan steps that split the model): the measured peak is torch's MemTracker
+over one training step after two warm-up steps (auto.worker.peak_bytes_of_step, as the estimate tests
+measure); the estimate is composable_atorch.estimate on fake tensors. Expert and context / Ulysses
+degrees 2 are not in the table: estimate refuses expert_parallel (typed EstimateError), and the
+gloo world-2 comparison for context / Ulysses was not run in this round. Writes
+benchmarks/results/estimate_sequence_expert.json and prints a table.
+
+    PYTHONPATH=src python benchmarks/estimate_sequence_expert.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+
+import _seq  # noqa: E402
+import moe_models as mm  # noqa: E402
+from composable_atorch import compose  # noqa: E402
+from composable_atorch.auto.worker import peak_bytes_of_step  # noqa: E402
+from composable_atorch.estimate.core import estimate  # noqa: E402
+
+FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss"]
+
+
+def hf_loss(model, batch):
+    return model(**batch).loss
+
+
+def adamw(model):
+    return torch.optim.AdamW(model.parameters())
+
+
+def measured(build, ids) -> int:
+    torch.manual_seed(0)
+    model = build()
+    optim = adamw(model)
+
+    def step(before_micro=None):
+        if before_micro is not None:
+            before_micro()
+        model(input_ids=ids, labels=ids).loss.backward()
+        optim.step()
+        optim.zero_grad()
+
+    step()
+    step()
+    return peak_bytes_of_step(step, model, optim, "cpu")[0]
+
+
+def predicted(build, shape) -> int:
+    batch = {"input_ids": shape, "labels": shape}
+    return estimate(compose(), build, batch, world_size=1, loss_fn=hf_loss, optimizer=adamw, step_time=False).peak
+
+
+def rows():
+    for name in FAMILIES:
+        ids = mm.batch(0, 4)
+        yield name, tuple(ids.shape), measured(lambda n=name: mm.build(n), ids), predicted(
+            lambda n=name: mm.build(n), tuple(ids.shape)
+        )
+    for seq in (64, 256):
+        ids = torch.randint(1, 128, (2, seq), generator=torch.Generator().manual_seed(seq))
+        yield f"llama seq {seq}", tuple(ids.shape), measured(_seq.llama, ids), predicted(_seq.llama, tuple(ids.shape))
+
+
+def main():
+    table = []
+    print(f"{'model':16s} {'batch':10s} {'measured':>10s} {'estimate':>10s} {'ratio':>6s}")
+    for name, shape, peak, est in rows():
+        table.append({"model": name, "batch": list(shape), "measured": peak, "estimate": est, "ratio": est / peak})
+        print(f"{name:16s} {str(shape):10s} {peak:10d} {est:10d} {est / peak:6.3f}", flush=True)
+    out = os.path.join(HERE, "results", "estimate_sequence_expert.json")
+    with open(out, "w") as f:
+        json.dump({"world": 1, "device": "cpu", "rows": table}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
