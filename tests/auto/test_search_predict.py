@@ -331,3 +331,17 @@ def test_the_trials_table_in_a_log_keeps_every_plan_whole_on_its_own_line():
     terminal = io.StringIO()
     report.show(Console(file=terminal, force_terminal=True, width=200), result)
     assert "┃" in terminal.getvalue()  # a terminal still gets rich's table
+
+
+def test_the_table_orders_skipped_plans_whose_prediction_has_no_memory_figure():
+    """A plan skipped as predicted slower can carry a step time and no peak (the README demo crashed
+    sorting such a record against one with a peak: None < int)."""
+    stub = Stub()
+    result, _ = run(memory_limit="20MiB", estimator=stub)
+    first = result.skipped[0]
+    first.predicted = Prediction(step_time_s=1.0)
+    first.status = "predicted-slower"
+    rows = report.rows(result)
+    assert {r["status"] for r in rows[-2:]} == {"predicted-slower", "predicted-infeasible"}
+    assert any(r["predicted_mib"] is None for r in rows[-2:])
+    assert "predicted-slower" in report.text_table(result)

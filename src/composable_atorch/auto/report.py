@@ -41,7 +41,8 @@ def rows(result: SearchResult) -> list[dict]:
     measured = sorted(
         result.measured, key=lambda r: (order.get(r.status, 3), -(r.result.samples_per_s or 0) if r.result else 0)
     )
-    skipped = sorted(result.skipped, key=lambda r: r.predicted.peak_bytes if r.predicted else 0)
+    # a plan skipped as predicted slower may carry a step time and no memory figure (peak_bytes None)
+    skipped = sorted(result.skipped, key=lambda r: (r.predicted.peak_bytes or 0) if r.predicted else 0)
     out = []
     for r in measured + skipped:
         res, pred = r.result, r.predicted
