@@ -159,7 +159,6 @@ def to_local(model: nn.Module, model_sd: dict | None = None, optim_sd: dict | No
     _convert(model, model_sd, optim_sd, lambda t, shard, p: _local(t, p))
 
 
-
 def gather_whole(model: nn.Module, state: dict) -> None:
     """Replace (in place) the split experts' entries of a full model state dict (keys as the model names
     its parameters) by the whole ``[E, ...]`` tensors, on CPU: each expert rank's rows (fsdp's shards
