@@ -70,7 +70,9 @@ def test_predictions_and_hanging_trials_spend_the_budget_and_stop():
     )
     assert time.monotonic() - start < PREDICT_BUDGET_S + TRIAL_S + SPAWN_MARGIN_S
     assert result.stopped_by == f"time_limit={PREDICT_BUDGET_S:g} s"
-    assert all(r.status == "failed" for r in result.measured)  # every trial hung and was cut
+    # the slow predictions spend most of the budget, so often no trial starts at all; any that did hung
+    # and was cut (a hanging trial cut at its timeout is checked at world 2 in the tests below)
+    assert all(r.status == "failed" for r in result.measured)
 
 
 def test_the_predictor_starts_no_prediction_after_the_deadline():
