@@ -61,9 +61,15 @@ def _moved(x, like: torch.Tensor):
 
 def probe(model: nn.Module):
     """``(example, output)`` of the whole model before sharding, or ``(None, why not)``."""
+    from torch._guards import detect_fake_mode
+    from torch._subclasses.fake_tensor import FakeTensor
+
     params = list(model.parameters())
     if not params or any(p.is_meta or hasattr(p, "to_local") for p in params):
         return None, "numerical check skipped (weights not materialized or already distributed)"
+    # ``estimate`` applies the plan on fake tensors: there are no values to compare
+    if detect_fake_mode() is not None or any(isinstance(p, FakeTensor) for p in params):
+        return None, "numerical check skipped (fake tensors: the plan is being estimated, not run)"
     example = example_input(model)
     if example is None:
         return None, "numerical check skipped (no example input could be guessed for this model)"
