@@ -140,3 +140,15 @@ class TensorPlanMismatchError(ConfigError):
         self.problem, self.fix = problem, fix
         CompositionError.__init__(self, f"tensor_parallel: {problem}. Fix: {fix}.")
         self.field, self.value, self.allowed = "tensor_parallel.plan", problem, fix
+
+
+class SequenceSplitMismatchError(ConfigError):
+    """A sequence split (context parallelism, Ulysses) whose model computes another output than the
+    whole model on the same probe tokens and weights: a token mixer outside attention (a convolution,
+    a state-space or linear-attention layer), an attention bias or feature the split does not carry
+    over. Raised before any training step; names the fix."""
+
+    def __init__(self, who: str, problem: str, fix: str):
+        self.problem, self.fix = problem, fix
+        CompositionError.__init__(self, f"{who}: {problem}. Fix: {fix}.")
+        self.field, self.value, self.allowed = f"{who}.model", problem, fix

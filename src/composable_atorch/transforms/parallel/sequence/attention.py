@@ -64,17 +64,28 @@ class Attend:
         group's collectives, which the other ranks may not be running."""
         return Attend(kind=self.kind, group=None, rank=0, n=1, who=self.who, rotation=self.rotation)
 
-    def __call__(self, q, k, v, *, causal: bool, scale=None, dropout: float = 0.0) -> torch.Tensor:
-        """``q, k, v``: ``(batch, heads, local seq, dim)`` -> this rank's output, same shape as ``q``."""
+    def __call__(
+        self, q, k, v, *, causal: bool, scale=None, dropout: float = 0.0, window=None, softcap=None, sinks=None
+    ) -> torch.Tensor:
+        """``q, k, v``: ``(batch, heads, local seq, dim)`` -> this rank's output, same shape as ``q``.
+
+        ``window`` (transformers' ``sliding_window``: a query attends to the keys less than ``window``
+        positions behind it), ``softcap`` (Gemma-2's ``softcap * tanh(logits / softcap)``) and
+        ``sinks`` (GPT-OSS's per-head logit joining every softmax's denominator) are the per-layer
+        attention features transformers passes; each is applied over global positions."""
         self.calls += 1
+        extra = Features(window=window, softcap=softcap, sinks=sinks)
         if self.n == 1 or is_probing():  # a probe forward (a transform's check) runs as one process
             k, v = _repeat_heads(k, q.size(1)), _repeat_heads(v, q.size(1))
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=causal, scale=scale)
+            length = q.size(2)
+            pos = torch.arange(length, device=q.device)
+            return attention(q, k, v, pos, pos, causal, scale, dropout, extra)
         if self.kind == "context":
-            return self._context(q, k, v, causal, scale, dropout)
-        return self._ulysses(q, k, v, causal, scale, dropout)
+            return self._context(q, k, v, causal, scale, dropout, extra)
+        return self._ulysses(q, k, v, causal, scale, dropout, extra)
 
-    def _context(self, q, k, v, causal, scale, dropout):
+    def _context(self, q, k, v, causal, scale, dropout, extra):
+        length = q.size(2)
         if self.rotation == "ring":
             if dropout:
                 raise ConfigError(
@@ -83,28 +94,89 @@ class Attend:
                     "0.0, or context_parallel(rotation='allgather'): the ring merges partial softmaxes and has no "
                     "dropout on its probabilities",
                 )
+            unsupported = extra.beyond_ring(self.n * length)
+            if unsupported:
+                raise ConfigError(
+                    f"{self.who}: the model's attention {unsupported}",
+                    "with rotation='ring'",
+                    "context_parallel(rotation='allgather'), or sequence_parallel (Ulysses): the ring merges "
+                    "partial softmaxes block by block and computes plain causal attention only",
+                )
             k, v = _repeat_heads(k, q.size(1)), _repeat_heads(v, q.size(1))
             return ring_attention(q, k, v, self.group, self.rank, self.n, causal=causal, scale=scale)
         # all-gather of keys and values (exact; one collective, then one fused attention)
         k_all = _repeat_heads(gather_sequence(k, self.group, self.n), q.size(1))
         v_all = _repeat_heads(gather_sequence(v, self.group, self.n), q.size(1))
-        mask = None
-        if causal:
-            length = q.size(2)
-            q_pos = chunk_positions(self.rank, self.n, length, True, q.device)
-            k_pos = all_positions(self.n, length, True, q.device)
-            mask = q_pos[:, None] >= k_pos[None, :]
-        return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, dropout_p=dropout, scale=scale)
+        q_pos = chunk_positions(self.rank, self.n, length, True, q.device)
+        k_pos = all_positions(self.n, length, True, q.device)
+        return attention(q, k_all, v_all, q_pos, k_pos, causal, scale, dropout, extra)
 
-    def _ulysses(self, q, k, v, causal, scale, dropout):
+    def _ulysses(self, q, k, v, causal, scale, dropout, extra):
         heads = q.size(1)
         check_heads(heads, self.n, self.who)
         if k.size(1) % self.n:  # too few key/value heads to split: repeat them first
             k, v = _repeat_heads(k, heads), _repeat_heads(v, heads)
         qh, kh, vh = (sequence_to_heads(t, self.group, self.n) for t in (q, k, v))
         kh, vh = _repeat_heads(kh, qh.size(1)), _repeat_heads(vh, qh.size(1))
-        out = F.scaled_dot_product_attention(qh, kh, vh, dropout_p=dropout, is_causal=causal, scale=scale)
+        mine = heads // self.n  # this rank's heads: rank r holds heads r*h/n .. (r+1)*h/n - 1
+        extra = extra.heads(self.rank * mine, (self.rank + 1) * mine)
+        pos = torch.arange(qh.size(2), device=q.device)
+        out = attention(qh, kh, vh, pos, pos, causal, scale, dropout, extra)
         return heads_to_sequence(out, self.group, self.n)
+
+
+@dataclass(frozen=True)
+class Features:
+    """The per-layer attention features a transformers attention module passes (None: not used)."""
+
+    window: int | None = None
+    softcap: float | None = None
+    sinks: torch.Tensor | None = None
+
+    def heads(self, start: int, stop: int) -> Features:
+        """The features for heads ``start .. stop - 1`` (sinks are per head)."""
+        sinks = None if self.sinks is None else self.sinks[start:stop]
+        return Features(window=self.window, softcap=self.softcap, sinks=sinks)
+
+    def beyond_ring(self, total: int) -> str:
+        """What the ring cannot compute, for sequences of ``total`` tokens ('' when nothing)."""
+        found = []
+        if self.window is not None and self.window < total:
+            found.append(f"sliding_window {self.window} (< the sequence's {total} tokens)")
+        if self.softcap is not None:
+            found.append(f"softcap {self.softcap}")
+        if self.sinks is not None:
+            found.append("attention sinks (s_aux)")
+        return ", ".join(found)
+
+
+def attention(q, k, v, q_pos, k_pos, causal: bool, scale, dropout: float, extra: Features) -> torch.Tensor:
+    """Attention of queries at global positions ``q_pos`` over keys at ``k_pos`` (same heads):
+    ``scaled_dot_product_attention`` with the causal / sliding-window mask, or, with a softcap or
+    sinks, the same computation spelled out as transformers' eager attention does it."""
+    mask = None
+    if causal or extra.window is not None:
+        offset = q_pos[:, None] - k_pos[None, :]
+        mask = offset >= 0 if causal else torch.ones_like(offset, dtype=torch.bool)
+        if extra.window is not None:
+            mask = mask & (offset < extra.window)
+    if extra.softcap is None and extra.sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scale)
+    scale = q.size(-1) ** -0.5 if scale is None else scale
+    logits = torch.matmul(q, k.transpose(-2, -1)) * scale
+    if extra.softcap is not None:
+        logits = torch.tanh(logits / extra.softcap) * extra.softcap
+    if mask is not None:
+        logits = logits.masked_fill(~mask, torch.finfo(logits.dtype).min)
+    if extra.sinks is not None:
+        sink = extra.sinks.to(logits.dtype).reshape(1, -1, 1, 1).expand(q.size(0), -1, q.size(2), 1)
+        both = torch.cat([logits, sink], dim=-1)
+        probs = F.softmax(both - both.max(dim=-1, keepdim=True).values, dim=-1)[..., :-1]
+    else:
+        probs = F.softmax(logits, dim=-1, dtype=torch.float32).to(q.dtype)
+    if dropout:
+        probs = F.dropout(probs, p=dropout)
+    return torch.matmul(probs.to(v.dtype), v)
 
 
 def check_heads(heads: int, n: int, who: str) -> None:
@@ -129,7 +201,17 @@ def sequence_attention_forward(
             "a model prepared by context_parallel / sequence_parallel (set another config._attn_implementation)",
         )
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    out = attend(query, key, value, causal=bool(causal), scale=scaling, dropout=dropout)
+    out = attend(
+        query,
+        key,
+        value,
+        causal=bool(causal),
+        scale=scaling,
+        dropout=dropout,
+        window=kwargs.get("sliding_window"),
+        softcap=kwargs.get("softcap"),
+        sinks=kwargs.get("s_aux"),
+    )
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -144,11 +226,6 @@ def route_transformers(model: torch.nn.Module, attend: Attend) -> str:
 
     if AttentionInterface._global_mapping.get(IMPLEMENTATION) is not sequence_attention_forward:
         AttentionInterface.register(IMPLEMENTATION, sequence_attention_forward)
-    window = getattr(model.config, "sliding_window", None)
-    if window is not None and getattr(model.config, "use_sliding_window", True):
-        raise ConfigError(
-            f"{attend.who}: config.sliding_window", window, "None: sliding-window masks are not split over ranks yet"
-        )
     before = model.config._attn_implementation
     model.set_attn_implementation(IMPLEMENTATION)
     for module in model.modules():

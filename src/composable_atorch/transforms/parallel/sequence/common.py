@@ -27,6 +27,7 @@ from composable_atorch.runtime.layout import BATCH_DIMS
 from composable_atorch.runtime.loader import rebuild_loader
 from composable_atorch.runtime.sequence import mark_sequence_split
 from composable_atorch.transforms.parallel.data.common import DataGradSync, broadcast_local, parallel_context
+from composable_atorch.transforms.parallel.sequence import check as split_check
 from composable_atorch.transforms.parallel.sequence.attention import (
     Attend,
     SequenceHooks,
@@ -37,7 +38,7 @@ from composable_atorch.transforms.parallel.sequence.attention import (
     uses_attention_interface,
 )
 from composable_atorch.transforms.parallel.sequence.loss import SPLIT_ATTR
-from composable_atorch.transforms.parallel.sequence.shard import ShardCollate, check_length
+from composable_atorch.transforms.parallel.sequence.shard import ShardCollate, check_length, shard_batch
 
 NOT_WITH_MODEL_PARALLEL = "is not built together with {other} in this version (untested: {why})"
 
@@ -151,12 +152,25 @@ def apply_split(
     rank = mesh.get_local_rank()
     attend = Attend(kind=kind, group=group, rank=rank, n=n, who=who, rotation=rotation)
     broadcast_local(model, group)
+    ref, skipped = split_check.reference(model, length, n)
     if interface:
         before = route_transformers(model, attend)
         state.note(who, f"attention: transformers' attention interface ({before!r} -> {route_name()!r})")
     else:
         state.note(who, "attention: calls to scaled_dot_product_attention inside the model's forward intercepted")
     SequenceHooks(model, attend, intercept_sdpa=not interface, positions=positions)
+    if ref is not None:
+        skipped = split_check.compare(
+            model,
+            ref,
+            group=group,
+            rank=rank,
+            n=n,
+            balanced=balanced,
+            who=who,
+            shard=lambda batch, total: shard_batch(batch, rank, n, balanced, who, total),
+        )
+    state.note(who, skipped)
     setattr(model, SPLIT_ATTR, attend)  # for sequence_cross_entropy (a copy of the model gets a local one)
     mark_sequence_split(model, group, n)  # for a pipeline's own loss report
     if state.loader is not None:

@@ -12,44 +12,12 @@ the fused / reshaped projections and the fix.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from torch import nn
 
 from composable_atorch.errors import CompositionError, TensorPlanMismatchError
+from composable_atorch.transforms.numerics import evaluating, output_tensor, tolerance
 from composable_atorch.transforms.parallel.tensor.graph import example_input
-
-#: relative tolerance (of the largest output) for fp32; reduced precision widens it by its epsilon
-RTOL = 1e-4
-
-
-@contextlib.contextmanager
-def _evaluating(model: nn.Module):
-    """Dropout off, no graph, the random streams untouched; each module's mode restored after."""
-    modes = [(m, m.training) for m in model.modules()]
-    model.eval()
-    try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            yield
-    finally:
-        for m, mode in modes:
-            m.training = mode
-
-
-def _output(out) -> torch.Tensor | None:
-    """The tensor a forward returns (logits, a loss, a plain tensor), whole and in fp32."""
-    if hasattr(out, "logits"):
-        out = out.logits
-    elif hasattr(out, "last_hidden_state"):
-        out = out.last_hidden_state
-    if isinstance(out, tuple | list):
-        out = next((o for o in out if isinstance(o, torch.Tensor)), None)
-    if not isinstance(out, torch.Tensor) or not out.is_floating_point():
-        return None
-    if hasattr(out, "full_tensor"):
-        out = out.full_tensor()
-    return out.detach().float()
 
 
 def _moved(x, like: torch.Tensor):
@@ -77,23 +45,13 @@ def probe(model: nn.Module):
     args = tuple(_moved(a, params[0]) for a in args)
     kwargs = {k: _moved(v, params[0]) for k, v in kwargs.items()}
     try:
-        with _evaluating(model):
-            out = _output(model(*args, **kwargs))
+        with evaluating(model):
+            out = output_tensor(model(*args, **kwargs))
     except Exception as e:  # noqa: BLE001 - the model does not take the guessed input: nothing to compare
         return None, f"numerical check skipped (the model does not run on a guessed example input: {type(e).__name__})"
     if out is None:
         return None, "numerical check skipped (the forward returns no floating tensor)"
     return ((args, kwargs), out), ""
-
-
-def tolerance(model: nn.Module) -> float:
-    """Of the output's scale: ``RTOL`` in fp32; a few epsilons of a half dtype the model was cast to
-    (sharded sums round in another order); TF32 matmuls on a GPU round to ~1e-3."""
-    p = next(iter(model.parameters()))
-    rtol = max(RTOL, 8 * torch.finfo(p.dtype).eps) if p.dtype.is_floating_point else RTOL
-    if p.device.type == "cuda" and torch.get_float32_matmul_precision() != "highest":
-        rtol = max(rtol, 1e-2)
-    return rtol
 
 
 def compare(model: nn.Module, reference, group, degree: int, suspects: list[str]) -> str:
@@ -103,8 +61,8 @@ def compare(model: nn.Module, reference, group, degree: int, suspects: list[str]
 
     (args, kwargs), want = reference
     try:
-        with _evaluating(model):
-            got = _output(model(*args, **kwargs))
+        with evaluating(model):
+            got = output_tensor(model(*args, **kwargs))
     except CompositionError as e:  # the probe itself does not fit (its 8 tokens under sequence parallelism)
         return f"numerical check skipped (the probe input does not fit the sharded model: {e})"
     if got is None or got.shape != want.shape:
