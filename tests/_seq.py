@@ -162,3 +162,25 @@ def close(got: dict, ref) -> tuple[float, float]:
 
 def finite(values) -> bool:
     return all(math.isfinite(v) for v in values)
+
+
+def measured_peak(plan_json: str, task) -> int:
+    """This rank's peak of one training step of ``plan_json`` on ``task`` (an auto.workload.GPTTask),
+    measured as the trial worker measures (MemTracker after two warm-up steps, the batch fetched
+    before the tracker starts), the batch taken through the plan's loader (a split shards it)."""
+    from composable_atorch.auto.worker import peak_bytes_of_step, prefetch, trial_step
+
+    torch.manual_seed(0)
+    model = task.model()
+    optim = task.optimizer(model)
+    data_loader = DataLoader(task.dataset(), batch_size=task.batch_size)
+    model, optim, data_loader = ca.Plan.from_json(plan_json)(model, optim, data_loader)
+    data = iter([next(iter(data_loader))] * 3)
+    for _ in range(2):
+        trial_step(model, optim, data, task.loss, "cpu")
+    fetched = prefetch(optim, data, "cpu")
+
+    def step(before_micro=None):
+        trial_step(model, optim, iter(fetched), task.loss, "cpu", before_micro)
+
+    return peak_bytes_of_step(step, model, optim, "cpu")[0]

@@ -92,9 +92,13 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
 
-    def forward(self, tokens):
+    def forward(self, tokens, position_ids=None):
+        """``position_ids``: the tokens' global positions (a sequence split gives each rank's part its
+        own); None: ``0 .. seq-1``."""
         t = tokens.size(1)
-        x = self.tok(tokens) + self.pos(torch.arange(t, device=tokens.device))
+        if position_ids is None:
+            position_ids = torch.arange(t, device=tokens.device)
+        x = self.tok(tokens) + self.pos(position_ids)
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x))
