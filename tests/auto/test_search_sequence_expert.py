@@ -154,13 +154,10 @@ def test_a_plan_the_estimate_cannot_simulate_is_measured_not_ruled_out():
         check.observe(Prediction(step_time_s=step), TrialResult(status="ok", step_time=step, samples_per_s=1.0))
     assert check.loses(pred) is None
     assert check.loses(crashed) is not None  # unchanged
-    # expert_parallel is left out of the estimate's simulation (its split experts would count whole):
-    # not asked at all, measured
-    calls = []
+    # expert_parallel is simulated now (balanced dispatch on fake tensors): the estimate is asked
     experts = ca.compose(ca.parallel_mode([("expert", 2), ("data", 1)]), lookup("expert_parallel")(), env=env)
-    left_out = Predictor(lambda *a, **k: calls.append(a), workload(moe_model, 16), env)(experts)
-    assert left_out.measure and left_out.peak_bytes is None and "leaves expert_parallel out" in left_out.reason
-    assert calls == []
+    asked = Predictor(refuses, workload(moe_model, 16), env)(experts)
+    assert asked.measure and "measured instead" in asked.reason and "leaves expert_parallel out" not in asked.reason
 
 
 def split_experts(rank: int, world: int, plan_json: str) -> dict:
@@ -180,7 +177,7 @@ def split_experts(rank: int, world: int, plan_json: str) -> dict:
 def test_a_short_study_at_world_2_on_a_moe_measures_expert_parallelism_and_its_plan_trains():
     others = tuple(sorted(set(ca.registry()) - {"expert_parallel", "parallel_mode", "ddp"}))
 
-    def refuses(plan, model, batch, **_):  # the estimate of expert plans, until it simulates them
+    def refuses(plan, model, batch, **_):  # a typed refusal: the plan is measured instead
         raise EstimateError("expert parallelism is not simulated", "all-to-all split sizes", "measure it")
 
     result = search(

@@ -1,9 +1,8 @@
-"""estimate on transformers 5 mixtures of experts, and its typed refusal of expert_parallel.
+"""estimate on transformers 5 mixtures of experts (one process; expert_parallel: test_estimate_expert.py).
 
 The MoE families (tests/moe_models.py) run ``grouped_mm`` on 3-D expert weights, whose fake
 registration takes bf16 only: estimate routes fake tensors through transformers' own fallback
-(estimate/moe.py). expert_parallel's dispatch cannot run in the fake world; estimate refuses it with
-a typed error instead of reporting every rank holding every expert.
+(estimate/moe.py).
 """
 
 from __future__ import annotations
@@ -14,7 +13,6 @@ import torch
 import composable_atorch as ca
 import moe_models as mm
 from composable_atorch.environment import Environment
-from composable_atorch.errors import CompositionError
 from composable_atorch.estimate.core import estimate
 
 FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss"]
@@ -39,12 +37,6 @@ def test_moe_families_are_estimated(name):
     result = _estimate(name, ca.compose(ca.ddp(), env=Environment(world_size=2)))
     # weights, grads and AdamW's two moments are all held at the peak of a replicated step
     assert result.peak >= 3 * params, (result.peak, params)
-
-
-def test_expert_parallel_is_refused_with_a_typed_error():
-    plan = ca.compose(ca.parallel_mode([("expert", 2)]), ca.expert_parallel(), env=Environment(world_size=2))
-    with pytest.raises(CompositionError, match="expert_parallel"):
-        _estimate("mixtral", plan)
 
 
 @pytest.mark.parametrize("name", FAMILIES)

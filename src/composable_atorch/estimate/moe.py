@@ -37,21 +37,3 @@ def fake_grouped_mm():
         yield
     finally:
         moe._can_use_grouped_mm = original
-
-
-def refuse_unpriced(transform) -> None:
-    """A typed refusal for a step the fake world cannot run and whose contract prices nothing.
-
-    ``expert_parallel`` slices every MoE layer's experts and dispatches tokens with an all-to-all
-    whose split sizes come from the router's values; the fake process group exchanges no values, and
-    leaving the step out would report every rank holding every expert: a silently wrong number.
-    """
-    if getattr(transform, "name", None) == "expert_parallel":
-        from composable_atorch.estimate.inputs import EstimateError
-
-        raise EstimateError(
-            "expert_parallel",
-            "its all-to-all token dispatch needs the router's real split sizes, which the fake process "
-            "group does not exchange, and the per-rank expert slices are not simulated yet",
-            "estimate the plan without expert_parallel (every rank holds every expert) or measure a step",
-        )

@@ -30,7 +30,7 @@ from composable_atorch.core.plan import Plan
 from composable_atorch.core.transform import ApplyContext, TrainState
 from composable_atorch.errors import ConfigError
 from composable_atorch.estimate.inputs import EstimateError, default_loss, fake_batch, make_optimizer
-from composable_atorch.estimate.moe import fake_grouped_mm, refuse_unpriced
+from composable_atorch.estimate.moe import fake_grouped_mm
 from composable_atorch.estimate.pipeline import NEEDS_CRITERION, Mailbox, runner_of, schedule_step, split_batch, wire
 from composable_atorch.estimate.steptime import OpTrace
 from composable_atorch.runtime.optim import PlanOptimizer, parameter_names, rebuild_optimizer
@@ -127,7 +127,6 @@ def apply_plan(plan: Plan, model, optim, loader) -> tuple[Any, PlanOptimizer, An
     for step in plan.steps:
         cost = step.transform.contract.cost
         if not cost.simulated:
-            refuse_unpriced(step.transform)
             skipped.append(step.transform.describe())
             grad_copies += cost.grad_copies
             continue
@@ -135,6 +134,16 @@ def apply_plan(plan: Plan, model, optim, loader) -> tuple[Any, PlanOptimizer, An
         if isinstance(state.optim, torch.optim.Optimizer):
             state.optim = rebuild_optimizer(state.optim, state.param_names, state.model)
     return state.model, PlanOptimizer(state.optim, state.hooks), state.loader, skipped, grad_copies, state.parallel
+
+
+def _bucketed(trained: list[torch.Tensor], parallel) -> list[torch.Tensor]:
+    """The trained parameters in ddp's buckets (the copy a contract's ``grad_copies`` prices): all
+    but the experts expert_parallel keeps out of ddp's replicate (their own hook averages them)."""
+    from composable_atorch.transforms.parallel.data.common import EXPERT_MODULES
+
+    experts = () if parallel is None else parallel.extras.get(EXPERT_MODULES, ())
+    kept_out = {id(p) for m in experts for p in m.parameters()}
+    return [p for p in trained if id(p) not in kept_out]
 
 
 def local_bytes(t: torch.Tensor) -> int:
@@ -196,7 +205,8 @@ def simulate_rank(
             stage = stage_of_rank[rank]
         trained = [p for p in model.parameters() if p.requires_grad]
         grad_bytes = sum(local_bytes(p) for p in trained)
-        bucket_bytes = int(grad_copies * grad_bytes)
+        bucketed = _bucketed(trained, parallel)
+        bucket_bytes = int(grad_copies * sum(local_bytes(p) for p in bucketed))
         with fake, fake_grouped_mm():
             inputs = fake_batch(batch, global_batch, micro)
             shard = getattr(getattr(loader, "collate_fn", None), "shard", None)
@@ -217,7 +227,7 @@ def simulate_rank(
                     loss = loss_fn(model, inputs)
                     if isinstance(loss, list | tuple):
                         loss = loss[0]
-                    with buckets_from_backward(trained, grad_copies if buckets_in_backward else 0.0):
+                    with buckets_from_backward(bucketed, grad_copies if buckets_in_backward else 0.0):
                         optim.backward(loss)
                         optim.step()
                     optim.zero_grad()
@@ -265,7 +275,7 @@ def simulate_rank(
                 stage=stage,
                 stage_of_rank=stage_of_rank,
                 trace=trace if trace_ops else None,
-                allreduce_buckets=[b for _, b in bucket_sizes(trained, 1.0)] if grad_copies > 0 else [],
+                allreduce_buckets=[b for _, b in bucket_sizes(bucketed, 1.0)] if grad_copies > 0 else [],
             )
             if step_time:
                 run.step_time_s, run.step_time_mode = runtime_of(step)

@@ -15,6 +15,10 @@ experts is therefore scaled by ``1/n`` and the one leaving them towards the toke
 (:class:`_ScaleGrad`), so the experts' gradient is the expert group's mean and the tokens' is
 untouched; the data-parallel step then only averages experts over their data replicas, as any
 replicated parameter (see ``transform``). Exact for a power-of-two degree.
+
+On fake tensors (``estimate``'s simulated step) the router's choices have no values: the split sizes
+are those of a balanced router (:func:`balanced_splits`), so the simulated exchange buffers and local
+expert activations are the balanced ones.
 """
 
 from __future__ import annotations
@@ -77,9 +81,12 @@ def dispatch_forward(module, local_forward, hidden_states, top_k_index, top_k_we
     sorted_expert = flat_expert[order]
     source_token = torch.div(order, k, rounding_mode="floor")
     dest = torch.div(sorted_expert, per_rank, rounding_mode="floor")
-    send = torch.bincount(dest, minlength=degree)
-    recv = _exchange_counts(send, group)
-    send_splits, recv_splits = send.tolist(), recv.tolist()
+    if _is_fake(top_k_index):  # estimate's simulated step: no router values, no exchanged counts
+        send_splits = recv_splits = balanced_splits(tokens * k, degree)
+    else:
+        send = torch.bincount(dest, minlength=degree)
+        recv = _exchange_counts(send, group)
+        send_splits, recv_splits = send.tolist(), recv.tolist()
     x = hidden_states.reshape(tokens, -1)
     received = all_to_all(x[source_token], send_splits, recv_splits, group)
     local_ids = _exchange_ids(sorted_expert - dest * per_rank, send_splits, recv_splits, group)
@@ -95,6 +102,20 @@ def dispatch_forward(module, local_forward, hidden_states, top_k_index, top_k_we
     weights = top_k_weights.reshape(-1)[order].unsqueeze(1).to(back.dtype)
     combined = torch.zeros_like(x, dtype=hidden_states.dtype)
     return combined.index_add(0, source_token, (back * weights).to(hidden_states.dtype))
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
+
+
+def balanced_splits(slots: int, degree: int) -> list[int]:
+    """``slots`` (token, expert) pairs spread evenly over ``degree`` ranks: what a balanced router
+    sends each rank, and receives from each. ``estimate`` simulates the dispatch with these sizes (a
+    fake process group exchanges no values); a real router's imbalance moves only the exchange buffers
+    and the local experts' activations, not the weights, gradients or optimizer state."""
+    return [slots // degree + (1 if r < slots % degree else 0) for r in range(degree)]
 
 
 def _zero_link(received: torch.Tensor, module) -> torch.Tensor:

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from composable_atorch.core.contract import Conflict, Contract, Cost, MinWorldSize, Stage
+from composable_atorch.core.contract import Conflict, Contract, MinWorldSize, Stage
 from composable_atorch.core.transform import ApplyContext, TrainState, Transform
 from composable_atorch.transforms.parallel.data.common import (
     EXPERT_MODULES,
@@ -130,8 +130,6 @@ class ExpertParallel(Transform):
                 "drop clip_grad, or clip inside the MoE-free part of the model yourself",
             ),
         ),
-        # the all-to-all needs real split sizes, which the estimate's fake process group does not exchange
-        cost=Cost(simulated=False),
     )
 
     def describe(self):
