@@ -2,11 +2,10 @@
 
 One process (world 1, no plan steps that split the model): the measured peak is torch's MemTracker
 over one training step after two warm-up steps (auto.worker.peak_bytes_of_step, as the estimate tests
-measure); the estimate is composable_atorch.estimate on fake tensors. Then the sequence splits at
-world 2 on gloo (context 2 all-gather and ring, Ulysses 2, on the built-in GPT with its SDPA twin,
-sequence 128 and 512): each rank's measured peak against the estimate. Expert degrees are in
-benchmarks/estimate_expert.py. Writes benchmarks/results/estimate_sequence_expert.json and prints a
-table.
+measure); the estimate is composable_atorch.estimate on fake tensors. Expert and context / Ulysses
+degrees 2 are not in the table: estimate refuses expert_parallel (typed EstimateError), and the
+gloo world-2 comparison for context / Ulysses was not run in this round. Writes
+benchmarks/results/estimate_sequence_expert.json and prints a table.
 
     PYTHONPATH=src python benchmarks/estimate_sequence_expert.py
 """
@@ -64,64 +63,23 @@ def predicted(build, shape) -> int:
 def rows():
     for name in FAMILIES:
         ids = mm.batch(0, 4)
-        yield (
-            name,
-            tuple(ids.shape),
-            measured(lambda n=name: mm.build(n), ids),
-            predicted(lambda n=name: mm.build(n), tuple(ids.shape)),
+        yield name, tuple(ids.shape), measured(lambda n=name: mm.build(n), ids), predicted(
+            lambda n=name: mm.build(n), tuple(ids.shape)
         )
     for seq in (64, 256):
         ids = torch.randint(1, 128, (2, seq), generator=torch.Generator().manual_seed(seq))
         yield f"llama seq {seq}", tuple(ids.shape), measured(_seq.llama, ids), predicted(_seq.llama, tuple(ids.shape))
 
 
-def _split_peaks(rank, world, plans, task):
-    return {name: _seq.measured_peak(text, task) for name, text in plans.items()}
-
-
-def split_rows():
-    """``(name, batch, max measured peak over the 2 ranks, estimate)`` of each split at world 2."""
-    from composable_atorch import context_parallel, module_replace, parallel_mode, sequence_parallel
-    from composable_atorch.auto.workload import GPTTask
-    from composable_atorch.environment import Environment
-
-    from _dist import run_world
-
-    env = Environment.detect().with_(world_size=2)
-    plans = {
-        "context 2": compose(module_replace(), parallel_mode([("context", 2)]), context_parallel(), env=env),
-        "ring 2": compose(
-            module_replace(), parallel_mode([("context", 2)]), context_parallel(rotation="ring"), env=env
-        ),
-        "ulysses 2": compose(module_replace(), parallel_mode([("sequence", 2)]), sequence_parallel(), env=env),
-    }
-    texts = {name: plan.to_json() for name, plan in plans.items()}
-    for seq in (128, 512):
-        task = GPTTask(seq_len=seq, d_model=64, n_layer=2, n_head=4, batch_size=4)
-        peaks = run_world(_split_peaks, 2, texts, task)
-        shape = torch.Size([task.batch_size, seq])
-        for name, text in texts.items():
-            est = estimate(
-                text,
-                task.model,
-                (shape, shape),
-                world_size=2,
-                device="cpu",
-                loss_fn=task.loss,
-                optimizer=task.optimizer,
-            ).peak
-            yield f"gpt {name} seq {seq}", (task.batch_size, seq), max(p[name] for p in peaks), est
-
-
 def main():
     table = []
     print(f"{'model':16s} {'batch':10s} {'measured':>10s} {'estimate':>10s} {'ratio':>6s}")
-    for name, shape, peak, est in (*rows(), *split_rows()):
+    for name, shape, peak, est in rows():
         table.append({"model": name, "batch": list(shape), "measured": peak, "estimate": est, "ratio": est / peak})
         print(f"{name:16s} {str(shape):10s} {peak:10d} {est:10d} {est / peak:6.3f}", flush=True)
     out = os.path.join(HERE, "results", "estimate_sequence_expert.json")
     with open(out, "w") as f:
-        json.dump({"world": "1 (MoE, llama), 2 (gpt splits)", "device": "cpu", "rows": table}, f, indent=1)
+        json.dump({"world": 1, "device": "cpu", "rows": table}, f, indent=1)
 
 
 if __name__ == "__main__":
