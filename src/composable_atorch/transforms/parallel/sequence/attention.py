@@ -77,9 +77,7 @@ class Attend:
         extra = Features(window=window, softcap=softcap, sinks=sinks)
         if self.n == 1 or is_probing():  # a probe forward (a transform's check) runs as one process
             k, v = _repeat_heads(k, q.size(1)), _repeat_heads(v, q.size(1))
-            length = q.size(2)
-            pos = torch.arange(length, device=q.device)
-            return attention(q, k, v, pos, pos, causal, scale, dropout, extra)
+            return attention(q, k, v, None, None, causal, scale, dropout, extra)
         if self.kind == "context":
             return self._context(q, k, v, causal, scale, dropout, extra)
         return self._ulysses(q, k, v, causal, scale, dropout, extra)
@@ -120,8 +118,7 @@ class Attend:
         kh, vh = _repeat_heads(kh, qh.size(1)), _repeat_heads(vh, qh.size(1))
         mine = heads // self.n  # this rank's heads: rank r holds heads r*h/n .. (r+1)*h/n - 1
         extra = extra.heads(self.rank * mine, (self.rank + 1) * mine)
-        pos = torch.arange(qh.size(2), device=q.device)
-        out = attention(qh, kh, vh, pos, pos, causal, scale, dropout, extra)
+        out = attention(qh, kh, vh, None, None, causal, scale, dropout, extra)
         return heads_to_sequence(out, self.group, self.n)
 
 
@@ -153,7 +150,14 @@ class Features:
 def attention(q, k, v, q_pos, k_pos, causal: bool, scale, dropout: float, extra: Features) -> torch.Tensor:
     """Attention of queries at global positions ``q_pos`` over keys at ``k_pos`` (same heads):
     ``scaled_dot_product_attention`` with the causal / sliding-window mask, or, with a softcap or
-    sinks, the same computation spelled out as transformers' eager attention does it."""
+    sinks, the same computation spelled out as transformers' eager attention does it. ``q_pos`` None:
+    queries and keys both at ``0 .. len-1`` (Ulysses, a probe), where plain causal attention needs no
+    mask (SDPA's fused kernels, no len x len mask in memory)."""
+    plain = extra.window is None and extra.softcap is None and extra.sinks is None
+    if q_pos is None:
+        if plain:
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=causal, scale=scale)
+        q_pos = k_pos = torch.arange(q.size(2), device=q.device)
     mask = None
     if causal or extra.window is not None:
         offset = q_pos[:, None] - k_pos[None, :]
