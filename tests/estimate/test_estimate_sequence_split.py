@@ -140,3 +140,78 @@ def test_activations_fall_with_the_context_degree():
 
 def kind_of(plan_text: str) -> str:
     return "ulysses" if "sequence_parallel" in plan_text else "ring" if '"ring"' in plan_text else "context"
+
+
+# -- the traffic's price ------------------------------------------------------------------------------
+
+#: the user model at sequence 64, batch 2: d 32, 4 heads of 8, 2 layers; each rank holds 32 tokens
+K_LOCAL = BATCH * 4 * (64 // 2) * 8 * 4  # one rank's keys (fp32): 8 KiB
+HAND = {
+    # 2 layers x (keys, values): all-gathered forward (2 x local), gradients all-reduced backward
+    "context": {("all_gather", 2.0 * K_LOCAL): 4, ("all_reduce", 2.0 * K_LOCAL): 4},
+    # 2 layers x (keys, values) x (1 forward + 1 backward move) + 2 layers x (dk, dv) x 2 moves; each send received
+    "ring": {("p2p", float(K_LOCAL)): 16, ("p2p_recv", float(K_LOCAL)): 16},
+    # 2 layers x 4 all-to-alls (q, k, v in; out back) x (forward, backward)
+    "ulysses": {("all_to_all", float(K_LOCAL)): 16},
+}
+SEQUENCE_KINDS = ("all_gather", "all_to_all", "p2p", "p2p_recv")
+
+
+def _traced(kind: str):
+    from composable_atorch.estimate.inputs import meta_model
+    from composable_atorch.estimate.simulate import simulate_rank
+
+    plan = ca.compose(*split(kind), env=ca.Environment.detect().with_(world_size=2))
+    shape = torch.Size([BATCH, 64])
+    model = meta_model(lambda: build("user", 64))
+    return simulate_rank(
+        plan, model, (shape, shape), global_batch=BATCH, rank=0, loss_fn=loss_fn, optimizer=adamw, trace_ops=True
+    )
+
+
+@pytest.mark.parametrize("kind", ["context", "ring", "ulysses"])
+def test_priced_traffic_is_the_hand_count(kind):
+    """The collectives the simulated step ran around attention (what the step time prices) are the
+    hand count of the split's traffic, and ``steptime.sequence_traffic`` counts the same from the
+    attention calls it recorded."""
+    from test_steptime import synthetic
+
+    from composable_atorch.estimate.steptime import price_traffic, sequence_traffic
+
+    run = _traced(kind)
+    seen = {(op, size): n for (op, group, size), n in run.trace.ops.items() if op in SEQUENCE_KINDS}
+    hand = HAND[kind]
+    assert seen == {k: n for k, n in hand.items() if k[0] in SEQUENCE_KINDS}, seen
+    if kind == "context":  # the backward's all-reduces of the gathered gradients
+        assert run.trace.ops[("all_reduce", "2", 2.0 * K_LOCAL)] == 4
+    name, rotation, n, calls = run.sequence
+    assert (name, n, len(calls)) == ("ulysses" if kind == "ulysses" else "context", 2, 2)
+    counted = {(op, size): k for op, size, k in sequence_traffic(name, rotation, n, calls)}
+    assert counted == hand
+    cal = synthetic()
+    priced = sum(
+        k * cal.curve("all_reduce" if op == "all_reduce" else "all_gather")(size * (2 if op in ("p2p",) else 1))
+        for (op, size), k in hand.items()
+        if op != "p2p_recv"  # each receive runs beside a send of its size: in the send's price
+    )
+    assert price_traffic(sorted((op, s, k) for (op, s), k in hand.items()), cal, 2) == pytest.approx(priced)
+
+
+def test_the_estimate_report_shows_the_traffic_line():
+    from test_steptime import synthetic
+
+    for kind, words in (("context", "all-gathered"), ("ring", "sent 1 times"), ("ulysses", "all-to-alls")):
+        text = predict(plan_json(kind), "user", 64, calibration=synthetic()).table()
+        assert words in text and "MiB per rank per step" in text, text
+
+
+def test_a_receive_beside_a_send_of_its_size_is_not_priced_twice():
+    from test_steptime import synthetic
+
+    from composable_atorch.estimate.steptime import OpTrace
+
+    cal = synthetic()
+    trace = OpTrace()
+    trace.ops[("p2p", "2", 1024.0)] = 2
+    trace.ops[("p2p_recv", "2", 1024.0)] = 3  # one unpaired: a lone receive costs as a send
+    assert trace.price(cal, 2)["comm"] == pytest.approx(3 * cal.curve("all_gather")(2048.0))
