@@ -177,6 +177,7 @@ def estimate(
         )
 
     run = shallow_run(simulate, model, dedup, notes)
+    deduped = run is not None
     run = run if run is not None else simulate(0)  # rank 0 holds stage 0 of any layout
     runs = [run]
     if run.stage_of_rank is not None:  # the other stages in stage order: each reads the one before's metadata
@@ -214,6 +215,13 @@ def estimate(
             + (f", pipeline bubble {timing.bubble:.4f} s" if timing.bubble else "")
             + ")"
         )
+        from composable_atorch.estimate.steptime import sequence_note
+
+        # an extrapolated run holds the attention calls of a truncated model: no line rather than a short one
+        line = None if deduped else sequence_note(run.sequence, calibration)
+        if line is not None:
+            notes.append(line)
+            extra["sequence_traffic"] = line
     elif run.step_time_s is None:
         extra["step_time_reason"] = (
             "torch's RuntimeEstimator needs a CUDA device (none here)"

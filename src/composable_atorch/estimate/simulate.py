@@ -57,6 +57,8 @@ class RankRun:
     #: fake world left out (DDP's gradient all-reduce, one per bucket per optimizer step)
     trace: Any = None
     allreduce_buckets: list[int] = field(default_factory=list)
+    #: a sequence split's ``(kind, rotation, degree, [steptime.AttendCall])`` of the traced step
+    sequence: Any = None
 
 
 @contextlib.contextmanager
@@ -258,7 +260,8 @@ def simulate_rank(
                     by_kind[key] = by_kind.get(key, 0) + int(n)
             counter = FlopCounterMode(display=False)
             trace = OpTrace() if trace_ops else contextlib.nullcontext()
-            with counter, trace:
+            attends = recorded_attention(model) if trace_ops else contextlib.nullcontext()
+            with counter, trace, attends as sequence:
                 step()
             flops = int(counter.get_total_flops())
             if runner is not None:
@@ -276,10 +279,38 @@ def simulate_rank(
                 stage_of_rank=stage_of_rank,
                 trace=trace if trace_ops else None,
                 allreduce_buckets=[b for _, b in bucket_sizes(bucketed, 1.0)] if grad_copies > 0 else [],
+                sequence=sequence,
             )
             if step_time:
                 run.step_time_s, run.step_time_mode = runtime_of(step)
         return run
+
+
+@contextlib.contextmanager
+def recorded_attention(model):
+    """A sequence split's attention calls while the block runs, as ``(kind, rotation, degree, calls)``
+    (None without a split): the sizes its collectives move are counted from them
+    (``steptime.sequence_traffic``). The split's one attention object is switched to a recording
+    subclass for the block, and back."""
+    from composable_atorch.estimate.steptime import AttendCall
+    from composable_atorch.transforms.parallel.sequence.loss import SPLIT_ATTR
+
+    attend = getattr(model, SPLIT_ATTR, None)
+    if attend is None or getattr(attend, "n", 1) <= 1:
+        yield None
+        return
+    calls: list[AttendCall] = []
+    base = type(attend)
+
+    def call(self, q, k, v, **kw):
+        calls.append(AttendCall(local_bytes(q), local_bytes(k), q.size(1), k.size(1), k.numel()))
+        return base.__call__(self, q, k, v, **kw)
+
+    attend.__class__ = type("Recorded" + base.__name__, (base,), {"__call__": call})
+    try:
+        yield (attend.kind, attend.rotation, attend.n, calls)
+    finally:
+        attend.__class__ = base
 
 
 def criterion_loss(criterion):

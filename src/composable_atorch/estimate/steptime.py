@@ -16,8 +16,12 @@ the curves' floors hold the call cost of a tiny op), plus the framework's per-op
 module hooks); collectives over a group of ``w`` ranks (the group each op ran over, so a hybrid
 plan's zero-group gathers and replica all-reduces are priced at their own sizes) read the world-2
 curves at the ring-equivalent size (all-reduce moves ``2(w-1)/w`` of the tensor per rank,
-all-gather / reduce-scatter ``(w-1)/w``). On the CPU nothing is overlapped: gloo's thread
-competes with the compute for the same cores.
+all-gather / reduce-scatter ``(w-1)/w``; an all-to-all, Ulysses' exchange, on the all-gather curve
+at its ring-equivalent size). A point-to-point send of ``B`` bytes costs half of a world-2
+all-gather of ``2B``; a receive beside a send of its size (the ring attention's exchange, 1F1B's
+batched send/receive) is in that price. On the CPU nothing is overlapped: gloo's thread
+competes with the compute for the same cores. A sequence split's traffic is also counted by hand
+from its attention calls (:func:`sequence_traffic`) for the estimate report's line.
 """
 
 from __future__ import annotations
@@ -85,8 +89,12 @@ def _collective(name: str) -> str | None:
         return "all_gather"
     if "reducescatter" in n:
         return "reduce_scatter"
-    if n in ("send", "recv", "recvanysource"):
+    if "alltoall" in n:
+        return "all_to_all"
+    if n == "send":
         return "p2p"
+    if n in ("recv", "recvanysource"):
+        return "p2p_recv"
     return None
 
 
@@ -151,6 +159,8 @@ class OpTrace(TorchDispatchMode):
         """Seconds by part: ``compute`` (kernels), ``comm`` (collectives), ``overhead`` (framework per op)."""
         parts = {"compute": 0.0, "comm": 0.0, "overhead": self.op_count * cal.per_op_s}
         for (kind, dtype, size), n in self.ops.items():
+            if kind == "p2p_recv":  # a receive running beside a send of its size is in the send's price
+                n = max(0, n - self.ops.get(("p2p", dtype, size), 0))
             # a collective's key holds its group's size where the trace saw it (else the whole world)
             comm = kind in COMM_KINDS
             w = int(dtype) if comm and dtype.isdigit() else world
@@ -161,14 +171,16 @@ class OpTrace(TorchDispatchMode):
         return int(sum(size * n for (kind, _, size), n in self.ops.items() if kind in ("mm", "sdpa", "sdpa_bwd")))
 
 
-COMM_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
+COMM_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p", "p2p_recv")
 
 
 def ring_factor(kind: str, world: int) -> float:
     """Bytes a rank moves in a ring collective at ``world``, relative to world 2 (the calibration's)."""
     if world <= 1:
         return 0.0
-    return 2.0 * (world - 1) / world  # all-reduce: 2(w-1)/w of 1; all-gather, reduce-scatter: (w-1)/w of 1/2
+    # all-reduce: 2(w-1)/w of 1; all-gather, reduce-scatter: (w-1)/w of 1/2; an all-to-all of a
+    # rank's S bytes sends (w-1)/w of S and receives as much: a world-2 all-gather of 2(w-1)/w S
+    return 2.0 * (world - 1) / world
 
 
 def price_op(cal, kind: str, dtype: str, size: float, world: int = 2) -> float:
@@ -178,8 +190,10 @@ def price_op(cal, kind: str, dtype: str, size: float, world: int = 2) -> float:
             [f"sdpa_{dtype}", "sdpa_float32"] if kind == "sdpa_bwd" else []
         )
         return cal.curve(next(n for n in names if n in cal.curves))(size)
-    if kind == "p2p":  # a send of B bytes: half of a world-2 all-gather of 2B moves B each way
+    if kind in ("p2p", "p2p_recv"):  # a send of B bytes: half of a world-2 all-gather of 2B moves B each way
         return cal.curve("all_gather")(2 * size)
+    if kind == "all_to_all":  # priced on the all-gather curve (the calibration has no all-to-all of its own)
+        return cal.curve("all_gather")(size * ring_factor(kind, world))
     if kind in COMM_KINDS:
         return cal.curve(kind)(size * ring_factor(kind, world))
     return cal.curve("memory")(size)
@@ -224,3 +238,74 @@ def ddp_allreduce(bucket_bytes: list[int], cal, world: int) -> float:
 def bubble_factor(stages: int, microbatches: int) -> float:
     """GPipe / 1F1B: ``p - 1`` idle slots of ``m + p - 1`` per step."""
     return (microbatches + stages - 1) / microbatches if stages > 1 and microbatches >= 1 else 1.0
+
+
+@dataclass(frozen=True)
+class AttendCall:
+    """One attention call of a sequence split as the simulated step made it: this rank's bytes of
+    its queries and keys (values are the keys' shape) and their head counts."""
+
+    q_bytes: int
+    k_bytes: int
+    q_heads: int
+    k_heads: int
+    elements_k: int  # elements of the keys (the ring's key/value gradients travel in fp32)
+
+
+def sequence_traffic(kind: str, rotation: str, n: int, calls: list[AttendCall]) -> list[tuple[str, float, int]]:
+    """``(collective, bytes, calls)`` one rank runs per step for a sequence split's attention (forward
+    and backward), counted from the attention calls: what ``OpTrace`` sees of those calls, by hand.
+
+    * context, all-gather rotation: forward all-gathers keys and values (``n`` x local each, the
+      key/value heads before repetition); backward all-reduces their gradients (the same size);
+    * context, ring: keys and values (repeated to the query heads) move on ``n - 1`` times forward
+      and ``n - 1`` times backward, their fp32 gradients ``n`` times; each send has a matching receive;
+    * Ulysses: four all-to-alls forward (queries, keys, values to heads; the output back to the
+      sequence) and four backward (keys and values repeated first when their heads do not divide by ``n``).
+    """
+    out: Counter = Counter()
+    if n <= 1:
+        return []
+    for c in calls:
+        if kind == "context" and rotation == "ring":
+            kv = c.k_bytes * c.q_heads // c.k_heads
+            grad = c.elements_k * c.q_heads // c.k_heads * 4
+            for op in ("p2p", "p2p_recv"):
+                out[(op, float(kv))] += 2 * 2 * (n - 1)
+                out[(op, float(grad))] += 2 * n
+        elif kind == "context":
+            out[("all_gather", float(n * c.k_bytes))] += 2
+            out[("all_reduce", float(n * c.k_bytes))] += 2
+        else:
+            kv = c.k_bytes if c.k_heads % n == 0 else c.k_bytes * c.q_heads // c.k_heads
+            out[("all_to_all", float(c.q_bytes))] += 2 * 2  # queries and the output, forward and backward
+            out[("all_to_all", float(kv))] += 2 * 2  # keys and values, forward and backward
+    return sorted((op, size, k) for (op, size), k in out.items())
+
+
+def price_traffic(traffic: list[tuple[str, float, int]], cal, world: int) -> float:
+    """Seconds of ``traffic`` (:func:`sequence_traffic`) as :meth:`OpTrace.price` prices the same ops."""
+    trace = OpTrace()
+    for op, size, k in traffic:
+        trace.ops[(op, str(world), size)] += k
+    return trace.price(cal, world)["comm"]
+
+
+def sequence_note(sequence, cal) -> str | None:
+    """The estimate report's line on a sequence split's traffic (``RankRun.sequence``), or None."""
+    if sequence is None or not sequence[3]:
+        return None
+    kind, rotation, n, calls = sequence
+    traffic = sequence_traffic(kind, rotation, n, calls)
+    sent = sum(size * k for op, size, k in traffic if op != "p2p_recv")
+    what = {
+        ("context", "allgather"): f"keys/values all-gathered (forward) and their gradients all-reduced (backward) "
+        f"in each of {len(calls)} attention calls",
+        ("context", "ring"): f"key/value blocks sent {n - 1} times forward and backward, their gradients {n} times, "
+        f"in each of {len(calls)} attention calls",
+    }.get((kind, rotation), f"4 all-to-alls forward and 4 backward in each of {len(calls)} attention calls")
+    name = f"context {n} ({rotation})" if kind == "context" else f"Ulysses sequence {n}"
+    return (
+        f"{name}: {what}: {sent / 2**20:.2f} MiB per rank per step, "
+        f"{price_traffic(traffic, cal, n):.4f} s of the step's comm"
+    )
