@@ -129,6 +129,10 @@ def apply_plan(plan: Plan, model, optim, loader) -> tuple[Any, PlanOptimizer, An
     for step in plan.steps:
         cost = step.transform.contract.cost
         if not cost.simulated:
+            if cost.grad_copies and getattr(state.parallel, "data_size", None) == 1:
+                # ddp over a data dimension of 1 (a context / Ulysses / model-parallel layout) leaves the
+                # model as it is: no reducer, no buckets
+                continue
             skipped.append(step.transform.describe())
             grad_copies += cost.grad_copies
             continue
