@@ -37,6 +37,7 @@ from composable_atorch.transforms.parallel.sequence.attention import (
     uses_attention_interface,
 )
 from composable_atorch.transforms.parallel.sequence.loss import SPLIT_ATTR
+from composable_atorch.transforms.parallel.sequence.recompute import intercept_checkpointed
 from composable_atorch.transforms.parallel.sequence.shard import ShardCollate, check_length
 
 NOT_WITH_MODEL_PARALLEL = "is not built together with {other} in this version (untested: {why})"
@@ -127,13 +128,6 @@ def apply_split(
             "a forward(tokens, position_ids=None) that uses the positions it is given (each rank holds a part of "
             f"the sequence), or {who}(positions=False) for a model without positions",
         )
-    if interface is False and ctx.find("checkpoint") is not None:
-        raise ConfigError(
-            f"{who} with checkpoint",
-            type(model).__name__,
-            "a transformers model (its attention interface is kept when checkpointing recomputes the forward); the "
-            "recomputation of scaled_dot_product_attention runs outside the forward this split intercepts",
-        )
     if positions and ctx.find("pipeline_parallel") is not None and positions_module(model) is model:
         raise ConfigError(
             f"{who} with pipeline_parallel",
@@ -156,6 +150,14 @@ def apply_split(
         state.note(who, f"attention: transformers' attention interface ({before!r} -> {route_name()!r})")
     else:
         state.note(who, "attention: calls to scaled_dot_product_attention inside the model's forward intercepted")
+        checkpointed = ctx.find("checkpoint")
+        if checkpointed is not None:
+            blocks = intercept_checkpointed(model, attend, checkpointed.targets)
+            state.note(
+                who,
+                f"checkpointed blocks ({len(blocks)}) run their forward under the same interception, so backward's "
+                "recompute attends over the whole sequence too",
+            )
     SequenceHooks(model, attend, intercept_sdpa=not interface, positions=positions)
     setattr(model, SPLIT_ATTR, attend)  # for sequence_cross_entropy (a copy of the model gets a local one)
     mark_sequence_split(model, group, n)  # for a pipeline's own loss report
