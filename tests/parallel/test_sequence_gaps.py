@@ -17,6 +17,7 @@ from torch import nn
 
 import _seq
 import composable_atorch as ca
+from composable_atorch.errors import ConfigError
 
 from _dist import run_world
 
@@ -122,3 +123,76 @@ def test_split_with_checkpoint_on_a_user_model_equals_one_process(world2, optim_
         assert dp < ATOL and dl < ATOL, (rank, dp, dl)
     assert "2 module(s) checkpointed (Block)" in got["explain"]
     assert "recompute attends over the whole sequence" in got["explain"]
+
+
+def _compare(results, key, model_name, optim_name, world):
+    """Every rank's parameters (a pipeline stage's own) and losses against one process; the ranks hold
+    the whole model between them."""
+    params, losses = _seq.reference(model_name, optim_name)
+    held = set()
+    for rank in range(world):
+        got = results[rank][key]
+        assert got["shapes"][0] == (_seq.BATCH, _seq.SEQ // 2), got["shapes"]
+        held |= set(got["params"])
+        dp = max((torch.as_tensor(v) - params[k]).abs().max().item() for k, v in got["params"].items())
+        dl = max(abs(x - y) for x, y in zip(got["losses"], losses, strict=True))
+        assert dp < ATOL and dl < ATOL, (rank, dp, dl)
+    assert held == set(params)
+    return got
+
+
+MIXED_CASES = [("llama", "sgd", "context", "tensor"), ("llama", "adamw", "ulysses", "pipeline")]
+MIXED_CASES += [("llama", "adamw", "ring", "tensor")]
+INTERLEAVED_CASES = [("sgd", "context"), ("adamw", "ring")]
+
+
+def _world4(rank, world):
+    out = {}
+    for model_name, optim_name, kind, other in MIXED_CASES:
+        dim, split = _split(kind)
+        out[("mixed", model_name, optim_name, kind)] = _seq.run(
+            model_name, optim_name, ca.parallel_mode([(dim, 2), (other, 2)]), ca.mixed_parallel(), split
+        )
+    for optim_name, kind in INTERLEAVED_CASES:
+        dim, split = _split(kind)
+        pp = ca.pipeline_parallel(schedule="Interleaved1F1B", stages_per_rank=2)
+        out[("interleaved", optim_name, kind)] = _seq.run(
+            "llama4", optim_name, ca.parallel_mode([(dim, 2), ("pipeline", 2)]), split, pp
+        )
+    try:  # a context dimension without context_parallel: every context rank would train the same tokens
+        _seq.run("llama", "sgd", ca.parallel_mode([("context", 2), ("tensor", 2)]), ca.mixed_parallel())
+        out["mixed_no_split"] = "trained"
+    except ConfigError as exc:
+        out["mixed_no_split"] = str(exc)
+    return out
+
+
+@pytest.fixture(scope="module")
+def world4():
+    return run_world(_world4, 4)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("model_name,optim_name,kind,other", MIXED_CASES)
+def test_mixed_parallel_with_a_split_equals_one_process(world4, model_name, optim_name, kind, other):
+    got = _compare(world4, ("mixed", model_name, optim_name, kind), model_name, optim_name, 4)
+    assert "applied by mixed_parallel between its tensor and pipeline steps" in got["explain"]
+
+
+@pytest.mark.dist
+def test_mixed_parallel_with_a_split_dimension_and_no_split_is_refused(world4):
+    assert "add context_parallel() to the plan" in world4[0]["mixed_no_split"]
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("optim_name,kind", INTERLEAVED_CASES)
+def test_context_2_with_two_pipeline_stages_per_rank_equals_one_process(world4, optim_name, kind):
+    got = _compare(world4, ("interleaved", optim_name, kind), "llama4", optim_name, 4)
+    assert "Interleaved1F1B" in got["explain"]
+
+
+def test_mixed_parallel_runs_the_split_between_its_steps():
+    env = ca.Environment(world_size=4)
+    for mode, split in ((("context", 2), ca.context_parallel()), (("sequence", 2), ca.sequence_parallel())):
+        plan = ca.compose(ca.parallel_mode([mode, ("tensor", 2)]), split, ca.mixed_parallel(), env=env)
+        assert plan.names.index("mixed_parallel") < plan.names.index(split.name)
