@@ -196,3 +196,32 @@ def test_mixed_parallel_runs_the_split_between_its_steps():
     for mode, split in ((("context", 2), ca.context_parallel()), (("sequence", 2), ca.sequence_parallel())):
         plan = ca.compose(ca.parallel_mode([mode, ("tensor", 2)]), split, ca.mixed_parallel(), env=env)
         assert plan.names.index("mixed_parallel") < plan.names.index(split.name)
+
+
+HYBRID_CASES = [("user", "sgd"), ("llama", "adamw")]
+HYBRID_STEPS = 2
+
+
+def _world8(rank, world):
+    groups = [("context", 2), ("zero", 2), ("data", 2)]  # hybrid fsdp: replicate 2 x shard 2, beside context 2
+    return {
+        case: _seq.run(*case, ca.parallel_mode(groups), ca.context_parallel(), ca.fsdp(), steps=HYBRID_STEPS)
+        for case in HYBRID_CASES
+    }
+
+
+@pytest.fixture(scope="module")
+def world8():
+    return run_world(_world8, 8)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("model_name,optim_name", HYBRID_CASES)
+def test_context_2_with_hybrid_fsdp_equals_one_process(world8, model_name, optim_name):
+    ref = _seq.reference(model_name, optim_name, steps=HYBRID_STEPS)
+    for rank in range(8):
+        got = world8[rank][(model_name, optim_name)]
+        assert got["shapes"][0] == (_seq.BATCH // 4, _seq.SEQ // 2)  # the batch over data 2 x zero 2
+        dp, dl = _seq.close(got, ref)
+        assert dp < ATOL and dl < ATOL, (rank, dp, dl)
+    assert "hybrid (HSDP, 2-D mesh (data, zero))" in got["explain"]
