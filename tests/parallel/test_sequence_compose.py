@@ -3,7 +3,7 @@
 attention reads its heads from the width), context 2 x pipeline 2 and Ulysses 2 x pipeline 2
 (Llama; a model whose own forward takes the positions is refused there), Ulysses 2 x fsdp 2,
 context 2 x fsdp over ATorch's ``zero`` group (hybrid sharding proper, replicate x shard beside
-context 2, needs world 8: not run here), and Ulysses with checkpoint(Block) at world 2."""
+context 2, at world 8: test_sequence_gaps.py), and Ulysses with checkpoint(Block) at world 2."""
 
 from __future__ import annotations
 
