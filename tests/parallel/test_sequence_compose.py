@@ -3,7 +3,7 @@
 attention reads its heads from the width), context 2 x pipeline 2 and Ulysses 2 x pipeline 2
 (Llama; a model whose own forward takes the positions is refused there), Ulysses 2 x fsdp 2,
 context 2 x fsdp over ATorch's ``zero`` group (hybrid sharding proper, replicate x shard beside
-context 2, needs world 8: not run here), and Ulysses with checkpoint(Block) at world 2."""
+context 2, at world 8: test_sequence_gaps.py), and Ulysses with checkpoint(Block) at world 2."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from torch import nn
 
 import _seq
 import composable_atorch as ca
-from composable_atorch.errors import CompositionError, ConfigError
+from composable_atorch.errors import ConfigError
 
 from _dist import run_world
 
@@ -190,12 +190,9 @@ def test_ulysses_with_checkpoint():
         assert dp < ATOL and dl < ATOL, (dp, dl)
 
 
-def test_mixed_parallel_refused_with_its_reason():
+def test_split_ordered_after_tensor_parallel():
+    # mixed_parallel with a split: tests/parallel/test_sequence_gaps.py
     env = ca.Environment(world_size=4)
-    for split in (ca.context_parallel(), ca.sequence_parallel()):
-        with pytest.raises(CompositionError, match="has not been run with a sequence split"):
-            ca.compose(split, ca.mixed_parallel(), env=env)
-    # tensor parallelism composes: the split is ordered after it
     plan = ca.compose(
         ca.parallel_mode([("context", 2), ("tensor", 2)]), ca.context_parallel(), ca.tensor_parallel(), env=env
     )

@@ -291,13 +291,9 @@ def admit_rule(model: torch.nn.Module, degrees: Degrees, then: Callable | None =
       same training as without it);
     * ``fsdp(hybrid=True)`` where a ``zero x data`` option is offered is the same hybrid sharding
       listed once, by its explicit layout (a trial's processes run on one machine, where the world's
-      nodes are not there to take the groups from);
-    * a sequence split with ``checkpoint`` on a model without transformers' attention interface is
-      refused by the split when applied (the recomputed attention runs outside the forward it
-      intercepts).
+      nodes are not there to take the groups from).
     ``then`` is the next rule.
     """
-    interface = _uses_attention_interface(model)
     layouts = [t for steps in degrees.options.values() for t in steps if t.name == KNOB]
     hybrid_offered = any(dict(t.groups).get("zero", 1) > 1 for t in layouts)
 
@@ -314,11 +310,6 @@ def admit_rule(model: torch.nn.Module, degrees: Degrees, then: Callable | None =
             return (
                 "invalid for the search: fsdp(hybrid=True) is the hybrid sharding the zero x data layout of the "
                 "parallel_mode knob gives; listed once, by that layout"
-            )
-        if not interface and "checkpoint" in names and names & {"context_parallel", "sequence_parallel"}:
-            return (
-                "ConfigError: a sequence split with checkpoint needs a transformers model (its attention interface "
-                "is kept when checkpointing recomputes the forward)"
             )
         return then(plan) if then is not None else None
 

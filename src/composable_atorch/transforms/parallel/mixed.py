@@ -9,6 +9,12 @@ tensor parallelism where the tensor size is > 1 (:class:`TensorParallel` with ``
 pipeline stages where the pipeline size is > 1 (:class:`PipelineParallel`), and gradients
 averaged over the data dimension (this step owns gradient sync, as ATorch's mixed_parallel does).
 Use ``tensor_parallel | pipeline_parallel | fsdp`` to choose each engine yourself.
+
+With a sequence split (``context_parallel()`` over a ``("context", n)`` dimension, or Ulysses'
+``sequence_parallel()`` over ``("sequence", n)``) this step runs it between its tensor and pipeline
+steps, where it runs composed with ``tensor_parallel | pipeline_parallel``: attention routed on
+the tensor-sharded model, stages cut from the split model. A split dimension without its
+transform is refused (each rank of it would train the same tokens).
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from composable_atorch.core.contract import Conflict, Contract, Stage
+from composable_atorch.core.contract import Conflict, Contract, Order, Stage
 from composable_atorch.core.transform import ApplyContext, TrainState, Transform
 from composable_atorch.errors import ConfigError, RequirementError
 from composable_atorch.runtime.layout import ParallelContext, make_context, plan_layout, refit_hint
@@ -26,6 +32,9 @@ from composable_atorch.runtime.train_step import mark_loss_group
 from composable_atorch.transforms.parallel.data.common import GRAD_SYNC, DataGradSync, broadcast_local, parallel_context
 from composable_atorch.transforms.parallel.pipeline.transform import ACCUMULATE_CONFLICT, PipelineParallel
 from composable_atorch.transforms.parallel.tensor.transform import TensorParallel, normalize_plan
+
+#: the sequence splits this step applies between its tensor and pipeline steps: transform name -> mesh dimension
+SPLITS = {"context_parallel": "context", "sequence_parallel": "sequence"}
 
 MIXED_APPLIES = "mixed_parallel applies it itself over parallel_mode's dimensions"
 
@@ -67,6 +76,11 @@ class MixedParallel(Transform):
         stage=Stage.TENSOR_PARALLEL,
         owns=(GRAD_SYNC,),
         roles=("model_parallel", "process_groups"),
+        reads=(*SPLITS, "pipeline_parallel", "checkpoint"),
+        orders=tuple(
+            Order(split, "mixed_parallel applies the sequence split between its tensor and pipeline steps", after=False)
+            for split in SPLITS
+        ),
         renames=True,  # with a pipeline each rank keeps its stage's parameters only
         conflicts=(
             Conflict(
@@ -186,9 +200,25 @@ class MixedParallel(Transform):
         degree = self.tensor or degree
         return TensorParallel(plan=self.tp_plan).check(model, degree) if degree > 1 else []
 
+    def _split(self, pc: ParallelContext, ctx: ApplyContext):
+        """The plan's sequence split (None without one); a split dimension without its transform is refused."""
+        for name, dim in SPLITS.items():
+            split = ctx.find(name)
+            if split is None and pc.layout.size(dim) > 1:
+                raise ConfigError(
+                    f"mixed_parallel: parallel_mode's {dim!r} dimension",
+                    pc.layout.size(dim),
+                    f"add {name}() to the plan (mixed_parallel applies it between its tensor and pipeline steps), or "
+                    f"drop the {dim!r} dimension: without it every rank of that dimension trains the same tokens",
+                )
+            if split is not None:
+                return split
+        return None
+
     def apply(self, state: TrainState, ctx: ApplyContext) -> TrainState:
         pc = self._context(state, ctx)
         sizes = {n: pc.layout.size(n) for n in ("tensor", "pipeline", "data")}
+        split = self._split(pc, ctx)
         tp = TensorParallel(plan=self.tp_plan)
         pp = PipelineParallel(
             microbatches=self.microbatches, schedule=self.schedule, stages_per_rank=self.stages_per_rank
@@ -196,19 +226,23 @@ class MixedParallel(Transform):
         # every check before any change
         if sizes["tensor"] > 1:
             tp.placements(state.model, sizes["tensor"])
-        cut_plan = pp.cut_plan(state.model, sizes["pipeline"]) if sizes["pipeline"] > 1 else None
+        # with a split, the stages are planned on the split model (its probe reference then builds the masks
+        # the split model builds), as pipeline_parallel composed after the split does
+        cut_plan = pp.cut_plan(state.model, sizes["pipeline"]) if sizes["pipeline"] > 1 and split is None else None
         if sizes["tensor"] > 1:
             state = tp.apply(state, ctx)
             if state.optim is not None:  # over the DTensor parameters, before the pipeline picks its stage's
                 state.optim = rebuild_optimizer(state.optim, state.param_names, state.model)
-        if sizes["pipeline"] > 1:
-            state = pp.apply(state, ctx, cut_plan)  # averages its stage's gradients over the data dim
-        elif pc.distributed and pc.data_size > 1:
+        if sizes["pipeline"] == 1 and pc.distributed and pc.data_size > 1:
             group = pc.data_group()
             broadcast_local(state.model, group)
             state.hooks.append(DataGradSync(state.model, group, pc.data_size))
-            mark_loss_group(state.model, group, pc.data_size)
+            mark_loss_group(state.model, group, pc.data_size)  # before the split, which widens it to data x split
             state.note(self.name, f"gradients averaged over the data dim of {pc.data_size} before each step")
+        if split is not None:  # on the tensor-sharded model, before the stages are cut (as composed separately)
+            state = split.apply(state, ctx)
+        if sizes["pipeline"] > 1:
+            state = pp.apply(state, ctx, cut_plan)  # averages its stage's gradients over the data dim
         state.note(self.name, " x ".join(f"{n} {s}" for n, s in sizes.items()))
         return state
 

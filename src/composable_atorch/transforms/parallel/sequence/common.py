@@ -9,7 +9,8 @@ process computes). That mean is taken before the optimizer step by an all-reduce
 
 With model parallelism: the split is applied after ``tensor_parallel`` (it routes each rank's
 heads; the reported loss is averaged over data x the split's group), and before
-``pipeline_parallel``, whose probe forwards run with the split inert
+``pipeline_parallel`` (``mixed_parallel``, doing both in one step, applies the split between them),
+whose probe forwards run with the split inert
 (:func:`composable_atorch.runtime.sequence.probing`) and whose own loss report averages over the
 split's group; transformers models get their global positions at the base model, which a
 pipeline stage still calls with keywords.
@@ -38,7 +39,11 @@ from composable_atorch.transforms.parallel.sequence.attention import (
     uses_attention_interface,
 )
 from composable_atorch.transforms.parallel.sequence.loss import SPLIT_ATTR
+from composable_atorch.transforms.parallel.sequence.recompute import intercept_checkpointed
 from composable_atorch.transforms.parallel.sequence.shard import ShardCollate, check_length, shard_batch
+
+#: ``ParallelContext.extras`` key: the name of the split transform already applied (by mixed_parallel)
+APPLIED_KEY = "sequence_split_applied"
 
 NOT_WITH_MODEL_PARALLEL = "is not built together with {other} in this version (untested: {why})"
 
@@ -47,8 +52,6 @@ def model_parallel_conflicts(who: str) -> tuple[Conflict, ...]:
     """Refusals with the families it is not built with yet (each names the true reason)."""
     whys = {
         "sequence_parallel" if who == "context_parallel" else "context_parallel": "both split every sequence",
-        "mixed_parallel": "its one step of tensor and pipeline parallelism has not been run with a sequence split; "
-        "tensor_parallel and pipeline_parallel, each composed with it, have",
         "ds_3d_parallel": "DeepSpeed's pipeline engine does not see the loader split",
     }
     return tuple(
@@ -116,6 +119,9 @@ def apply_split(
         why = "no process group" if not pc.distributed else f"a {dim} dimension of 1 ({pc.layout.describe()})"
         state.note(who, f"{why}: every rank holds whole sequences, model left as it is")
         return state
+    if pc.extras.get(APPLIED_KEY) == who:  # mixed_parallel applied it between its tensor and pipeline steps
+        state.note(who, "applied by mixed_parallel between its tensor and pipeline steps")
+        return state
     model, balanced = state.model, kind == "context"
     # -- every check before any change --
     interface = uses_attention_interface(model)
@@ -128,14 +134,8 @@ def apply_split(
             "a forward(tokens, position_ids=None) that uses the positions it is given (each rank holds a part of "
             f"the sequence), or {who}(positions=False) for a model without positions",
         )
-    if interface is False and ctx.find("checkpoint") is not None:
-        raise ConfigError(
-            f"{who} with checkpoint",
-            type(model).__name__,
-            "a transformers model (its attention interface is kept when checkpointing recomputes the forward); the "
-            "recomputation of scaled_dot_product_attention runs outside the forward this split intercepts",
-        )
-    if positions and ctx.find("pipeline_parallel") is not None and positions_module(model) is model:
+    pipelined = ctx.find("pipeline_parallel") is not None or pc.layout.size("pipeline") > 1  # or mixed_parallel's
+    if positions and pipelined and positions_module(model) is model:
         raise ConfigError(
             f"{who} with pipeline_parallel",
             type(model).__name__,
@@ -158,6 +158,14 @@ def apply_split(
         state.note(who, f"attention: transformers' attention interface ({before!r} -> {route_name()!r})")
     else:
         state.note(who, "attention: calls to scaled_dot_product_attention inside the model's forward intercepted")
+        checkpointed = ctx.find("checkpoint")
+        if checkpointed is not None:
+            blocks = intercept_checkpointed(model, attend, checkpointed.targets)
+            state.note(
+                who,
+                f"checkpointed blocks ({len(blocks)}) run their forward under the same interception, so backward's "
+                "recompute attends over the whole sequence too",
+            )
     SequenceHooks(model, attend, intercept_sdpa=not interface, positions=positions)
     if ref is not None:
         skipped = split_check.compare(
@@ -171,6 +179,7 @@ def apply_split(
             shard=lambda batch, total: shard_batch(batch, rank, n, balanced, who, total),
         )
     state.note(who, skipped)
+    pc.extras[APPLIED_KEY] = who
     setattr(model, SPLIT_ATTR, attend)  # for sequence_cross_entropy (a copy of the model gets a local one)
     mark_sequence_split(model, group, n)  # for a pipeline's own loss report
     if state.loader is not None:
