@@ -162,3 +162,14 @@ def close(got: dict, ref) -> tuple[float, float]:
 
 def finite(values) -> bool:
     return all(math.isfinite(v) for v in values)
+
+
+def assert_equals_one_process(runs, ref, atol: float, shape: tuple | None = None) -> None:
+    """Every rank's run (``runs``, one :func:`run` result each) ends at the one-process ``ref``
+    (:func:`reference`): weights and every step's loss within ``atol``; with ``shape``, its first
+    batch had that shape on every rank (``(BATCH, SEQ // 2)``: half of each sequence per rank)."""
+    for rank, got in enumerate(runs):
+        if shape is not None:
+            assert got["shapes"][0] == shape, (rank, got["shapes"][0], shape)
+        dp, dl = close(got, ref)
+        assert dp < atol and dl < atol, (rank, dp, dl)
