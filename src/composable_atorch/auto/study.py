@@ -7,7 +7,8 @@ plan runs in fresh worker processes (:mod:`.trial`). Throughput is the objective
 the memory budget is an optuna constraint (``trial.set_constraint``: over-budget plans are
 infeasible). Studies persist in sqlite and resume by name: earlier trials are kept and not re-run.
 Before the study the workload trains once with no plan (:mod:`.preflight`): an error no plan can
-fix stops the search at once. Settings come as policy values (:mod:`.policy`).
+fix stops the search at once. Settings come as policy values (:mod:`.policy`). The space is
+built by :func:`.space.build_space`; what each outcome records is :mod:`.tell`'s.
 
 Before the study every valid plan is also predicted (:mod:`.predict`, no plan runs for it): a plan
 predicted over the memory budget is recorded as infeasible with its prediction and never run, and
@@ -125,7 +126,8 @@ def search(
 
 
 class _Loop(Recorders):
-    """The ask/tell loop, one method per outcome of a proposal: invalid, duplicate, failed, measured."""
+    """The ask/tell loop: each proposal is decided here, its outcome (invalid, duplicate, skipped,
+    slower, failed, measured) recorded by :class:`~.tell.Recorders`."""
 
     def __init__(
         self,
