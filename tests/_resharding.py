@@ -33,3 +33,60 @@ def run_all(cases: dict[str, list[tuple]], fn, *args, timeout: int = 600) -> dic
         for key in per_rank[0]:
             out[key] = [r[key] for r in per_rank]
     return out
+
+
+# -- one phase of a run, and the run's global order (what every test_reshard_* phase does) --------
+
+
+def global_order(dataset, epoch: int) -> list[int]:
+    """The run's sample order in ``epoch``: a DistributedSampler of seed 0 at data 1 (the plan's order)."""
+    from torch.utils.data.distributed import DistributedSampler
+
+    sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0)
+    sampler.set_epoch(epoch)
+    return list(sampler)
+
+
+def global_batches(dataset, batch: int, steps: int) -> list[list[int]]:
+    """The sample ids of each of the run's first ``steps`` global batches (``batch`` at a time, across epochs)."""
+    out = []
+    for step in range(steps):
+        order = global_order(dataset, step * batch // len(dataset))
+        start = step * batch % len(dataset)
+        out.append(order[start : start + batch])
+    return out
+
+
+def one_process_loader(dataset, batch: int):
+    """No plan: the run's global order read by the user's own sampler (the plan's order at data 1)."""
+    from torch.utils.data import DataLoader
+    from torch.utils.data.distributed import DistributedSampler
+
+    from composable_atorch.runtime.resumable import resumable
+
+    return resumable(
+        DataLoader(dataset, batch_size=batch, sampler=DistributedSampler(dataset, 1, 0, shuffle=True, seed=0))
+    )
+
+
+def train_phase(model, optim, data, where: str, first: int, last: int, step_fn) -> list[tuple]:
+    """Load the previous phase's checkpoint from ``where`` (unless ``first`` is 1) and train to step
+    ``last``: ``step_fn(batch)`` trains one batch and returns what to record of it; the records are
+    ``(step, *step_fn(batch))``. The caller saves."""
+    import composable_atorch as ca
+
+    step = 0
+    if first > 1:
+        resumed = ca.load_state(where, model, optim, data, verbose=False)
+        assert resumed.step == first - 1 and resumed.data_position_carried, resumed.explain()
+        step = resumed.step
+    epoch, record = data.epoch, []
+    while step < last:
+        data.sampler.set_epoch(epoch)
+        for batch in data:
+            step += 1
+            record.append((step, *step_fn(batch)))
+            if step >= last:
+                break
+        epoch += 1
+    return record

@@ -184,3 +184,14 @@ def measured_peak(plan_json: str, task) -> int:
         trial_step(model, optim, iter(fetched), task.loss, "cpu", before_micro)
 
     return peak_bytes_of_step(step, model, optim, "cpu")[0]
+
+
+def assert_equals_one_process(runs, ref, atol: float, shape: tuple | None = None) -> None:
+    """Every rank's run (``runs``, one :func:`run` result each) ends at the one-process ``ref``
+    (:func:`reference`): weights and every step's loss within ``atol``; with ``shape``, its first
+    batch had that shape on every rank (``(BATCH, SEQ // 2)``: half of each sequence per rank)."""
+    for rank, got in enumerate(runs):
+        if shape is not None:
+            assert got["shapes"][0] == shape, (rank, got["shapes"][0], shape)
+        dp, dl = close(got, ref)
+        assert dp < atol and dl < atol, (rank, dp, dl)

@@ -60,7 +60,8 @@ def test_world_4_study_explores_parallel_degrees_and_the_chosen_plan_trains_one_
         trial=TrialSettings(world_size=4, warmup_steps=1, measure_steps=2, timeout=240, max_measure_s=2.0),
         budget=Budget(n_trials=4),
         space=SpaceOptions(excluded=others, included=("mixed_parallel",)),
-        study=StudyOptions(seed=0, sampler="random", predict=False),
+        # the preflight (one more spawned process) is asserted in test_auto_preflight / test_search_budget
+        study=StudyOptions(seed=0, sampler="random", predict=False, preflight=False),
         env=env,
         progress=False,
     )

@@ -18,7 +18,8 @@ from _seq import UserLM
 from composable_atorch.auto.degrees import KNOB, LONG_SEQUENCE
 from composable_atorch.auto.policy import Budget, SpaceOptions, StudyOptions, TrialSettings
 from composable_atorch.auto.predict import Prediction, Predictor, StepTimeCheck
-from composable_atorch.auto.study import build_space, search
+from composable_atorch.auto.space import build_space
+from composable_atorch.auto.study import search
 from composable_atorch.auto.trial import TrialResult, run_trial, samples_per_step, sequence_split
 from composable_atorch.auto.workload import Workload
 from composable_atorch.core.plan import Plan

@@ -15,6 +15,7 @@ from composable_atorch.transforms.parallel.sequence.shard import chunk_positions
 from _dist import run_world
 
 ATOL = 1e-4
+HALF = (_seq.BATCH, _seq.SEQ // 2)  # half of each sequence per rank
 
 
 def test_load_balanced_chunks_cover_the_sequence_once():
@@ -65,12 +66,9 @@ def world2():
 @pytest.mark.dist
 @pytest.mark.parametrize("model_name,optim_name", CASES_2)
 def test_context_2_equals_one_process(world2, model_name, optim_name):
-    ref = _seq.reference(model_name, optim_name)
-    for rank in (0, 1):
-        got = world2[rank][(model_name, optim_name)]
-        assert got["shapes"][0] == (_seq.BATCH, _seq.SEQ // 2)  # half of each sequence per rank
-        dp, dl = _seq.close(got, ref)
-        assert dp < ATOL and dl < ATOL, (dp, dl)
+    runs = [world2[rank][(model_name, optim_name)] for rank in (0, 1)]
+    _seq.assert_equals_one_process(runs, _seq.reference(model_name, optim_name), ATOL, shape=HALF)
+    got = runs[-1]
     assert "context_parallel(" in got["explain"] and "1/2 of every sequence" in got["explain"]
     if model_name == "llama":
         assert "attention interface" in got["explain"]
@@ -80,17 +78,14 @@ def test_context_2_equals_one_process(world2, model_name, optim_name):
 def test_padded_targets_average_over_the_whole_sequence(world2):
     # rank 0's part holds every ignored target: sequence_cross_entropy sums token losses and counts over the group
     ref = _seq.reference("user", "adamw", padded=True)
-    for rank in (0, 1):
-        dp, dl = _seq.close(world2[rank]["padded"], ref)
-        assert dp < ATOL and dl < ATOL, (dp, dl)
+    _seq.assert_equals_one_process([world2[rank]["padded"] for rank in (0, 1)], ref, ATOL)
 
 
 @pytest.mark.dist
 def test_context_2_with_checkpoint(world2):
-    ref = _seq.reference("llama", "sgd")
-    for rank in (0, 1):
-        dp, dl = _seq.close(world2[rank]["llama_checkpoint"], ref)
-        assert dp < ATOL and dl < ATOL, (dp, dl)
+    _seq.assert_equals_one_process(
+        [world2[rank]["llama_checkpoint"] for rank in (0, 1)], _seq.reference("llama", "sgd"), ATOL
+    )
 
 
 def _world4(rank, world):
@@ -107,11 +102,8 @@ def test_context_2_with_data_2_and_fsdp_at_world_4():
     results = run_world(_world4, 4)
     for key, (model_name, optim_name) in {"data": ("llama", "adamw"), "fsdp": ("user", "sgd")}.items():
         ref = _seq.reference(model_name, optim_name)
-        for rank in range(4):
-            got = results[rank][key]
-            assert got["shapes"][0] == (_seq.BATCH // 2, _seq.SEQ // 2)
-            dp, dl = _seq.close(got, ref)
-            assert dp < ATOL and dl < ATOL, (key, rank, dp, dl)
+        quarter = (_seq.BATCH // 2, _seq.SEQ // 2)
+        _seq.assert_equals_one_process([results[rank][key] for rank in range(4)], ref, ATOL, shape=quarter)
 
 
 def test_estimate_activations_fall_with_the_context_degree():

@@ -18,6 +18,7 @@ from composable_atorch.transforms.parallel.sequence.shard import chunk_positions
 from _dist import run_world
 
 ATOL = 1e-4
+HALF = (_seq.BATCH, _seq.SEQ // 2)  # half of each sequence per rank
 
 
 def kernel_errors(rank, world):
@@ -88,21 +89,16 @@ def test_ring_kernel_at_world_3():  # the next and previous ranks differ
 @pytest.mark.dist
 @pytest.mark.parametrize("model_name,optim_name", CASES)
 def test_ring_context_2_equals_one_process(world2, model_name, optim_name):
-    ref = _seq.reference(model_name, optim_name)
-    for rank in (0, 1):
-        got = world2[rank][(model_name, optim_name)]
-        assert got["shapes"][0] == (_seq.BATCH, _seq.SEQ // 2)
-        dp, dl = _seq.close(got, ref)
-        assert dp < ATOL and dl < ATOL, (dp, dl)
+    runs = [world2[rank][(model_name, optim_name)] for rank in (0, 1)]
+    _seq.assert_equals_one_process(runs, _seq.reference(model_name, optim_name), ATOL, shape=HALF)
+    got = runs[-1]
     assert "passed around a ring" in got["explain"]
 
 
 @pytest.mark.dist
 def test_ring_with_checkpoint(world2):
     ref = _seq.reference("llama", "adamw")
-    for rank in (0, 1):
-        dp, dl = _seq.close(world2[rank]["llama_checkpoint"], ref)
-        assert dp < ATOL and dl < ATOL, (dp, dl)
+    _seq.assert_equals_one_process([world2[rank]["llama_checkpoint"] for rank in (0, 1)], ref, ATOL)
 
 
 def test_ring_refusals():

@@ -19,6 +19,7 @@ from composable_atorch.errors import ConfigError
 from _dist import run_world
 
 ATOL = 1e-4
+HALF = (_seq.BATCH, _seq.SEQ // 2)  # half of each sequence per rank
 
 
 class HeadsFromWidth(nn.Module):
@@ -127,12 +128,9 @@ def world4():
 @pytest.mark.dist
 @pytest.mark.parametrize("model_name,optim_name,kind", TP_CASES)
 def test_split_2_with_tensor_2_equals_one_process(world4, model_name, optim_name, kind):
-    ref = _seq.reference(model_name, optim_name)
-    for rank in range(4):
-        got = world4[rank][("tp", model_name, optim_name, kind)]
-        assert got["shapes"][0] == (_seq.BATCH, _seq.SEQ // 2)
-        dp, dl = _seq.close(got, ref)
-        assert dp < ATOL and dl < ATOL, (rank, dp, dl)
+    runs = [world4[rank][("tp", model_name, optim_name, kind)] for rank in range(4)]
+    _seq.assert_equals_one_process(runs, _seq.reference(model_name, optim_name), ATOL, shape=HALF)
+    got = runs[-1]
     assert "DTensor parallelize_module over the tensor dim of 2" in got["explain"]
     # the split applies to the tensor-sharded model, and its loss is reported over the ranks of other tokens
     assert got["explain"].index("tensor_parallel:") < got["explain"].index("_parallel:\n    - attention")
@@ -141,12 +139,9 @@ def test_split_2_with_tensor_2_equals_one_process(world4, model_name, optim_name
 @pytest.mark.dist
 @pytest.mark.parametrize("model_name,optim_name,kind,how", FSDP_CASES)
 def test_split_2_with_fsdp_equals_one_process(world4, model_name, optim_name, kind, how):
-    ref = _seq.reference(model_name, optim_name)
-    for rank in range(4):
-        got = world4[rank][(how, model_name, optim_name, kind)]
-        assert got["shapes"][0][1] == _seq.SEQ // 2
-        dp, dl = _seq.close(got, ref)
-        assert dp < ATOL and dl < ATOL, (rank, dp, dl)
+    runs = [world4[rank][(how, model_name, optim_name, kind)] for rank in range(4)]
+    assert all(got["shapes"][0][1] == _seq.SEQ // 2 for got in runs), [got["shapes"][0] for got in runs]
+    _seq.assert_equals_one_process(runs, _seq.reference(model_name, optim_name), ATOL)
 
 
 @pytest.mark.dist
@@ -184,10 +179,8 @@ def _world2(rank, world):
 
 @pytest.mark.dist
 def test_ulysses_with_checkpoint():
-    ref = _seq.reference("llama", "adamw")
-    for got in run_world(_world2, 2):
-        dp, dl = _seq.close(got["ulysses_checkpoint"], ref)
-        assert dp < ATOL and dl < ATOL, (dp, dl)
+    runs = [got["ulysses_checkpoint"] for got in run_world(_world2, 2)]
+    _seq.assert_equals_one_process(runs, _seq.reference("llama", "adamw"), ATOL)
 
 
 def test_split_ordered_after_tensor_parallel():

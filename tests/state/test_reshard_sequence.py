@@ -22,12 +22,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
-from torch.utils.data.distributed import DistributedSampler
 
 import _seq
 import composable_atorch as ca
-from _resharding import run_all
-from composable_atorch.runtime.resumable import resumable
+from _resharding import global_batches, one_process_loader, run_all, train_phase
 
 SEQ, SAMPLES, BATCH, TOTAL = 16, 16, 4, 6  # 4 steps per epoch: the run crosses into epoch 1
 OPTIMIZERS = {
@@ -77,29 +75,13 @@ def loader():
     return DataLoader(Indexed(), batch_size=BATCH, shuffle=True)
 
 
-def one_process_loader():
-    """No plan: the run's global order read by the user's own sampler (the plan's order at data 1)."""
-    return resumable(
-        DataLoader(Indexed(), batch_size=BATCH, sampler=DistributedSampler(Indexed(), 1, 0, shuffle=True, seed=0))
-    )
-
-
-def global_order(epoch: int) -> list[int]:
-    sampler = DistributedSampler(Indexed(), num_replicas=1, rank=0, shuffle=True, seed=0)
-    sampler.set_epoch(epoch)
-    return list(sampler)
-
-
 def reference(opt: str):
     """One process, plain torch, on the run's global batches: (losses, ids per step, final weights)."""
     m = model()
     optim = OPTIMIZERS[opt](m.parameters())
     data = Indexed()
     losses, ids = [], []
-    for step in range(TOTAL):
-        order = global_order(step * BATCH // SAMPLES)
-        start = step * BATCH % SAMPLES
-        batch = order[start : start + BATCH]
+    for batch in global_batches(data, BATCH, TOTAL):
         x = torch.stack([data[i][1] for i in batch])
         y = torch.stack([data[i][2] for i in batch])
         loss = loss_fn(m(x), y)
@@ -116,24 +98,16 @@ def run_phase(case: str, opt: str, directory: str, plan_name: str, first: int, l
     m = model()
     optim = OPTIMIZERS[opt](m.parameters())
     if PLANS[plan_name] is None:
-        data = one_process_loader()
+        data = one_process_loader(Indexed(), BATCH)
     else:
         m, optim, data = PLANS[plan_name]()(m, optim, loader())
-    step, where = 0, f"{directory}/{case}-{opt}"
-    if first > 1:
-        resumed = ca.load_state(where, m, optim, data, verbose=False)
-        assert resumed.step == first - 1 and resumed.data_position_carried, resumed.explain()
-        step = resumed.step
-    epoch, record = data.epoch, []
-    while step < last:
-        data.sampler.set_epoch(epoch)
-        for ids, x, y in data:
-            loss = ca.train_step(m, optim, x, y, loss_fn)
-            step += 1
-            record.append((step, loss, ids.tolist(), tuple(x.shape)))
-            if step >= last:
-                break
-        epoch += 1
+    where = f"{directory}/{case}-{opt}"
+
+    def train(batch):
+        ids, x, y = batch
+        return ca.train_step(m, optim, x, y, loss_fn), ids.tolist(), tuple(x.shape)
+
+    record = train_phase(m, optim, data, where, first, last, train)
     ca.save_state(where, m, optim, data, step=last)
     params = {}
     for name, p in ca.runtime.optim.named_parameters(m).items():

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from composable_atorch.auto.workload import Workload, first_batch
 from composable_atorch.core.transform import Transform, lookup
 from composable_atorch.environment import Environment
 from composable_atorch.errors import CompositionError, UnknownTransformError
@@ -314,3 +315,25 @@ def admit_rule(model: torch.nn.Module, degrees: Degrees, then: Callable | None =
         return then(plan) if then is not None else None
 
     return admit
+
+
+def read_degrees(
+    model, workload: Workload, env: Environment, excluded: Iterable[str] = (), included: Iterable[str] = ()
+) -> Degrees:
+    """The parallel degrees the model and the workload's first batch call for (:func:`propose`);
+    none, with the reason as a note, when the batch cannot be read here (the preflight names a
+    broken dataset). ``excluded`` / ``included`` are registry names (the space's options, resolved)."""
+    try:
+        batch = first_batch(workload)
+    except Exception as exc:  # noqa: BLE001 - the workload's own error is the preflight's to report
+        return Degrees(notes=[f"parallel degrees not read: the first batch failed ({type(exc).__name__}: {exc})"])
+    return propose(
+        model,
+        batch,
+        env,
+        batch_size=workload.batch_size,
+        loss_fn=workload.loss_fn,
+        criterion=workload.criterion,
+        excluded=set(excluded),
+        included=set(included),
+    )

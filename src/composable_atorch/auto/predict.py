@@ -23,7 +23,7 @@ from typing import Any
 
 from composable_atorch.auto.limits import PredictionTimeout, time_limit
 from composable_atorch.auto.space import plan_key
-from composable_atorch.auto.workload import Workload
+from composable_atorch.auto.workload import Workload, first_batch
 from composable_atorch.core.plan import Plan
 from composable_atorch.environment import Environment
 
@@ -125,15 +125,6 @@ def cannot_estimate(plan: Plan, exc: BaseException | None) -> str | None:
     if typed:
         return f"not predicted ({type(exc).__name__}: {exc}"[:260] + "); measured instead"
     return None
-
-
-def first_batch(workload: Workload):
-    """The workload's first global batch, as its loader yields it (unshuffled)."""
-    from torch.utils.data import DataLoader
-
-    kwargs = {"drop_last": True, **workload.loader_kwargs, "shuffle": False}
-    kwargs.pop("generator", None)
-    return next(iter(DataLoader(workload.dataset, batch_size=workload.batch_size, **kwargs)))
 
 
 def predict_plan(

@@ -13,17 +13,23 @@ import itertools
 import json
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from composable_atorch.auto.degrees import KNOB as DEGREES_KNOB
-from composable_atorch.auto.degrees import Degrees
+from composable_atorch.auto.degrees import Degrees, read_degrees
+from composable_atorch.auto.degrees import admit_rule as degrees_admit
 from composable_atorch.core import codec
 from composable_atorch.core.compose import compose
 from composable_atorch.core.plan import Plan
 from composable_atorch.core.transform import _PLANNED, SearchContext, Transform, lookup, registry
 from composable_atorch.environment import Environment
 from composable_atorch.errors import CompositionError, ConfigError, UnknownTransformError
+
+if TYPE_CHECKING:
+    from composable_atorch.auto.policy import SpaceOptions
+    from composable_atorch.auto.workload import Workload
 
 ABSENT = "absent"
 
@@ -440,3 +446,28 @@ def example_model(model_fn):
             return model_fn()
     except Exception:  # noqa: BLE001 - some models cannot be built on meta; build them for real
         return model_fn()
+
+
+def build_space(workload: Workload, env: Environment, space: SpaceOptions) -> tuple[SearchSpace, Any]:
+    """The search's space for ``workload`` at ``env`` and the example model it was read from (built on
+    the meta device where it can be): the registry's candidates, the parallel degrees the model and
+    its first batch call for (:mod:`.degrees`), and the rules that rule plans out before any trial.
+    Runs the user's model code: call it under a limit (the study does)."""
+
+    def kinds(names):
+        return {k for k in (canonical_kind(n) for n in names) if k is not None}
+
+    example = example_model(workload.model_fn)
+    context = SearchContext(env, block_classes(example), workload.batch_size, space.allow_compile)
+    degrees = read_degrees(example, workload, env, kinds(space.excluded), kinds(space.included))
+    needs = None if workload.criterion is not None else plan_needs_criterion
+    built = SearchSpace(
+        context,
+        excluded=space.excluded,
+        included=space.included,
+        extra=space.start_from.requested if space.start_from else (),
+        customize=space.customize,
+        admit=planning_admit(example, degrees_admit(example, degrees, needs)),
+        degrees=degrees,
+    )
+    return built, example

@@ -7,7 +7,8 @@ plan runs in fresh worker processes (:mod:`.trial`). Throughput is the objective
 the memory budget is an optuna constraint (``trial.set_constraint``: over-budget plans are
 infeasible). Studies persist in sqlite and resume by name: earlier trials are kept and not re-run.
 Before the study the workload trains once with no plan (:mod:`.preflight`): an error no plan can
-fix stops the search at once. Settings come as policy values (:mod:`.policy`).
+fix stops the search at once. Settings come as policy values (:mod:`.policy`). The space is
+built by :func:`.space.build_space`; what each outcome records is :mod:`.tell`'s.
 
 Before the study every valid plan is also predicted (:mod:`.predict`, no plan runs for it): a plan
 predicted over the memory budget is recorded as infeasible with its prediction and never run, and
@@ -22,11 +23,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from rich.markup import escape
-
-from composable_atorch.auto.degrees import Degrees
-from composable_atorch.auto.degrees import admit_rule as degrees_admit
-from composable_atorch.auto.degrees import propose as propose_degrees
 from composable_atorch.auto.limits import in_process_limit, user_code_limit
 from composable_atorch.auto.policy import (
     Budget,
@@ -41,21 +37,13 @@ from composable_atorch.auto.predict import (
     Predictor,
     StepTimeCheck,
     default_estimator,
-    first_batch,
     first_to_measure,
     predictions_note,
 )
 from composable_atorch.auto.preflight import preflight, preflight_in_child
 from composable_atorch.auto.records import SearchResult, TrialRecord, best_record
-from composable_atorch.auto.space import (
-    Point,
-    SearchSpace,
-    block_classes,
-    canonical_kind,
-    example_model,
-    plan_needs_criterion,
-    planning_admit,
-)
+from composable_atorch.auto.space import build_space
+from composable_atorch.auto.tell import Recorders
 from composable_atorch.auto.trial import ProcessRunner, TrialResult
 from composable_atorch.auto.workload import Workload
 from composable_atorch.core.plan import Plan
@@ -137,54 +125,9 @@ def search(
     return result
 
 
-def read_degrees(model, workload: Workload, env: Environment, space: SpaceOptions) -> Degrees:
-    """The parallel degrees the model and its first batch call for (:mod:`.degrees`); none, with the
-    reason as a note, when the batch cannot be read here (the preflight names a broken dataset)."""
-
-    def kinds(names):
-        return {k for k in (canonical_kind(n) for n in names) if k is not None}
-
-    try:
-        batch = first_batch(workload)
-    except Exception as exc:  # noqa: BLE001 - the workload's own error is the preflight's to report
-        return Degrees(notes=[f"parallel degrees not read: the first batch failed ({type(exc).__name__}: {exc})"])
-    return propose_degrees(
-        model,
-        batch,
-        env,
-        batch_size=workload.batch_size,
-        loss_fn=workload.loss_fn,
-        criterion=workload.criterion,
-        excluded=kinds(space.excluded),
-        included=kinds(space.included),
-    )
-
-
-def build_space(workload: Workload, env: Environment, space: SpaceOptions) -> tuple[SearchSpace, Any]:
-    """The search's space for ``workload`` at ``env`` and the example model it was read from (built on
-    the meta device where it can be): the registry's candidates, the parallel degrees the model and
-    its first batch call for (:mod:`.degrees`), and the rules that rule plans out before any trial.
-    Runs the user's model code: call it under a limit (the study does)."""
-    from composable_atorch.core.transform import SearchContext
-
-    example = example_model(workload.model_fn)
-    context = SearchContext(env, block_classes(example), workload.batch_size, space.allow_compile)
-    degrees = read_degrees(example, workload, env, space)
-    needs = None if workload.criterion is not None else plan_needs_criterion
-    built = SearchSpace(
-        context,
-        excluded=space.excluded,
-        included=space.included,
-        extra=space.start_from.requested if space.start_from else (),
-        customize=space.customize,
-        admit=planning_admit(example, degrees_admit(example, degrees, needs)),
-        degrees=degrees,
-    )
-    return built, example
-
-
-class _Loop:
-    """The ask/tell loop, one method per outcome of a proposal: invalid, duplicate, failed, measured."""
+class _Loop(Recorders):
+    """The ask/tell loop: each proposal is decided here, its outcome (invalid, duplicate, skipped,
+    slower, failed, measured) recorded by :class:`~.tell.Recorders`."""
 
     def __init__(
         self,
@@ -299,25 +242,6 @@ class _Loop:
         if key not in self.predictions:
             self.predictions[key] = self.predictor(self.enumeration.valid[key].plan)
         return self.predictions[key]
-
-    def _skip(self, trial, key: str) -> None:
-        """Record a plan predicted over the budget on ``trial`` (told as pruned and infeasible by the caller)."""
-        point, pred = self.enumeration.valid[key], self.predictions[key]
-        for name, value in (
-            ("plan_key", key),
-            ("steps", list(point.plan.names)),
-            ("plan_json", point.plan.to_json(indent=None)),
-            ("status", "predicted-infeasible"),
-            ("predicted", pred.to_dict()),
-        ):
-            trial.set_user_attr(name, value)
-        trial.set_user_attr(
-            "reason",
-            f"predicted peak {pred.peak_bytes / 2**20:.1f} MiB x (1 + margin {self.margin:g}) > "
-            f"budget {self.limit / 2**20:.1f} MiB; not run",
-        )
-        trial.set_constraint("memory", (pred.peak_bytes - self.limit) / self.limit)
-        self.seen[key] = trial.number
 
     def _enqueue_prior(self, count: int) -> tuple[str, ...]:
         """Enqueue the plans the predictions say to measure first (:func:`~.predict.first_to_measure`)."""
@@ -452,88 +376,3 @@ class _Loop:
             cut = remaining is not None and timeout < full and (result.reason or "").startswith("timeout")
             return self._tell_failed(trial, point, result, label, cut)
         return self._tell_measured(trial, point, result, label)
-
-    def _tell_unrun(self, trial) -> None:
-        """The time budget ran out between the proposal and its run: not run, proposed again on resume."""
-        import optuna
-
-        trial.set_user_attr("status", "failed")
-        trial.set_user_attr("reason", "stopped by the study's time limit before it ran")
-        trial.set_user_attr("retryable", True)
-        self.study.tell(trial, state=optuna.trial.TrialState.FAIL)
-
-    def _tell_invalid(self, trial, point: Point) -> None:
-        import optuna
-
-        self.counts["invalid"] += 1
-        self.repeats += 1
-        trial.set_user_attr("status", "invalid")
-        trial.set_user_attr("reason", point.error)
-        trial.set_constraint("valid", 1.0)
-        self.study.tell(trial, state=optuna.trial.TrialState.PRUNED)
-
-    def _tell_skipped(self, trial, point: Point) -> None:
-        """A plan predicted over the memory budget: recorded with its prediction, not run (no trial cost)."""
-        import optuna
-
-        self.counts["skipped"] += 1
-        self.repeats += 1
-        self._skip(trial, point.key)
-        self.study.tell(trial, state=optuna.trial.TrialState.PRUNED)
-        self.bar.console.print(
-            f"  #{trial.number} {escape(TrialRecord(trial.number, '', dict(point.assignment)).plan_label)}: "
-            f"[dim]predicted over the budget, not run[/dim]"
-        )
-
-    def _tell_slower(self, trial, point: Point, why: str) -> None:
-        """A plan the step-time model says cannot win (:class:`~.predict.StepTimeCheck`): recorded, not run."""
-        import optuna
-
-        self.counts["skipped"] += 1
-        self.repeats += 1
-        self.seen[point.key] = trial.number
-        for name, value in (("status", "predicted-slower"), ("reason", why)):
-            trial.set_user_attr(name, value)
-        trial.set_user_attr("predicted", self.predictions[point.key].to_dict())
-        self.study.tell(trial, state=optuna.trial.TrialState.PRUNED)
-
-    def _tell_duplicate(self, trial, point: Point) -> None:
-        import optuna
-
-        self.counts["duplicate"] += 1
-        self.repeats += 1
-        trial.set_user_attr("status", "duplicate")
-        trial.set_user_attr("reason", f"same plan as trial {self.seen[point.key]}; not run again")
-        self.study.tell(trial, state=optuna.trial.TrialState.FAIL)
-
-    def _tell_failed(self, trial, point: Point, result: TrialResult, label: str, cut: bool) -> None:
-        """A crash, OOM or hang; a trial cut by the study's own time limit may run again on resume."""
-        import optuna
-
-        trial.set_user_attr("status", "failed")
-        trial.set_user_attr("reason", ("stopped by the study's time limit; " if cut else "") + (result.reason or ""))
-        trial.set_user_attr("retryable", cut)
-        self.study.tell(trial, state=optuna.trial.TrialState.FAIL)
-        if not cut:
-            self.seen[point.key] = trial.number
-        # the reason is the worker's text (gloo writes "[.../pair.cc:553]"): not rich markup
-        self.bar.console.print(f"  #{trial.number} {escape(label)}: [red]failed[/red] — {escape(result.reason or '')}")
-        self.bar.update(self.task, advance=1)
-
-    def _tell_measured(self, trial, point: Point, result: TrialResult, label: str) -> None:
-        """A measured plan: its throughput, and over-budget memory as an infeasible constraint."""
-        self.seen[point.key] = trial.number
-        self.check.observe(self.predictions.get(point.key), result)
-        limit, peak = self.limit, result.peak_bytes
-        over = limit is not None and peak is not None and peak > limit
-        trial.set_user_attr("status", "infeasible" if over else "ok")
-        if limit is not None:
-            trial.set_constraint("memory", (peak - limit) / limit if peak is not None else 0.0)
-            if over:
-                trial.set_user_attr("reason", f"peak {peak / 2**20:.1f} MiB > budget {limit / 2**20:.1f} MiB")
-        self.study.tell(trial, result.samples_per_s)
-        mem = "" if peak is None else f", peak {peak / 2**20:.1f} MiB"
-        flag = " [yellow]over budget[/yellow]" if over else ""
-        self.bar.console.print(f"  #{trial.number} {escape(label)}: {result.samples_per_s:.1f} samples/s{mem}{flag}")
-        best = best_record([TrialRecord.from_frozen(t) for t in self.study.trials])
-        self.bar.update(self.task, advance=1, best=f"best {best.result.samples_per_s:.1f} samples/s" if best else "")

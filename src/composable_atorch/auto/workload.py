@@ -118,3 +118,12 @@ class GPTTask:
         return Workload(
             self.model, self.optimizer, self.dataset(), GPTTask.loss, self.batch_size, seed=seed, criterion=lm_loss
         )
+
+
+def first_batch(workload: Workload):
+    """The workload's first global batch, as its loader yields it (unshuffled)."""
+    from torch.utils.data import DataLoader
+
+    kwargs = {"drop_last": True, **workload.loader_kwargs, "shuffle": False}
+    kwargs.pop("generator", None)
+    return next(iter(DataLoader(workload.dataset, batch_size=workload.batch_size, **kwargs)))
