@@ -255,10 +255,12 @@ def _sp_cases(rank, world, _):
     )
     atorch.reset_distributed()
 
-    # the same entry in fp32 with an optimizer each, parameters compared with one process
+    # the same entry in fp32 with an optimizer each, parameters compared with one process; ATorch's
+    # documented keys name the model's set_sp, which is not called (it would raise AttributeError here)
     for name, optim, lr in (("sgd", sgd_func, 0.5), ("adam", optim_func, 1e-3)):
         atorch.init_distributed("gloo")
-        strategy = [("parallel_mode", None), ("sequence_parallel", {"sp_size": 2})]
+        sp_config = {"sp_size": 2, "module": ToyGPT2Model, "set_sp_func_name": "set_sp"}
+        strategy = [("parallel_mode", None), ("sequence_parallel", sp_config)]
         status, result, _ = auto_accelerate(
             *model_context_args(toy_gpt2(dropout=False), token_ce, shuffle=False, optim=optim, lr=lr),
             load_strategy=strategy,
@@ -313,6 +315,20 @@ def test_sequence_parallel_entry_equals_one_process(sp_results, name, optim, lr)
         assert case["status"] and case["shapes"] == [(BATCH, SEQ // 2)] * (DATA // BATCH)  # half of each sequence
         gap = max(float((torch.from_numpy(case["params"][k]) - ref[k]).abs().max()) for k in ref)
         assert gap < 1e-4, gap
+
+
+def test_set_sp_keys_are_accepted_and_explained():
+    import composable_atorch as ca
+
+    env = ca.Environment(world_size=2)
+    plan = ca.strategy.load(
+        [("sequence_parallel", {"sp_size": 2, "module": ToyGPT2Model, "set_sp_func_name": "set_sp"})], env=env
+    )
+    assert "module: no effect: set_sp is not called" in plan.explain()
+    again = ca.Plan.from_json(plan.to_json(), env=env)  # saved as the key names, never the class
+    assert again.transforms[plan.names.index("sequence_parallel")].inert == ("module", "set_sp_func_name")
+    with pytest.raises(ConfigError, match="config field 'modul'"):
+        ca.strategy.load([("sequence_parallel", {"sp_size": 2, "modul": None})], env=env)
 
 
 # ---------------------------------------------------------------------------------------------

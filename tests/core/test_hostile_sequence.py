@@ -69,6 +69,15 @@ def test_saved_context_strategy_is_refused_at_load(text, match):
         ca.Plan.from_json(text, env=ENV2)
 
 
+@pytest.mark.parametrize("inert", [["os.system"], "module", [1], {"$class": "os:system"}])
+def test_saved_ulysses_inert_keys_are_names_from_a_fixed_list(inert):
+    plan = json.loads(ca.strategy.load([("sequence_parallel", {"sp_size": 2, "module": None})], env=ENV2).to_json())
+    entry = next(t for t in plan["transforms"] if t["name"] == "sequence_parallel")
+    entry["config"]["inert"] = inert
+    with pytest.raises(ConfigError):
+        ca.Plan.from_json(json.dumps(plan), env=ENV2)
+
+
 def test_saved_strategy_naming_a_dangerous_class_as_a_transform():
     text = _context_json(transform={"name": "os.system", "config": {}})
     with pytest.raises(UnknownTransformError, match="unknown transform 'os.system'"):
