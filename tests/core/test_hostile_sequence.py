@@ -163,12 +163,15 @@ def _context_plan(rotation="allgather"):
 def _world2_cases(rank, world, _):
     out = {}
 
-    # a sequence length not divisible by 2n (causal balance) at the first batch: typed, weights untouched
-    for length in (62, 63):
+    # a sequence length not divisible by 2n (causal balance; Ulysses: by n) mid-epoch: typed, weights untouched
+    ulysses = ca.compose(ca.parallel_mode([("sequence", 2), ("data", 1)]), ca.sequence_parallel())
+    for length, plan in ((62, _context_plan()), (63, _context_plan("ring")), ("u63", ulysses)):
         model = _seq.user_lm()
         before = _snapshot(model)
-        m, opt, data = _context_plan()(
-            model, _seq.make_optim(model, "sgd"), DataLoader(Lengths(length, 4), batch_size=2)
+        m, opt, data = plan(
+            model,
+            _seq.make_optim(model, "sgd"),
+            DataLoader(Lengths(63 if length == "u63" else length, 4), batch_size=2),
         )
         it = iter(data)
         next(it)  # the first half of the rows is 64 long; skip it, the next batch is the hostile one
@@ -255,11 +258,12 @@ def world2():
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("length", [62, 63])
-def test_sequence_not_divisible_by_twice_the_context_is_typed_before_the_step(world2, length):
+@pytest.mark.parametrize(("length", "why"), [(62, "multiple of 4"), (63, "multiple of 4"), ("u63", "multiple of 2")])
+def test_sequence_not_divisible_by_the_split_is_typed_before_the_step(world2, length, why):
     for r in world2:
         kind, text = r[f"len{length}"]
-        assert kind == "ConfigError" and str(length) in text, (kind, text)
+        assert kind == "ConfigError" and ("63" in text or "62" in text), (kind, text)
+        assert why in text, text
         assert r[f"len{length}_untouched"]
 
 
