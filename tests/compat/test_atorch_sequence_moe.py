@@ -501,3 +501,86 @@ LEDGER = {
     "expert_parallel on transformers / protocol experts",
     "moe_test (MOELayer, SwitchGate, TopkGate)": "refused likewise",
 }
+
+
+# fsdp_moe_save_load_test.init_moe_group at world 4 (its FSDP1 save utilities are ATorch's own) --------
+
+
+class DummyExperts(torch.nn.Module):
+    def __init__(self, hidden_size):
+        super().__init__()
+        self.w1 = torch.nn.Linear(hidden_size, hidden_size * 2)
+        self.w2 = torch.nn.Linear(hidden_size * 2, hidden_size)
+
+    def forward(self, x):
+        return self.w2(self.w1(x))
+
+
+class DummyBlock(torch.nn.Module):
+    def __init__(self, hidden_size):
+        super().__init__()
+        self.bw1 = torch.nn.Linear(hidden_size, hidden_size * 2)
+        self.bw2 = torch.nn.Linear(hidden_size * 2, hidden_size)
+        self.experts = DummyExperts(hidden_size)
+
+    def forward(self, x):
+        return self.experts(self.bw2(self.bw1(x)))
+
+
+class DummyModel(torch.nn.Module):
+    def __init__(self, hidden_size):
+        super().__init__()
+        self.mw1 = torch.nn.Linear(hidden_size, hidden_size * 2)
+        self.mw2 = torch.nn.Linear(hidden_size * 2, hidden_size)
+        self.layers = torch.nn.ModuleList(DummyBlock(hidden_size) for _ in range(3))
+
+    def forward(self, x):
+        x = self.mw2(self.mw1(x))
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _init_moe_group_case(rank, world, _):
+    from composable_atorch.compat.atorch.common.util_func import divide
+    from composable_atorch.compat.atorch.distributed.distributed import (
+        create_parallel_group,
+        parallel_group,
+        parallel_group_and_ranks,
+        parallel_group_size,
+    )
+
+    atorch.init_distributed("nccl", set_cuda_device_using_local_rank=True)
+    world_size = torch.distributed.get_world_size()
+    ep_size = divide(world_size, 2)
+    create_parallel_group(([("data", torch.distributed.get_world_size())], None))
+    create_parallel_group(([("expert", ep_size), ("expert_fsdp", 2)], None))
+    out = dict(
+        expert=parallel_group_and_ranks("expert")[1],
+        expert_fsdp=parallel_group_and_ranks("expert_fsdp")[1],
+        sizes=(parallel_group_size("expert"), parallel_group_size("expert_fsdp")),
+        groups=parallel_group("expert") is not None and parallel_group("expert_fsdp") is not None,
+    )
+    # ATorch's dummy "experts" (two Linears, no routing, no expert dimension) under expert_parallel
+    try:
+        auto_accelerate(
+            DummyModel(16),
+            load_strategy=[("parallel_mode", ([("expert", ep_size), ("expert_fsdp", 2)], None)), "expert_parallel"],
+            ignore_dryrun_on_load_strategy=True,
+        )
+        out["dummy"] = None
+    except ConfigError as exc:
+        out["dummy"] = f"{type(exc).__name__}: {exc}"
+    atorch.reset_distributed()
+    return out
+
+
+@pytest.mark.dist
+def test_init_moe_group_at_world_4():
+    results = run_world(_init_moe_group_case, 4, None, timeout=300)
+    for rank, r in enumerate(results):
+        assert r["sizes"] == (2, 2) and r["groups"]
+        assert rank in r["expert"] and rank in r["expert_fsdp"] and len(r["expert"]) == len(r["expert_fsdp"]) == 2
+        assert not set(r["expert"]) & set(r["expert_fsdp"]) - {rank}  # the two dimensions cross at this rank only
+        # a module named experts with no expert dimension: refused before any work, naming the protocol
+        assert r["dummy"] is not None and "experts" in r["dummy"], r["dummy"]
