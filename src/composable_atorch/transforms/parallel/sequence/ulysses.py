@@ -37,6 +37,17 @@ def _sp_size_differs(mine, pm) -> bool:
     return mine.sp_size is not None and dict(pm.groups).get("sequence") != mine.sp_size
 
 
+#: ATorch's keys naming the modules whose ``set_sp(sp_size, sp_rank, sp_group)`` it calls. Here no
+#: ``set_sp`` is called: the all-to-all is placed at the model's attention (transformers' attention
+#: interface or ``scaled_dot_product_attention``), so a model whose ``set_sp`` was never called trains
+#: as a plain one under the split (ATorch's own GPT-2 toy's ``set_sp`` patches ``GPT2Attention._attn``,
+#: which transformers 5 removed, and could not run there).
+SET_SP_KEYS = {
+    "module": "no effect: set_sp is not called; the all-to-all is placed at the model's attention",
+    "set_sp_func_name": "no effect: set_sp is not called; the all-to-all is placed at the model's attention",
+}
+
+
 @dataclass(frozen=True)
 class Ulysses(Transform):
     """Ulysses sequence parallelism over parallel_mode's ``sequence`` dimension (ATorch's ``sequence_parallel``)."""
@@ -71,17 +82,28 @@ class Ulysses(Transform):
     sp_size: int | None = None
     #: pass global ``position_ids`` to the model's forward (False: a model without positions)
     positions: bool = True
+    #: ATorch's keys naming the modules whose ``set_sp`` it calls, accepted with no effect (named in explain())
+    inert: tuple[str, ...] = ()
 
     def __post_init__(self):
         seed_size(self.sp_size, "sequence_parallel.sp_size")
         if not isinstance(self.positions, bool):
             raise ConfigError("sequence_parallel.positions", self.positions, "True or False")
+        inert = tuple(sorted(set(self.inert))) if isinstance(self.inert, list | tuple) else self.inert
+        bad = [k for k in inert if k not in SET_SP_KEYS] if isinstance(inert, tuple) else [inert]
+        if bad:
+            raise ConfigError("sequence_parallel.inert", bad[0], f"a list of names from {list(SET_SP_KEYS)}")
+        object.__setattr__(self, "inert", inert)
 
     @classmethod
     def from_seed(cls, config=None):
-        """ATorch's ``{"sp_size": n, "batch_sp_processing_fn": f}`` (the function is not needed here)."""
+        """ATorch's ``{"sp_size": n, "batch_sp_processing_fn": f, "module": cls, "set_sp_func_name": name}``:
+        the function is not needed (the plan's loader splits each sequence); ``module`` /
+        ``set_sp_func_name`` are accepted and no ``set_sp`` is called (see :data:`SET_SP_KEYS`)."""
         if isinstance(config, dict):
-            return super().from_seed({k: v for k, v in config.items() if k != "batch_sp_processing_fn"})
+            inert = tuple(k for k in SET_SP_KEYS if k in config)
+            kept = {k: v for k, v in config.items() if k != "batch_sp_processing_fn" and k not in SET_SP_KEYS}
+            return super().from_seed({**kept, **({"inert": inert} if inert else {})})
         return super().from_seed(config)
 
     def adjust_seed_list(self, transforms):
@@ -106,9 +128,10 @@ class Ulysses(Transform):
 
     def describe(self):
         sp = "" if self.sp_size is None else f"sp_size {self.sp_size}: "
+        inert = "".join(f"; {k}: {SET_SP_KEYS[k]}" for k in self.inert)
         return (
             f"sequence_parallel({sp}Ulysses: each rank holds 1/n of every sequence, an all-to-all gives attention "
-            "the whole sequence for 1/n of the heads and back; the rest data-parallel over the sequence)"
+            f"the whole sequence for 1/n of the heads and back; the rest data-parallel over the sequence{inert})"
         )
 
     def apply(self, state: TrainState, ctx: ApplyContext) -> TrainState:
