@@ -153,8 +153,8 @@ def check_ring(who: str, *, dropout=0.0, softcap=None, sinks=None) -> None:
         ("attention logit softcapping", softcap, "CPU flash blocks without a logit cap"),
         ("attention sinks", sinks, "no sink term in its merged denominators"),
     ):
-        if value:
-            shown = tuple(value.shape) if isinstance(value, torch.Tensor) else value
+        if isinstance(value, torch.Tensor) or value:
+            shown = f"tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else value
             raise ConfigError(
                 f"{who}: {name}",
                 shown,
