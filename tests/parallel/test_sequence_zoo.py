@@ -5,7 +5,8 @@ family's own default attention implementation as the reference.
 The families' per-layer attention features are what is checked: sliding windows (Mistral, Qwen2 with
 use_sliding_window, Gemma-2/3, GPT-OSS, Cohere2; a window of 8 tokens so it matters), Gemma-2's logit
 softcapping and GPT-OSS's attention sinks (computed over global positions), plus Phi-3's fused
-projections and OLMo-2's norms on the whole projection. The ring cannot merge capped logits or sinks:
+projections and OLMo-2's norms on the whole projection; encoders (non-causal): BERT (dropout off to
+compare) and ModernBERT (bidirectional local windows). The ring cannot merge capped logits or sinks:
 a typed refusal before any step names the reason. Chunked attention (Llama-4) is refused from its
 config.
 """
@@ -19,15 +20,15 @@ import pytest
 import _seq
 import composable_atorch as ca
 from composable_atorch.errors import ConfigError
-from zoo.sequence import DECODERS, build
+from zoo.sequence import DECODERS, ENCODERS, build
 
 from _dist import run_world
 
 ATOL = 1e-4
-_seq.MODELS.update({f"zoo_{name}": functools.partial(build, name) for name in DECODERS})
+_seq.MODELS.update({f"zoo_{name}": functools.partial(build, name) for name in DECODERS | ENCODERS})
 
 #: (family, optimizer): every family with SGD; AdamW on a Llama-like one and the featured ones
-CASES = [(name, "sgd") for name in DECODERS] + [(n, "adamw") for n in ("mistral", "gemma2", "gpt_oss")]
+CASES = [(name, "sgd") for name in DECODERS | ENCODERS] + [(n, "adamw") for n in ("mistral", "gemma2", "gpt_oss")]
 #: the ring's refusals: family -> the reason's words
 RING_REFUSED = {"gemma2": "softcapping", "gpt_oss": "sinks"}
 MODES = {
@@ -64,7 +65,10 @@ def test_families_equal_one_process(mode):
             continue
         assert not isinstance(result, str), (name, optim_name, result)
         assert result["shapes"][0] == (_seq.BATCH, _seq.SEQ // 2)  # each rank holds half of each sequence
-        params, losses = _seq.close(result, _reference(name, optim_name))
+        ref = _reference(name, optim_name)
+        params, losses = _seq.close(result, ref)
+        start = _seq.full_params(_seq.MODELS[f"zoo_{name}"]())
+        assert _seq.max_diff(ref[0], start) > 1e-3, name  # training moved the weights
         if not (params < ATOL and losses < ATOL):
             failures.append((name, optim_name, params, losses))
     assert not failures, failures

@@ -38,10 +38,23 @@ DECODERS = {
 }
 
 
-def build(name: str, seed: int = 0) -> nn.Module:
-    """The tiny causal LM ``name``, weights fixed by ``seed``."""
-    from transformers import AutoModelForCausalLM
+#: encoders (bidirectional attention): name -> config, built with their masked-LM head
+ENCODERS = {
+    # dropout off: BERT's default 0.1 draws differ between one process and a split (not comparable)
+    "bert": lambda: cfg(
+        "BertConfig", **_SMALL, max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0
+    ),
+    "modernbert": lambda: cfg(
+        "ModernBertConfig", **_SMALL, local_attention=16, global_attn_every_n_layers=2, max_position_embeddings=64
+    ),
+}
 
-    config = DECODERS[name]()
+
+def build(name: str, seed: int = 0) -> nn.Module:
+    """The tiny causal LM (or masked LM, for :data:`ENCODERS`) ``name``, weights fixed by ``seed``."""
+    from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
+
+    config = (DECODERS | ENCODERS)[name]()
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config)
+    auto = AutoModelForMaskedLM if name in ENCODERS else AutoModelForCausalLM
+    return auto.from_config(config)
