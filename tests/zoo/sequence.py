@@ -57,4 +57,9 @@ def build(name: str, seed: int = 0) -> nn.Module:
     config = (DECODERS | ENCODERS)[name]()
     torch.manual_seed(seed)
     auto = AutoModelForMaskedLM if name in ENCODERS else AutoModelForCausalLM
-    return auto.from_config(config)
+    model = auto.from_config(config)
+    with torch.no_grad():  # attention sinks as trained ones differ per head (the init's ~0.02 would hide a mix-up)
+        for module in model.modules():
+            if isinstance(getattr(module, "sinks", None), torch.Tensor):
+                module.sinks.copy_(torch.linspace(-1.0, 2.0, module.sinks.numel()))
+    return model
