@@ -69,118 +69,98 @@ class Attend:
     ) -> torch.Tensor:
         """``q, k, v``: ``(batch, heads, local seq, dim)`` -> this rank's output, same shape as ``q``.
 
-        ``window`` (transformers' ``sliding_window``: a query attends to the keys less than ``window``
-        positions behind it), ``softcap`` (Gemma-2's ``softcap * tanh(logits / softcap)``) and
-        ``sinks`` (GPT-OSS's per-head logit joining every softmax's denominator) are the per-layer
-        attention features transformers passes; each is applied over global positions."""
+        ``window`` (a sliding window), ``softcap`` (logits capped by ``tanh``) and ``sinks`` (one
+        learned logit per head in the softmax's denominator) are a layer's attention features, each
+        computed over the whole sequence's global positions as the model's own eager attention does."""
         self.calls += 1
-        extra = Features(window=window, softcap=softcap, sinks=sinks)
+        scale = q.size(-1) ** -0.5 if scale is None else scale
         if self.n == 1 or is_probing():  # a probe forward (a transform's check) runs as one process
             k, v = _repeat_heads(k, q.size(1)), _repeat_heads(v, q.size(1))
-            return attention(q, k, v, None, None, causal, scale, dropout, extra)
+            pos = torch.arange(q.size(2), device=q.device)
+            return attend_exact(q, k, v, pos, pos, causal, scale, dropout, window, softcap, sinks)
         if self.kind == "context":
-            return self._context(q, k, v, causal, scale, dropout, extra)
-        return self._ulysses(q, k, v, causal, scale, dropout, extra)
+            return self._context(q, k, v, causal, scale, dropout, window, softcap, sinks)
+        return self._ulysses(q, k, v, causal, scale, dropout, window, softcap, sinks)
 
-    def _context(self, q, k, v, causal, scale, dropout, extra):
-        length = q.size(2)
+    def _context(self, q, k, v, causal, scale, dropout, window, softcap, sinks):
         if self.rotation == "ring":
-            if dropout:
-                raise ConfigError(
-                    f"{self.who}: attention dropout",
-                    dropout,
-                    "0.0, or context_parallel(rotation='allgather'): the ring merges partial softmaxes and has no "
-                    "dropout on its probabilities",
-                )
-            unsupported = extra.beyond_ring(self.n * length)
-            if unsupported:
-                raise ConfigError(
-                    f"{self.who}: the model's attention {unsupported}",
-                    "with rotation='ring'",
-                    "context_parallel(rotation='allgather'), or sequence_parallel (Ulysses): the ring merges "
-                    "partial softmaxes block by block and computes plain causal attention only",
-                )
+            check_ring(self.who, dropout=dropout, softcap=softcap, sinks=sinks)
             k, v = _repeat_heads(k, q.size(1)), _repeat_heads(v, q.size(1))
-            return ring_attention(q, k, v, self.group, self.rank, self.n, causal=causal, scale=scale)
-        # all-gather of keys and values (exact; one collective, then one fused attention)
+            return ring_attention(q, k, v, self.group, self.rank, self.n, causal=causal, scale=scale, window=window)
+        # all-gather of keys and values (exact; one collective, then one attention over global positions)
         k_all = _repeat_heads(gather_sequence(k, self.group, self.n), q.size(1))
         v_all = _repeat_heads(gather_sequence(v, self.group, self.n), q.size(1))
+        length = q.size(2)
         q_pos = chunk_positions(self.rank, self.n, length, True, q.device)
         k_pos = all_positions(self.n, length, True, q.device)
-        return attention(q, k_all, v_all, q_pos, k_pos, causal, scale, dropout, extra)
+        return attend_exact(q, k_all, v_all, q_pos, k_pos, causal, scale, dropout, window, softcap, sinks)
 
-    def _ulysses(self, q, k, v, causal, scale, dropout, extra):
+    def _ulysses(self, q, k, v, causal, scale, dropout, window, softcap, sinks):
         heads = q.size(1)
         check_heads(heads, self.n, self.who)
         if k.size(1) % self.n:  # too few key/value heads to split: repeat them first
             k, v = _repeat_heads(k, heads), _repeat_heads(v, heads)
         qh, kh, vh = (sequence_to_heads(t, self.group, self.n) for t in (q, k, v))
         kh, vh = _repeat_heads(kh, qh.size(1)), _repeat_heads(vh, qh.size(1))
-        mine = heads // self.n  # this rank's heads: rank r holds heads r*h/n .. (r+1)*h/n - 1
-        extra = extra.heads(self.rank * mine, (self.rank + 1) * mine)
-        out = attention(qh, kh, vh, None, None, causal, scale, dropout, extra)
+        if sinks is not None:  # this rank's heads (the all-to-all gives rank r the r-th block of heads)
+            per = qh.size(1)
+            sinks = sinks[self.rank * per : (self.rank + 1) * per]
+        pos = torch.arange(qh.size(2), device=q.device)  # whole sequences in order after the all-to-all
+        out = attend_exact(qh, kh, vh, pos, pos, causal, scale, dropout, window, softcap, sinks)
         return heads_to_sequence(out, self.group, self.n)
 
 
-@dataclass(frozen=True)
-class Features:
-    """The per-layer attention features a transformers attention module passes (None: not used)."""
-
-    window: int | None = None
-    softcap: float | None = None
-    sinks: torch.Tensor | None = None
-
-    def heads(self, start: int, stop: int) -> Features:
-        """The features for heads ``start .. stop - 1`` (sinks are per head)."""
-        sinks = None if self.sinks is None else self.sinks[start:stop]
-        return Features(window=self.window, softcap=self.softcap, sinks=sinks)
-
-    def beyond_ring(self, total: int) -> str:
-        """What the ring cannot compute, for sequences of ``total`` tokens ('' when nothing)."""
-        found = []
-        if self.window is not None and self.window < total:
-            found.append(f"sliding_window {self.window} (< the sequence's {total} tokens)")
-        if self.softcap is not None:
-            found.append(f"softcap {self.softcap}")
-        if self.sinks is not None:
-            found.append("attention sinks (s_aux)")
-        return ", ".join(found)
+def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, window) -> torch.Tensor | None:
+    """``(q, k)`` bool mask over global positions (transformers' causal mask and ``sliding_window_overlay``:
+    ``0 <= q - k < window``; ``|q - k| < window`` for a bidirectional window); None when every key is seen."""
+    if not causal and window is None:
+        return None
+    d = q_pos[:, None] - k_pos[None, :]
+    mask = d >= 0 if causal else torch.ones(d.shape, dtype=torch.bool, device=d.device)
+    if window is not None:
+        mask = mask & ((d < window) if causal else (d.abs() < window))
+    return mask
 
 
-def attention(q, k, v, q_pos, k_pos, causal: bool, scale, dropout: float, extra: Features) -> torch.Tensor:
-    """Attention of queries at global positions ``q_pos`` over keys at ``k_pos`` (same heads):
-    ``scaled_dot_product_attention`` with the causal / sliding-window mask, or, with a softcap or
-    sinks, the same computation spelled out as transformers' eager attention does it. ``q_pos`` None:
-    queries and keys both at ``0 .. len-1`` (Ulysses, a probe), where plain causal attention needs no
-    mask (SDPA's fused kernels, no len x len mask in memory)."""
-    plain = extra.window is None and extra.softcap is None and extra.sinks is None
-    if q_pos is None:
-        if plain:
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=causal, scale=scale)
-        q_pos = k_pos = torch.arange(q.size(2), device=q.device)
-    mask = None
-    if causal or extra.window is not None:
-        offset = q_pos[:, None] - k_pos[None, :]
-        mask = offset >= 0 if causal else torch.ones_like(offset, dtype=torch.bool)
-        if extra.window is not None:
-            mask = mask & (offset < extra.window)
-    if extra.softcap is None and extra.sinks is None:
+def attend_exact(q, k, v, q_pos, k_pos, causal, scale, dropout, window=None, softcap=None, sinks=None):
+    """Attention of ``q`` over ``k, v`` (same heads) at the given global positions: fused SDPA when the
+    layer has no logit features, else the eager computation (softcapped logits, sink column in the
+    softmax, as transformers' Gemma-2 / GPT-OSS eager attention)."""
+    mask = visible(q_pos, k_pos, causal, window)
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scale)
-    scale = q.size(-1) ** -0.5 if scale is None else scale
     logits = torch.matmul(q, k.transpose(-2, -1)) * scale
-    if extra.softcap is not None:
-        logits = torch.tanh(logits / extra.softcap) * extra.softcap
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
     if mask is not None:
-        logits = logits.masked_fill(~mask, torch.finfo(logits.dtype).min)
-    if extra.sinks is not None:
-        sink = extra.sinks.to(logits.dtype).reshape(1, -1, 1, 1).expand(q.size(0), -1, q.size(2), 1)
-        both = torch.cat([logits, sink], dim=-1)
-        probs = F.softmax(both - both.max(dim=-1, keepdim=True).values, dim=-1)[..., :-1]
-    else:
-        probs = F.softmax(logits, dim=-1, dtype=torch.float32).to(q.dtype)
+        logits = logits.masked_fill(~mask, float("-inf"))
+    if sinks is not None:
+        column = sinks.reshape(1, -1, 1, 1).to(logits.dtype).expand(*logits.shape[:-1], 1)
+        logits = torch.cat([logits, column], dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    probs = F.softmax(logits, dim=-1, dtype=torch.float32).to(q.dtype)
+    if sinks is not None:
+        probs = probs[..., :-1]
     if dropout:
         probs = F.dropout(probs, p=dropout)
-    return torch.matmul(probs.to(v.dtype), v)
+    return torch.matmul(probs, v)
+
+
+def check_ring(who: str, *, dropout=0.0, softcap=None, sinks=None) -> None:
+    """What the ring's merged partial softmaxes cannot compute (the all-gather rotation can)."""
+    for name, value, why in (
+        ("attention dropout", dropout, "no dropout on its probabilities"),
+        ("attention logit softcapping", softcap, "CPU flash blocks without a logit cap"),
+        ("attention sinks", sinks, "no sink term in its merged denominators"),
+    ):
+        if isinstance(value, torch.Tensor) or value:
+            shown = f"tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else value
+            raise ConfigError(
+                f"{who}: {name}",
+                shown,
+                f"context_parallel(rotation='allgather') or sequence_parallel: the ring merges partial softmaxes "
+                f"and has {why}" + ("" if name != "attention dropout" else " (or attention dropout 0.0)"),
+            )
 
 
 def check_heads(heads: int, n: int, who: str) -> None:
@@ -193,16 +173,37 @@ def check_heads(heads: int, n: int, who: str) -> None:
 # -- transformers' attention interface ------------------------------------------------------------
 
 
+#: keyword arguments transformers' attention layers pass that change nothing in a training forward
+#: without a cache (positions are given globally; the flash-attention-only sequence lengths are unused)
+_INERT = {"position_ids", "output_attentions", "use_cache", "cache_position", "layer_idx", "head_mask"}
+#: the per-layer attention features this function computes over the whole sequence
+_FEATURES = {"sliding_window", "softcap", "s_aux"}
+
+
 def sequence_attention_forward(
     module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs
 ):
-    """transformers' attention-function signature; ``(output (b, s, h, d), None)``."""
+    """transformers' attention-function signature; ``(output (b, s, h, d), None)``.
+
+    The layer's features (``sliding_window``, ``softcap``, ``s_aux`` attention sinks) are computed
+    over global positions; any other keyword a layer passes with a value is a ConfigError (it would
+    change the attention in a way this split does not know)."""
     attend = getattr(module, ATTR, None)
     if attend is None:
         raise ConfigError(
             "attention implementation",
             IMPLEMENTATION,
             "a model prepared by context_parallel / sequence_parallel (set another config._attn_implementation)",
+        )
+    unknown = sorted(
+        key for key, val in kwargs.items() if key not in _INERT | _FEATURES and val is not None and val is not False
+    )
+    if unknown and not is_probing():
+        raise ConfigError(
+            f"{attend.who}: {type(module).__name__} attention arguments",
+            unknown,
+            "a model whose attention layers pass only sliding_window / softcap / s_aux (these are computed over "
+            "the whole sequence; others are not split over ranks)",
         )
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     out = attend(
@@ -230,12 +231,43 @@ def route_transformers(model: torch.nn.Module, attend: Attend) -> str:
 
     if AttentionInterface._global_mapping.get(IMPLEMENTATION) is not sequence_attention_forward:
         AttentionInterface.register(IMPLEMENTATION, sequence_attention_forward)
+    check_mask_features(model.config, attend)
+    if attend.kind == "context" and attend.rotation == "ring":
+        for module in model.modules():
+            if type(module).__name__.endswith("Attention") and isinstance(getattr(module, "sinks", None), torch.Tensor):
+                check_ring(attend.who, sinks=module.sinks)
     before = model.config._attn_implementation
     model.set_attn_implementation(IMPLEMENTATION)
     for module in model.modules():
         if type(module).__name__.endswith("Attention"):
             setattr(module, ATTR, attend)
     return before
+
+
+#: layer kinds whose mask this split builds itself (the attention function gets their window)
+_LAYER_TYPES = {"full_attention", "sliding_attention"}
+
+
+def check_mask_features(config, attend: Attend) -> None:
+    """Refuse attention patterns that transformers expresses only in the mask it builds (the split's
+    function builds its own mask over global positions, so a pattern it is not told of would be lost):
+    chunked attention (Llama-4), layer kinds other than full / sliding, a ring with capped logits."""
+    configs = [config, getattr(config, "text_config", None)]
+    for c in (c for c in configs if c is not None):
+        chunk = getattr(c, "attention_chunk_size", None)
+        if chunk is not None:
+            raise ConfigError(
+                f"{attend.who}: config.attention_chunk_size", chunk, "None: chunked attention is not split over ranks"
+            )
+        kinds = set(getattr(c, "layer_types", None) or ()) - _LAYER_TYPES
+        if kinds:
+            raise ConfigError(
+                f"{attend.who}: config.layer_types",
+                sorted(kinds),
+                f"only {sorted(_LAYER_TYPES)}: other layer kinds' masks are not split over ranks",
+            )
+        if attend.kind == "context" and attend.rotation == "ring":
+            check_ring(attend.who, softcap=getattr(c, "attn_logit_softcapping", None))
 
 
 # -- any model calling scaled_dot_product_attention ---------------------------------------------------

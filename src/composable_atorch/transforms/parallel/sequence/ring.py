@@ -41,8 +41,16 @@ def _wait(works) -> None:
         w.wait()
 
 
-def _mask(q_pos: torch.Tensor | None, k_pos: torch.Tensor | None) -> torch.Tensor | None:
-    return None if q_pos is None else q_pos[:, None] >= k_pos[None, :]
+def _mask(q_pos: torch.Tensor | None, k_pos: torch.Tensor | None, causal: bool = True, window=None):
+    """Which keys each query sees, over global positions: causal and / or within a sliding window
+    (transformers' ``sliding_window_overlay``: ``q - k < window``; ``|q - k| < window`` when not causal)."""
+    if q_pos is None:
+        return None
+    d = q_pos[:, None] - k_pos[None, :]
+    mask = d >= 0 if causal else torch.ones(d.shape, dtype=torch.bool, device=d.device)
+    if window is not None:
+        mask = mask & ((d < window) if causal else (d.abs() < window))
+    return mask
 
 
 def _flash(q: torch.Tensor) -> bool:
@@ -100,10 +108,11 @@ def _block_backward(dout, q, k, v, out, lse, mask, scale) -> tuple[torch.Tensor,
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, rank, n, causal, scale):
+    def forward(ctx, q, k, v, group, rank, n, causal, scale, window):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         length = q.size(2)
-        q_pos = chunk_positions(rank, n, length, True, q.device) if causal else None
+        positioned = causal or window is not None
+        q_pos = chunk_positions(rank, n, length, True, q.device) if positioned else None
         acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
         kv, works = [k, v], []
@@ -113,7 +122,8 @@ class _RingAttention(torch.autograd.Function):
             if step < n - 1:
                 nxt, works = _shift(kv, group, rank, n)
             src = (rank - step) % n
-            mask = _mask(q_pos, chunk_positions(src, n, length, True, q.device) if causal else None)
+            k_pos = chunk_positions(src, n, length, True, q.device) if positioned else None
+            mask = _mask(q_pos, k_pos, causal, window)
             out, blk = _block_forward(q, kv[0], kv[1], mask, scale)
             new = torch.logaddexp(lse, blk)
             new_safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)
@@ -123,7 +133,7 @@ class _RingAttention(torch.autograd.Function):
                 _wait(works)
                 kv = nxt
         ctx.save_for_backward(q, k, v, acc, lse)
-        ctx.group, ctx.rank, ctx.n, ctx.causal, ctx.scale = group, rank, n, causal, scale
+        ctx.group, ctx.rank, ctx.n, ctx.causal, ctx.scale, ctx.window = group, rank, n, causal, scale, window
         return acc.to(q.dtype)
 
     @staticmethod
@@ -131,7 +141,8 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         group, rank, n, scale = ctx.group, ctx.rank, ctx.n, ctx.scale
         length = q.size(2)
-        q_pos = chunk_positions(rank, n, length, True, q.device) if ctx.causal else None
+        positioned = ctx.causal or ctx.window is not None
+        q_pos = chunk_positions(rank, n, length, True, q.device) if positioned else None
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         # the block in hand travels with its key/value gradient accumulated so far
         kv = [k, v]
@@ -140,7 +151,8 @@ class _RingAttention(torch.autograd.Function):
             if step < n - 1:
                 nxt_kv, kv_works = _shift(kv, group, rank, n)
             src = (rank - step) % n
-            mask = _mask(q_pos, chunk_positions(src, n, length, True, q.device) if ctx.causal else None)
+            k_pos = chunk_positions(src, n, length, True, q.device) if positioned else None
+            mask = _mask(q_pos, k_pos, ctx.causal, ctx.window)
             dq_b, dk_b, dv_b = _block_backward(grad, q, kv[0], kv[1], out, lse, mask, scale)
             dq = dq + dq_b
             dkv = [dkv[0] + dk_b, dkv[1] + dv_b]
@@ -151,14 +163,17 @@ class _RingAttention(torch.autograd.Function):
             if step < n - 1:
                 _wait(kv_works)
                 kv = nxt_kv
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None
 
 
-def ring_attention(q, k, v, group, rank: int, n: int, *, causal: bool, scale: float | None = None) -> torch.Tensor:
+def ring_attention(
+    q, k, v, group, rank: int, n: int, *, causal: bool, scale: float | None = None, window: int | None = None
+) -> torch.Tensor:
     """``q, k, v``: ``(batch, heads, local, dim)`` with the same heads -> this rank's attention output.
 
-    The same as ``scaled_dot_product_attention`` over the whole sequence (causal over the global
-    positions of the load-balanced chunks) for this rank's queries.
+    The same as ``scaled_dot_product_attention`` over the whole sequence (causal and / or within a
+    sliding ``window``, over the global positions of the load-balanced chunks) for this rank's queries.
+    A block some of whose queries see none of its keys (a window) gives them log-sum-exp -inf.
     """
     scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else scale
-    return _RingAttention.apply(q, k, v, group, rank, n, causal, scale)
+    return _RingAttention.apply(q, k, v, group, rank, n, causal, scale, window)
