@@ -98,7 +98,7 @@ NEW_TO_ESTIMATE = frozenset({"context_parallel", "sequence_parallel", "expert_pa
 def unmodelled_steps(plan: Plan) -> list[str]:
     """The plan's steps the estimate leaves out of its simulation without adding their cost back
     (their contract's ``Cost(simulated=False)`` declares nothing, unlike ddp's gradient buckets): a
-    prediction of such a plan is not the plan's (expert_parallel's split experts would count whole)."""
+    prediction of such a plan is not the plan's (a step that splits weights would count them whole)."""
     out = []
     for t in plan.transforms:
         cost = t.contract.cost
