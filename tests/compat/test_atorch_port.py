@@ -973,19 +973,22 @@ def tp_and_sp_results():
     return run_world(_tp_and_sp_cases, 2, None, timeout=400)
 
 
-def _check_sp(case):
+def _check_sp(case, reason: str = "position_ids"):
     # ATorch's sequence_parallel is Ulysses: each rank holds half of every sequence, so the model must
-    # take global position_ids; ATorch's GPT-2 forward(input_ids) (and the built-in GPT) are refused
-    # before any work, naming the fix (they hung until killed before Ulysses was built)
+    # take global position_ids and attend through SDPA or transformers' attention interface; ATorch's
+    # GPT-2 forward(input_ids) and the built-in GPT's hand-written attention are refused before any
+    # training step, naming the fix (they hung until killed before Ulysses was built)
     assert isinstance(case, str) and case.startswith("ConfigError"), case
-    assert "position_ids" in case and "sequence_parallel" in case
+    assert reason in case and "sequence_parallel" in case
 
 
 @pytest.mark.dist
 def test_sequence_parallel_sp2_strategy_at_world_2(tp_and_sp_results):
-    """ATorch's sp2 strategy, as its test writes it, on the library's GPT too (Linear q/k/v/o, fc1/fc2)."""
+    """ATorch's sp2 strategy, as its test writes it, on the library's GPT too (Linear q/k/v/o, fc1/fc2):
+    the GPT takes position_ids, but its eager attention is no SDPA call the split can reroute (the
+    split's probe forward finds attention not reached; module_replace() gives it the SDPA twin)."""
     for r in tp_and_sp_results:
-        _check_sp(r["sp_gpt"])
+        _check_sp(r["sp_gpt"], reason="scaled_dot_product_attention")
 
 
 @pytest.mark.dist
