@@ -29,12 +29,8 @@ from _dist import run_world  # noqa: E402
 
 def _measure_ddp(rank, world):
     """Every family under ddp at world 2 (each rank half of the global batch, every expert)."""
-    original = ep._plan
-    ep._plan = lambda: ca.compose(ca.ddp(), env=ep.ENV2)
-    try:
-        return {name: ep.measured_peak(name) for name in ep.FAMILIES}
-    finally:
-        ep._plan = original
+    plan = ca.compose(ca.ddp(), env=ep.ENV2)
+    return {name: ep.measured_peak(name, plan, ep.half(rank)) for name in ep.FAMILIES}
 
 
 def main():

@@ -46,15 +46,14 @@ def predict(name: str, plan, world: int) -> int:
     ).peak
 
 
-def measured_peak(name: str) -> int:
-    """This rank's peak of one step under expert 2 (the expert dimension is a batch dimension: this
-    rank trains its half of the global batch)."""
+def measured_peak(name: str, plan, part: slice) -> int:
+    """This rank's peak of one step of ``plan`` on its ``part`` of the global batch (the expert
+    dimension is a batch dimension: under expert 2 each rank trains its half)."""
     from composable_atorch.auto.worker import peak_bytes_of_step
 
     model = mm.build(name)
-    model, optim, _ = _plan()(model, adamw(model))
-    rank = torch.distributed.get_rank()
-    ids = mm.batch(0, BATCH)[rank * BATCH // 2 : (rank + 1) * BATCH // 2]
+    model, optim, _ = plan(model, adamw(model))
+    ids = mm.batch(0, BATCH)[part]
 
     def step(before_micro=None):
         if before_micro is not None:
@@ -68,8 +67,13 @@ def measured_peak(name: str) -> int:
     return peak_bytes_of_step(step, model, optim, "cpu")[0]
 
 
+def half(rank: int) -> slice:
+    """Rank ``rank``'s half of the global batch at world 2."""
+    return slice(rank * BATCH // 2, (rank + 1) * BATCH // 2)
+
+
 def _measure(rank, world):
-    return {name: measured_peak(name) for name in FAMILIES}
+    return {name: measured_peak(name, _plan(), half(rank)) for name in FAMILIES}
 
 
 @pytest.fixture(scope="module")
@@ -109,22 +113,8 @@ def _plan_fsdp():
 
 
 def _measure_fsdp(rank, world):
-    from composable_atorch.auto.worker import peak_bytes_of_step
-
-    model = mm.build("mixtral")
-    model, optim, _ = _plan_fsdp()(model, adamw(model))
-    ids = mm.batch(0, BATCH)[rank : rank + 1]  # expert x data: a global batch of 4, one sample per rank
-
-    def step(before_micro=None):
-        if before_micro is not None:
-            before_micro()
-        optim.backward(model(input_ids=ids, labels=ids).loss)
-        optim.step()
-        optim.zero_grad()
-
-    step()
-    step()
-    return peak_bytes_of_step(step, model, optim, "cpu")[0]
+    # expert x data: a global batch of 4, one sample per rank
+    return measured_peak("mixtral", _plan_fsdp(), slice(rank, rank + 1))
 
 
 @pytest.mark.dist
