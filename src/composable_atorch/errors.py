@@ -111,8 +111,9 @@ class NonFiniteError(CompositionError, FloatingPointError):
         self.step, self.where = step, where
         super().__init__(
             f"step {step}: the {where} hold inf/nan; the step was not taken (weights and optimizer state unchanged). "
-            "Fix: lower the learning rate, clip gradients (clip_grad), check the data and loss, or pass "
-            "nonfinite='skip' to skip such steps."
+            "The inf/nan gradients are still in .grad: call optim.zero_grad() before the next backward, which "
+            "would add to them. Fix: lower the learning rate, clip gradients (clip_grad), check the data and loss, "
+            "or pass nonfinite='skip' to skip such steps."
         )
 
 

@@ -36,6 +36,7 @@ import socket
 import sys
 import threading
 import time
+import weakref
 from datetime import timedelta
 
 from composable_atorch.errors import ConfigError
@@ -58,6 +59,7 @@ _DONE = 1 << 40
 
 _watchdog: _Watchdog | None = None
 _generation = 0
+_exit_hook = False
 
 
 def collective_timeout(timeout_s: float | None = None) -> float:
@@ -94,7 +96,17 @@ def heartbeat_wait(heartbeat_s: float | None = None, timeout_s: float | None = N
 
 
 class _Watchdog(threading.Thread):
-    def __init__(self, timeout_s: float, rank: int, world: int, store, prefix: str, stale_s: float | None = None):
+    """One process group's heartbeat. It holds neither the group nor its store: either would keep
+    rank 0's TCP store server listening after the group is destroyed, and the next group's
+    rendezvous on the same port (``reset_distributed(); init_distributed()`` in one process, as
+    ATorch's tests do) would then hang in ``init_process_group``. The group is a weak reference,
+    the store an address."""
+
+    def __init__(
+        self, timeout_s: float, rank: int, world: int, store, prefix: str, stale_s: float | None = None, group=None
+    ):
+        import torch.distributed as dist
+
         super().__init__(name="composable_atorch-heartbeat", daemon=True)
         self.timeout_s, self.rank, self.world = timeout_s, rank, world
         # stale after the heartbeat's wait (ten missed beats), at most half the collective timeout: the
@@ -102,28 +114,52 @@ class _Watchdog(threading.Thread):
         # which names no rank
         self.stale_s = min(timeout_s / 2, stale_s) if stale_s is not None else timeout_s / 2
         self.interval = min(5.0, max(0.2, self.stale_s / 10))
-        self.shared, self.prefix = store, prefix
+        self.prefix = prefix
+        self._group = weakref.ref(group) if group is not None else None
+        # a TCP store by its address (see above); a file store has no server to keep alive
+        self.address = (store.host, store.port) if isinstance(store, dist.TCPStore) else None
+        self.file_store = None if self.address else store
+        self.client = None
         self.stopped = threading.Event()
+        self.retired = False
 
     def _store(self):
         """A private client of a TCP store, with a short timeout bounding each call (a store whose host
-        stopped would block the shared client for the store's own timeout); other stores (a file
-        store) have no host that can stop and are used as they are."""
+        stopped would block a shared client for the store's own timeout); a file store has no host that
+        can stop and is used as it is."""
         import torch.distributed as dist
 
-        store = self.shared
-        if not isinstance(store, dist.TCPStore):
-            return store
+        if self.address is None:
+            return self.file_store
         wait = timedelta(seconds=max(1.0, self.interval * 2))
-        return dist.TCPStore(store.host, store.port, is_master=False, timeout=wait, wait_for_workers=False)
+        return dist.TCPStore(*self.address, is_master=False, timeout=wait, wait_for_workers=False)
+
+    @property
+    def group(self):
+        """The process group this heartbeat is for; None once it was destroyed and freed."""
+        return self._group() if self._group is not None else None
+
+    def _current(self) -> bool:
+        """Whether this watchdog's group is still the default one (it was not destroyed, or destroyed
+        and replaced by another between two beats)."""
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            return False
+        from torch.distributed.distributed_c10d import _get_default_group
+
+        return self._group is None or _get_default_group() is self.group
 
     def run(self):
-        import torch.distributed as dist
-
         try:
             store = self.client = self._store()
         except Exception:  # noqa: BLE001 - no store reachable: the collective timeout remains
             return
+        if self._beat(store):  # its group destroyed or replaced: nothing of it is kept alive (a file
+            self.client = self.file_store = None  # store's file is removed when its last user goes)
+
+    def _beat(self, store) -> bool:
+        """Beat until stopped; True when the group was destroyed or replaced (not at exit)."""
         with contextlib.suppress(Exception):  # where this rank runs, for a peer's message if it stops
             store.set(f"{self.prefix}host/{self.rank}", f"host {socket.gethostname()}, pid {os.getpid()}")
         now = time.monotonic()
@@ -131,15 +167,17 @@ class _Watchdog(threading.Thread):
         store_ok = now
         while not self.stopped.wait(self.interval):
             now = time.monotonic()
-            if not dist.is_initialized():  # the group was destroyed: this rank is done, not lost
+            if not self._current():  # the group was destroyed: this rank is done with it, not lost
                 self.done(store)
-                return
+                return True
             try:
                 store.add(f"{self.prefix}{self.rank}", 1)
                 counts = {r: store.add(f"{self.prefix}{r}", 0) for r in seen}
             except Exception:  # noqa: BLE001 - a store that does not answer is a stopped host
+                if not self._current():  # ... unless its group was destroyed meanwhile
+                    return True
                 if time.monotonic() - store_ok > self.stale_s:
-                    where = f"{self.shared.host}:{self.shared.port}" if hasattr(self.shared, "host") else ""
+                    where = "{}:{}".format(*self.address) if self.address else ""
                     self._fail(f"the rendezvous store {where} (rank 0 hosts it unless torchrun's agent does)")
                 continue
             store_ok = now
@@ -150,6 +188,17 @@ class _Watchdog(threading.Thread):
             if late:
                 where = "; ".join(f"rank {r}: {self._host(store, r)}" for r in late)
                 self._fail(f"rank {late[0]}" if len(late) == 1 else f"ranks {late}", where)
+        # stopped by done() at exit, which told the peers itself: no store call and no C++ object freed
+        # from this daemon thread while the interpreter finalizes (a thread taking the GIL back inside a
+        # C++ call then is ended by pthread_exit, and unwinding a C++ frame so aborts the process)
+        if self.retired:  # replaced for a new group: a peer still watching this one must not blame this rank
+            self.done(store)
+        return self.retired
+
+    def retire(self) -> None:
+        """Stop for a new group; the thread tells the peers this rank is done with this one."""
+        self.retired = True
+        self.stopped.set()
 
     def _host(self, store, rank: int) -> str:
         try:
@@ -161,7 +210,7 @@ class _Watchdog(threading.Thread):
         """Tell the others this rank ended on purpose, so a peer still working does not blame it."""
         self.stopped.set()
         try:
-            (store or getattr(self, "client", None) or self._store()).add(f"{self.prefix}{self.rank}", _DONE)
+            (store or self.client or self._store()).add(f"{self.prefix}{self.rank}", _DONE)
         except Exception:  # noqa: BLE001 - nobody left to tell
             pass
 
@@ -218,12 +267,10 @@ def watch(timeout_s: float | None = None) -> float:
         _set_pg_timeout(timedelta(seconds=timeout), group)
     else:  # a timeout the user gave init_process_group is kept
         timeout = current
-    if _watchdog is not None and _watchdog.is_alive():
-        if _watchdog.group is group:
-            _watchdog.timeout_s = timeout
-            _watchdog.stale_s = min(_watchdog.stale_s, timeout / 2)
-            return timeout
-        _watchdog.stopped.set()
+    if _watchdog is not None and _watchdog.group is group and _watchdog.is_alive():
+        _watchdog.timeout_s = timeout
+        _watchdog.stale_s = min(_watchdog.stale_s, timeout / 2)
+        return timeout
     if dist.get_world_size() < 2:
         return timeout
     from torch.distributed.distributed_c10d import _get_default_store
@@ -235,14 +282,27 @@ def watch(timeout_s: float | None = None) -> float:
         # the estimate's fake process group (one process plays every rank) or threads sharing a
         # HashStore: no peer process to watch, and its silent "ranks" must not be reported as stopped
         return timeout
-    # a fresh key space per restart round and per group (every rank counts its groups alike):
-    # torchrun's store may outlive a round
-    _generation += 1
-    prefix = f"composable_atorch/heartbeat/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_generation}/"
+    if _watchdog is not None and _watchdog.group is group:
+        prefix = _watchdog.prefix  # the same group's heartbeat again (its thread ended): the same keys
+    else:
+        # a fresh key space per restart round and per group. Every rank counts the default groups it
+        # watches alike (creating and destroying one is collective); a restarted thread of the same
+        # group (above) must not count, or this rank would beat under keys its peers never read
+        _generation += 1
+        prefix = f"composable_atorch/heartbeat/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_generation}/"
+    if _watchdog is not None:
+        _watchdog.retire()
     _watchdog = _Watchdog(
-        timeout, dist.get_rank(), dist.get_world_size(), store, prefix, heartbeat_wait(timeout_s=timeout)
+        timeout, dist.get_rank(), dist.get_world_size(), store, prefix, heartbeat_wait(timeout_s=timeout), group
     )
-    _watchdog.group = group
     _watchdog.start()
-    atexit.register(_watchdog.done)
+    global _exit_hook
+    if not _exit_hook:  # one hook for the process, for whichever heartbeat is current at exit
+        atexit.register(_done_at_exit)
+        _exit_hook = True
     return timeout
+
+
+def _done_at_exit() -> None:
+    if _watchdog is not None and _watchdog.is_alive():
+        _watchdog.done()

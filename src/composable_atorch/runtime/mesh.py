@@ -58,9 +58,34 @@ def init_distributed(
     if not dist.is_initialized():
         if "WORLD_SIZE" not in os.environ:
             return False
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=seconds))
+        _init_default_group(backend, datetime.timedelta(seconds=seconds))
     watch(timeout_s)
     return True
+
+
+#: default groups :func:`init_distributed` made in this process (every rank makes its groups alike)
+_groups_made = 0
+
+
+def _init_default_group(backend: str, timeout) -> None:
+    """torch's ``env://`` rendezvous, each group on its own key prefix of the store.
+
+    Why the prefix: torch's ``env://`` store on rank 0 is multi-tenant, so a new group in the same
+    process reuses the old server whenever anything still holds the destroyed group (a model DDP or
+    FSDP wrapped, a device mesh, a plan's result), and every default group writes the same
+    ``default_pg`` keys. The new rendezvous then read the old group's addresses, and one rank hung in
+    ``init_process_group`` (ATorch's ``reset_distributed(); init_distributed()`` in one process, as
+    its tests do). A prefix per group makes the old keys unreachable; the rest is torch's own (the
+    agent's store under torchrun, libuv, timeouts).
+    """
+    global _groups_made
+    import torch.distributed as dist
+    from torch.distributed.rendezvous import rendezvous
+
+    store, rank, world = next(rendezvous("env://", timeout=timeout))
+    _groups_made += 1
+    store = dist.PrefixStore(f"composable_atorch/group/{_groups_made}/", store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
 
 
 def create_parallel_group(groups, device: str = "cpu") -> ParallelContext:
