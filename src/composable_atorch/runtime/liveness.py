@@ -304,5 +304,8 @@ def watch(timeout_s: float | None = None) -> float:
 
 
 def _done_at_exit() -> None:
+    """Tell the peers this rank ended on purpose, and let the thread end before the interpreter
+    finalizes: one caught inside a store call then would abort the process (see ``_Watchdog._beat``)."""
     if _watchdog is not None and _watchdog.is_alive():
         _watchdog.done()
+        _watchdog.join(timeout=2.0)
