@@ -3,7 +3,7 @@
 ``tiny_gpt`` builds the tiny GPT (seeded; sizes as keywords), ``train`` is the loop every plan
 trains with (the plan optimizer's ``backward`` when it has one, ``composable_atorch.train_step``
 for pipeline stages). ``_dp.py`` and ``matrix.py`` build on these; the older names (``gpt``,
-``CFG``) stay.
+``CFG``) stay. ``TokensDataset`` is the ATorch ports' dataset of seeded token rows.
 """
 
 from __future__ import annotations
@@ -89,3 +89,19 @@ def _endless(loader):
 
 def params(model):
     return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+class TokensDataset(torch.utils.data.Dataset):
+    """Random token rows seeded by index, as {"source", "target"} with target == source (the ATorch
+    ports' ``collate_sentences_lm`` input)."""
+
+    def __init__(self, n, seq=32, vocab=128):
+        self.n, self.seq, self.vocab = n, seq, vocab
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        g = torch.Generator().manual_seed(i)
+        tokens = torch.randint(1, self.vocab, (self.seq,), generator=g)
+        return {"source": tokens, "target": tokens.clone()}

@@ -34,6 +34,7 @@ from composable_atorch.compat.accelerate import AtorchStrategy, default_prepare_
 from composable_atorch.errors import ConfigError, RequirementError, WorkloadError
 
 from _dist import run_world
+from helpers import TokensDataset
 
 # ---------------------------------------------------------------------------------------------
 # toy pieces, re-written (ATorch: atorch/tests/toy_modules/toy_module.py)
@@ -99,21 +100,6 @@ def tiny_gpt2(hidden=64, heads=4, layers=3, seq=32):
 
     torch.manual_seed(0)
     return LMHeadGPT2(GPT2Config(n_embd=hidden, n_head=heads, n_layer=layers, n_positions=seq, vocab_size=128))
-
-
-class TokensDataset(torch.utils.data.Dataset):
-    """Random token rows seeded by index, as {"source", "target"} with target == source."""
-
-    def __init__(self, n, seq=32, vocab=128):
-        self.n, self.seq, self.vocab = n, seq, vocab
-
-    def __len__(self):
-        return self.n
-
-    def __getitem__(self, i):
-        g = torch.Generator().manual_seed(i)
-        tokens = torch.randint(1, self.vocab, (self.seq,), generator=g)
-        return {"source": tokens, "target": tokens.clone()}
 
 
 def collate_lm(rows):

@@ -27,6 +27,7 @@ from composable_atorch.compat.atorch.distributed import seq_all_to_all
 from composable_atorch.errors import ConfigError
 
 from _dist import run_world
+from helpers import TokensDataset
 
 # ---------------------------------------------------------------------------------------------
 # ATorch's toy_module.py, as written there (imports changed; ToyGPT2Model's set_sp is kept whole)
@@ -403,19 +404,6 @@ def _mixtral():
     return moe_models.build("mixtral")
 
 
-class IdsDataset(torch.utils.data.Dataset):
-    def __init__(self, n=8, seq=16, vocab=128):
-        self.n, self.seq, self.vocab = n, seq, vocab
-
-    def __len__(self):
-        return self.n
-
-    def __getitem__(self, i):
-        g = torch.Generator().manual_seed(i)
-        tokens = torch.randint(1, self.vocab, (self.seq,), generator=g)
-        return {"source": tokens, "target": tokens.clone()}
-
-
 def lm_loss(inputs, output):
     logits = output.logits
     return nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), inputs["target"][:, 1:].reshape(-1))
@@ -438,7 +426,7 @@ def _moe_cases(rank, world, _):
         status, result, best = auto_accelerate(
             _mixtral(),
             optim,
-            IdsDataset(),
+            TokensDataset(8, seq=16),
             lm_loss,
             prepare_input,
             None,
@@ -472,7 +460,7 @@ def test_atorch_expert_group_is_built(moe_results):
 def test_expert_strategy_on_mixtral_equals_one_process(moe_results, name, optim, lr):
     model = _mixtral()
     opt = optim(model.parameters(), lr=lr)
-    loader = torch.utils.data.DataLoader(IdsDataset(), batch_size=4, collate_fn=collate_sentences_lm)
+    loader = torch.utils.data.DataLoader(TokensDataset(8, seq=16), batch_size=4, collate_fn=collate_sentences_lm)
     for batch in loader:
         lm_loss(batch, model(batch["input"])).backward()
         opt.step()
