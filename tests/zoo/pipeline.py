@@ -86,17 +86,33 @@ ENCODERS = {
     "bert": lambda: cfg("BertConfig", **_ENCODER),
     "deberta_v2": lambda: cfg("DebertaV2Config", **_ENCODER),
     # DeBERTa-v3 style: relative attention, its position table and norm given to every layer
-    "deberta_rel": lambda: cfg(
+    "deberta_rel": lambda: _deberta(8, -1, False, "layer_norm", ["p2c", "c2p"], False),
+    # relative-position variants (buckets, max_relative_positions, share_att_key, norm_rel_ebd,
+    # pos_att_type, position_biased_input); deberta_v3 is microsoft/deberta-v3's own setting
+    "deberta_v3": lambda: _deberta(8, SEQ, True, "layer_norm", ["p2c", "c2p"], False),
+    "deberta_c2p": lambda: _deberta(-1, SEQ, False, "none", ["c2p"], True),
+    "deberta_p2c": lambda: _deberta(4, SEQ, True, "none", ["p2c"], True),
+    "convnext": lambda: convnext([8, 16], [1, 1], IMAGE, 5, pad_token_id=0),
+}
+
+
+#: encoders trained on plain token tensors (no mask: the model builds its own) rather than padded dicts
+UNPADDED = ("deberta_v3", "deberta_p2c")
+
+
+def _deberta(buckets: int, max_relative: int, share_key: bool, norm: str, att: list[str], biased: bool):
+    """A DeBERTa-v2 with relative attention, its relative-position settings as a user sets them."""
+    return cfg(
         "DebertaV2Config",
         **_ENCODER,
         relative_attention=True,
-        position_buckets=8,
-        norm_rel_ebd="layer_norm",
-        pos_att_type=["p2c", "c2p"],
-        position_biased_input=False,
-    ),
-    "convnext": lambda: convnext([8, 16], [1, 1], IMAGE, 5, pad_token_id=0),
-}
+        position_buckets=buckets,
+        max_relative_positions=max_relative,
+        share_att_key=share_key,
+        norm_rel_ebd=norm,
+        pos_att_type=att,
+        position_biased_input=biased,
+    )
 
 
 def encoder(name: str, seed: int = 0) -> nn.Module:

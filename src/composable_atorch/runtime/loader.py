@@ -45,6 +45,23 @@ def dataset_size(loader: Any) -> int | None:
         return None
 
 
+def first_length(loader: Any) -> int | None:
+    """The sequence length of the loader's first sample (map-style datasets: a tensor of ids, a dict
+    holding ``input_ids``, or a tuple whose first item is either); None when it cannot be read without
+    consuming the loader (iterable datasets) or the sample holds no sequence."""
+    dataset = getattr(loader, "dataset", None)
+    if dataset is None or isinstance(dataset, IterableDataset):
+        return None
+    try:
+        sample = dataset[0]
+    except Exception:  # noqa: BLE001 - an unindexable dataset: its length is seen at the first batch
+        return None
+    first = sample[0] if isinstance(sample, list | tuple) and sample else sample
+    if isinstance(first, dict):
+        first = first.get("input_ids")
+    return first.size(0) if hasattr(first, "dim") and first.dim() >= 1 else None
+
+
 def check_dataset_size(loader: Any) -> None:
     """DatasetSizeError for an empty dataset or one smaller than the global batch, before any work.
 

@@ -228,7 +228,9 @@ class MixedParallel(Transform):
             tp.placements(state.model, sizes["tensor"])
         # with a split, the stages are planned on the split model (its probe reference then builds the masks
         # the split model builds), as pipeline_parallel composed after the split does
-        cut_plan = pp.cut_plan(state.model, sizes["pipeline"]) if sizes["pipeline"] > 1 and split is None else None
+        cut_plan = None
+        if sizes["pipeline"] > 1 and split is None:
+            cut_plan = pp.cut_plan(state.model, sizes["pipeline"], state.loader)
         if sizes["tensor"] > 1:
             state = tp.apply(state, ctx)
             if state.optim is not None:  # over the DTensor parameters, before the pipeline picks its stage's

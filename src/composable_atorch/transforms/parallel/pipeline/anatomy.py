@@ -72,8 +72,9 @@ class Anatomy:
     #: pieces every stage holds (their weights reach every block besides through the hidden states:
     #: DeBERTa's relative-position table); their gradients are summed over the pipeline
     shared: list[str] = field(default_factory=list)
-    #: the whole model's probe forward (check.Reference) each stage is compared with; None: not run
-    reference: object = None
+    #: the whole model's probe forwards (check.Reference), one per input form, each stage is compared
+    #: with on each; None: not run yet (empty: the probe could not run)
+    references: list | None = None
 
     def weights(self, model: nn.Module) -> tuple[int, int]:
         """Parameters the first / last stage hold besides blocks (a tied weight counts on both)."""
@@ -220,9 +221,9 @@ def _pp_plan_order(model: nn.Module, path: str, found: list[str]) -> dict[str, s
     return side
 
 
-def probe_input(model: nn.Module, an: Anatomy, length: int = 2) -> torch.Tensor | None:
-    """One sequence of ``length`` tokens when the model starts with token ids, one image of the
-    config's size when it starts with pixels; None when the input is unknown."""
+def probe_input(model: nn.Module, an: Anatomy, length: int = 2, rows: int = 1) -> torch.Tensor | None:
+    """``rows`` sequences of ``length`` tokens when the model starts with token ids, ``rows`` images of
+    the config's size when it starts with pixels; None when the input is unknown."""
     config = getattr(model, "config", None)
     if an.hf and getattr(model, "main_input_name", "input_ids") == "pixel_values":
         size, channels = getattr(config, "image_size", None), getattr(config, "num_channels", 3)
@@ -230,7 +231,7 @@ def probe_input(model: nn.Module, an: Anatomy, length: int = 2) -> torch.Tensor 
             return None
         g = torch.Generator().manual_seed(0)
         device = next(model.parameters()).device
-        return torch.randn(1, channels, size, size, generator=g).to(device)
+        return torch.randn(rows, channels, size, size, generator=g).to(device)
     first = next((model.get_submodule(p) for p in pieces(model, an.path)), None)
     vocab = getattr(getattr(model, "config", None), "vocab_size", None) if an.hf else None
     if vocab is None and isinstance(first, nn.Embedding):
@@ -238,9 +239,10 @@ def probe_input(model: nn.Module, an: Anatomy, length: int = 2) -> torch.Tensor 
     if vocab is None:
         return None
     device = next(model.parameters()).device
-    if length == 2:
+    if length == 2 and rows == 1:
         return torch.tensor([[1 % vocab, 2 % vocab]], device=device)
-    return ((torch.arange(length, device=device) * 7 + 3) % vocab).unsqueeze(0)
+    at = torch.arange(length, device=device)
+    return torch.stack([(at * 7 + 3 + 5 * r) % vocab for r in range(rows)])
 
 
 def hidden_of(out):

@@ -5,11 +5,19 @@ forward computes for each block (attention masks, sliding or full by the layer's
 ids / rotary embeddings, relative-position tables, per-layer scales) is recomputed on each stage.
 That is only right if the forward computes the same thing for a block whether it runs in the
 whole model or in a stage: a forward that chose a layer's mask by the layer's position within the
-stage trained Gemma 2 and GPT-OSS silently wrong. So before training, on a probe sequence longer
-than the model's attention windows, the whole model's forward is recorded (each block's inputs
-besides the hidden states, and its output) and each stage this rank holds is run on the same
-probe: a block whose inputs or output differ from the whole model's is refused with
-:class:`StageMismatchError` naming the block and the input, rather than trained wrongly.
+stage trained Gemma 2 and GPT-OSS silently wrong. So before training the whole model's forward is
+recorded on probes (each block's inputs besides the hidden states, and its output) and each stage
+this rank holds is run on the same probes: a block whose inputs or output differ from the whole
+model's, or a stage that raises where the whole model runs, is refused with
+:class:`StageMismatchError` naming the stage and the block, rather than trained wrongly or left to
+crash in training.
+
+The probes are shaped as training will feed the stages: two rows (a table built for the wrong
+dimension does not broadcast silently over one), the loader's sequence length where its dataset
+tells it (else longer than every attention window the config names), and, for an HF model taking
+an attention mask, each form the runner accepts: a padded batch dict, its mask carried from stage
+to stage, and a plain tensor, the model building its own mask (DeBERTa builds a float one, which a
+stage once took for its embeddings' output).
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import contextlib
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from composable_atorch.errors import CompositionError
@@ -30,8 +39,12 @@ from composable_atorch.transforms.parallel.pipeline.anatomy import (
 )
 from composable_atorch.transforms.parallel.pipeline.cutter import takes
 
-#: the probe is at least this long, and longer than any attention window the config names (up to MAX_PROBE)
+#: without a loader's length the probe is at least MIN_PROBE long, and longer than any attention window the
+#: config names; never over MAX_PROBE
 MIN_PROBE, MAX_PROBE = 16, 512
+#: rows of the probe: more than one, so that a table a stage builds for another dimension than the
+#: batch's does not broadcast over a single row
+PROBE_ROWS = 2
 
 
 class StageMismatchError(UncuttableModelError):
@@ -52,8 +65,11 @@ class Reference:
     outputs: dict[int, torch.Tensor] = field(default_factory=dict)  #: block -> hidden output
 
 
-def probe_length(model: nn.Module) -> int:
-    """Longer than every attention window the config names (so a sliding mask differs from a full one)."""
+def probe_length(model: nn.Module, length: int | None = None) -> int:
+    """The loader's sequence ``length`` when known (what training runs), else longer than every
+    attention window the config names (so a sliding mask differs from a full one); at most MAX_PROBE."""
+    if length is not None and length > 0:
+        return min(length, MAX_PROBE)
     config = getattr(model, "config", None)
     windows = [
         v
@@ -101,18 +117,22 @@ def _record(blocks: dict[int, nn.Module], into: Reference):
     return handles
 
 
-def reference(model: nn.Module, an: Anatomy, call) -> Reference | None:
-    """The whole model's probe forward (``call(model, example)`` runs it); None when it cannot run
-    (weights not real, input unknown). Sets ``an.block_returns`` from what the blocks return."""
+def reference(model: nn.Module, an: Anatomy, call, padded: bool = True, length: int | None = None) -> Reference | None:
+    """The whole model's forward (``call(model, example, **carried)`` runs it) on a probe of PROBE_ROWS
+    rows, its last row's last quarter padded when ``padded`` and the (HF) model takes an attention mask
+    (unpadded where the padded probe fails); None when it cannot run (weights not real, input unknown).
+    Sets ``an.shared`` and ``an.block_returns`` from what it sees."""
     params = list(model.parameters())
     if not params or any(p.is_meta or hasattr(p, "to_local") for p in params):
         return None
-    example = probe_input(model, an, probe_length(model))
+    example = probe_input(model, an, probe_length(model, length), rows=PROBE_ROWS)
     if example is None:
         return None
     mask = None
-    if an.hf and example.dim() == 2 and "attention_mask" in takes(model):  # the last quarter padded
-        mask = (torch.arange(example.shape[1], device=example.device) < example.shape[1] * 3 // 4).long()[None]
+    if padded and an.hf and example.dim() == 2 and "attention_mask" in takes(model):
+        n = example.shape[1]
+        mask = torch.ones_like(example)
+        mask[-1] = (torch.arange(n, device=example.device) < n * 3 // 4).long()
     returns: list = []
     for tried in (mask,) if mask is None else (mask, None):  # a model the padded probe fails: none
         ref = Reference(example, tried)
@@ -123,7 +143,8 @@ def reference(model: nn.Module, an: Anatomy, call) -> Reference | None:
             with _evaluating(model, grad=True):  # side inputs keep their graph: which pieces feed them (below)
                 out = call(model, example, **({} if tried is None else {"attention_mask": tried}))
             ref.final = _output(out)
-            an.shared = _feeding(model, an, ref)
+            fed = _feeding(model, an, ref)
+            an.shared = [p for p in (*an.pre, *an.post) if p in an.shared or p in fed]
             break
         except CompositionError:
             raise
@@ -136,6 +157,24 @@ def reference(model: nn.Module, an: Anatomy, call) -> Reference | None:
     if returns and isinstance(returns[0], tuple | list):
         an.block_returns = len(returns[0])
     return ref
+
+
+def references(model: nn.Module, an: Anatomy, call, length: int | None = None) -> list[Reference]:
+    """The whole model's probe in each form training may feed it: padded, its mask carried (where the
+    model takes one), and a plain tensor; empty when none can run. A stage is checked on each."""
+    first = reference(model, an, call, padded=True, length=length)
+    if first is None:
+        return []
+    if first.mask is None:
+        return [first]
+    plain = reference(model, an, call, padded=False, length=length)
+    return [first] if plain is None else [first, plain]
+
+
+def describe(refs: list[Reference]) -> str:
+    """The probes as the explain line names them: ``(2, 16): padded (its attention mask carried) and unpadded``."""
+    forms = " and ".join("padded (its attention mask carried)" if r.mask is not None else "unpadded" for r in refs)
+    return f"{tuple(refs[0].example.shape)}: {forms}"
 
 
 def _output(out):
@@ -243,6 +282,7 @@ def check_stage(
     carried = () if ref.mask is None or carry is None else (ref.mask,)
     if carried:
         carry[:] = ["attention_mask"]
+    probe = f"a probe of {tuple(ref.example.shape)}{' padded' if carried else ''}"
     try:
         with _evaluating(stage):
             returned = _output(stage(ref.example if first else ref.hidden[start], *carried))
@@ -251,10 +291,11 @@ def check_stage(
     except Exception as exc:  # noqa: BLE001 - the whole model ran this probe: the cut broke it
         raise StageMismatchError(
             type(stage).__name__,
-            f"stage {number} fails on a probe the whole model runs ({type(exc).__name__}: {str(exc)[:200]}): "
-            "its forward needs a piece or input another stage holds",
+            f"stage {number} fails {_failed_at(blocks, got)} on {probe} the whole model runs "
+            f"({type(exc).__name__}: {str(exc)[:300]}), so it would crash in training: its forward builds "
+            "something for the blocks from a piece or an input another stage holds",
             "train this model with ddp / fsdp / zero2 / tensor_parallel, or pass split=[...] so that the "
-            "pieces it needs stay with it",
+            "pieces it needs stay with it, or report the model: the check refused it before any step",
         ) from exc
     finally:
         for h in handles:
@@ -288,10 +329,50 @@ def check_stage(
         if problem is not None:
             raise StageMismatchError(
                 type(stage).__name__,
-                f"on a probe of {tuple(ref.example.shape)}{' padded' if carried else ''}, "
-                f"stage {number}'s block {i}: {problem}, so the stage "
+                f"on {probe}, stage {number}'s block {i}: {problem}, so the stage "
                 "would train it wrongly (its forward computes something for the block that depends on which blocks "
                 "the stage holds)",
                 "train this model with ddp / fsdp / zero2 / tensor_parallel, or report the model: the check "
                 "refused it rather than train it silently wrong",
             )
+
+
+def _failed_at(blocks: dict[int, nn.Module], got: Reference) -> str:
+    """Where a stage's forward raised: in the held block it entered and did not leave, else before its
+    first block or after its last (in the code around them: embeddings, masks, positions, the head)."""
+    open_ = [i for i in sorted(blocks) if i in got.hidden and i not in got.outputs]
+    if open_:
+        return f"in block {open_[0]} ({type(blocks[open_[0]]).__name__})"
+    if not got.hidden:
+        return f"before its first block {min(blocks)} (in the forward around the blocks)"
+    return f"after its last block {max(blocks)} (in the forward around the blocks)"
+
+
+def check_stages(an: Anatomy | None, stage_mods: list[nn.Module], local: list[int], bounds, group=None) -> str:
+    """Each of this rank's stages run on each of the whole model's probes, block by block
+    (:func:`check_stage`); the explain line. With the pipeline's ``group`` the ranks agree: a stage
+    refused on one rank is refused on every rank (the others would wait on it in the first step)."""
+    if an is None:
+        return ""
+    if not an.references:
+        return "per-layer inputs not checked against the whole model (its probe forward could not run)"
+    error: StageMismatchError | None = None
+    try:
+        for ref in an.references:
+            for s, stage in zip(local, stage_mods, strict=True):
+                listed = stage.get_submodule(an.path) if an.path else stage
+                held = {i: listed[i] for i in range(bounds[s], bounds[s + 1])}
+                check_stage(stage, s, held, s == 0, ref, an.carry, last=s == len(bounds) - 2)
+    except StageMismatchError as exc:
+        error = exc
+    if group is not None:
+        said: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(said, None if error is None else (error.model, error.reason, error.fix), group=group)
+        if error is None and any(said):
+            error = StageMismatchError(*next(x for x in said if x))
+    if error is not None:
+        raise error
+    return (
+        f"each stage's blocks see the whole model's inputs and give its outputs on probes of "
+        f"{describe(an.references)} (checked before training)"
+    )

@@ -29,20 +29,29 @@ class _Stop(Exception):
 
 class Skipped(nn.Module):
     """Stands in for a piece another stage holds, with no parameters. Whatever it returns the
-    stage's first block never sees (its input is put back to the received activation); it only has
-    to keep the code around it running: a further embedding (positions, added to the tokens') gives
-    a zero, anything else (the token embedding given the activation, an embedding norm, a dropout,
-    a projection) passes its first floating-point input on."""
+    stage's first block never sees (its input is put back to the received activation), but the code
+    around the blocks may build things from its shape (DeBERTa's relative positions are built for
+    the embeddings' output length), so it returns what that code would get on the whole model: a
+    further embedding (positions, added to the tokens') gives a zero; anything else (the token
+    embedding, an embedding norm, a projection) gives the activation the stage received, which has
+    the shape of the embeddings' output. Not the first floating-point input it is called with: that
+    may be another input (the float attention mask a model builds itself when given none).
+    ``received`` holds the stage's received activation while it runs (see :func:`cut_stage`); a
+    stand-in without one (an after-piece, never reached) passes its first floating-point input on."""
 
     def __init__(self, zero: bool = False):
         super().__init__()
         self.zero = zero
+        self.received: list | None = None
 
     def forward(self, *args, **kwargs):
-        if not self.zero:
-            for a in (*args, *kwargs.values()):
-                if isinstance(a, torch.Tensor) and a.is_floating_point():
-                    return a
+        if self.zero:
+            return torch.zeros(())
+        if self.received is not None and self.received[0] is not None:
+            return self.received[0]
+        for a in (*args, *kwargs.values()):
+            if isinstance(a, torch.Tensor) and a.is_floating_point():
+                return a
         return torch.zeros(())
 
 
@@ -90,9 +99,10 @@ def _replace(model: nn.Module, path: str, new: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, leaf, new)
 
 
-def hold(model: nn.Module, an: Anatomy, first: bool, last: bool, kept) -> list[nn.Module]:
+def hold(model: nn.Module, an: Anatomy, first: bool, last: bool, kept, received: list | None = None) -> list[nn.Module]:
     """Keep blocks ``kept`` (and the first / last stage's pieces when ``first`` / ``last``) in
-    ``model``, in place; stand-ins for the rest. Returns the model's blocks as they were."""
+    ``model``, in place; stand-ins for the rest (those of the before-pieces return the activation in
+    ``received``). Returns the model's blocks as they were."""
     listed = model.get_submodule(an.path) if an.path else model
     blocks = list(listed._modules.values())  # this model's own (a copy's, for one of several stages per rank)
     keep = {str(i) for i in kept}
@@ -103,7 +113,9 @@ def hold(model: nn.Module, an: Anatomy, first: bool, last: bool, kept) -> list[n
         for i, p in enumerate(an.pre):
             piece = model.get_submodule(p)
             if p not in an.shared:
-                _replace(model, p, ghost(piece, zero=i > 0 and isinstance(piece, nn.Embedding)))
+                stand_in = ghost(piece, zero=i > 0 and isinstance(piece, nn.Embedding))
+                stand_in.received = received
+                _replace(model, p, stand_in)
     if not last:
         for p in an.post:
             if p not in an.shared:
@@ -139,8 +151,8 @@ def cut_stage(model: nn.Module, an: Anatomy, first: bool, last: bool, kept: rang
     """The model cut to one stage in place (see the module doc); ``guard(model)`` runs first in its forward."""
     import types
 
-    blocks = hold(model, an, first, last, kept)
     box: list = [None]
+    blocks = hold(model, an, first, last, kept, box)
     if not first:
 
         def put_back(module, args, kwargs):

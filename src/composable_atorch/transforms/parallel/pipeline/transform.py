@@ -22,7 +22,8 @@ The inputs ``train_step`` gets are a tensor (token ids, pixels) or, for an HF mo
 (``{"input_ids": ..., "attention_mask": ...}``): its main input enters the first stage and the
 rest (a padded batch's attention mask) travels with the activation from stage to stage. Before
 training each stage this rank holds is compared, block by block, with the whole model on a probe
-(:mod:`.check`): what a stage would compute differently is a typed error, not a wrong result.
+(:mod:`.check`, on probes shaped as training feeds it): what a stage would compute differently, or
+cannot run, is a typed error on every rank, not a wrong result or a crash in training.
 
 Parameter names are kept (each rank holds a subset of them); the optimizer is rebuilt over this
 rank's parameters. A pipeline needs the loss inside its schedule, so the plain loop
@@ -46,6 +47,7 @@ from torch import nn
 from composable_atorch.core.contract import Conflict, Contract, MinWorldSize, Stage
 from composable_atorch.core.transform import ApplyContext, TrainState, Transform
 from composable_atorch.errors import ConfigError, ParameterMappingError
+from composable_atorch.runtime.loader import first_length
 from composable_atorch.runtime.sequence import probing, sequence_split
 from composable_atorch.runtime.train_step import PIPELINE_ATTR, mark_loss_group
 from composable_atorch.transforms.parallel.data.common import (
@@ -55,7 +57,7 @@ from composable_atorch.transforms.parallel.data.common import (
     implies_mesh_dim,
     parallel_context,
 )
-from composable_atorch.transforms.parallel.pipeline.check import check_stage, reference
+from composable_atorch.transforms.parallel.pipeline.check import check_stages, references
 from composable_atorch.transforms.parallel.pipeline.cutter import call_whole, inputs_of, shared_sync, tied_sync
 from composable_atorch.transforms.parallel.pipeline.stages import (  # noqa: F401 - re-exported
     KNOWN_MODELS,
@@ -300,11 +302,12 @@ class PipelineParallel(Transform):
         """Start blocks of stages 1.. for ``pp`` ranks (``pp x stages_per_rank`` stages); typed errors first."""
         return self.cut_plan(model, pp)[1]
 
-    def cut_plan(self, model: nn.Module, pp: int):
+    def cut_plan(self, model: nn.Module, pp: int, loader=None):
         """(the generic cutter's Anatomy or None for the built-in GPT, start blocks of stages 1..).
 
         Read it before tensor parallelism shards the weights (mixed_parallel does): the anatomy's
-        probe forward runs on plain weights only."""
+        probe forward runs on plain weights only. The stage check's probes are as long as the
+        ``loader``'s sequences where its dataset tells it."""
         stages = pp * self.stages_per_rank
         an = anatomy_full(model, self._paths())
         if an is None:
@@ -337,8 +340,9 @@ class PipelineParallel(Transform):
                 self.microbatches,
                 f"a multiple of max(1, microbatches // pipeline size) = {rounds} for {self.schedule}",
             )
-        if an is not None and an.reference is None:
-            an.reference = reference(model, an, lambda m, x, **kw: call_whole(m, an, x, **kw))
+        if an is not None and an.references is None:
+            length = first_length(loader) if loader is not None else None
+            an.references = references(model, an, lambda m, x, **kw: call_whole(m, an, x, **kw), length)
         if self.split == "auto":
             return an, balanced_cuts([numel(b) for b in blocks], stages, head, tail)
         split = self.split
@@ -359,7 +363,7 @@ class PipelineParallel(Transform):
         pp = pc.layout.size("pipeline")
         model = state.model
         with probing():  # the probe forwards see the model as one process runs it (a sequence split stays out)
-            an, cuts = cut_plan or self.cut_plan(model, pp)  # checks before any change
+            an, cuts = cut_plan or self.cut_plan(model, pp, state.loader)  # checks before any change
         if (
             state.loader is not None
             and getattr(state.loader, "batch_size", None)
@@ -387,11 +391,11 @@ class PipelineParallel(Transform):
         bounds = (0, *cuts, len(blocks))
         sizes = [sum(numel(blocks[i]) for i in range(lo, hi)) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
         kept, stage_mods = rank_modules(model, bounds, local, an)
-        with probing():
-            checked = _check_stages(an, stage_mods, local, bounds)
+        pp_group = pc.mesh["pipeline"].get_group()
+        with probing():  # every rank of the pipeline refuses when one stage does (none waits on it in training)
+            checked = check_stages(an, stage_mods, local, bounds, pp_group)
         # a tied weight the last stage holds through its head only goes by the head's name there
         state.param_names.update({id(p): n for n, p in kept.named_parameters()})
-        pp_group = pc.mesh["pipeline"].get_group()
         data_group = pc.data_group() if pc.data_size > 1 else None
         if data_group is not None:
             broadcast_local(kept, data_group)
@@ -449,24 +453,6 @@ def _shared(kept: nn.Module, stage_mods: list[nn.Module]) -> list | None:
     count = sum(len({id(p) for p in m.parameters()}) for m in stage_mods)
     unique = list(kept.parameters())
     return unique if count > len(unique) else None
-
-
-def _check_stages(an, stage_mods: list[nn.Module], local: list[int], bounds: tuple[int, ...]) -> str:
-    """Each local stage run on the whole model's probe, block by block (:mod:`.check`); the explain line."""
-    if an is None:
-        return ""
-    ref = an.reference
-    if ref is None:
-        return "per-layer inputs not checked against the whole model (its probe forward could not run)"
-    for s, stage in zip(local, stage_mods, strict=True):
-        listed = stage.get_submodule(an.path) if an.path else stage
-        held = {i: listed[i] for i in range(bounds[s], bounds[s + 1])}
-        check_stage(stage, s, held, s == 0, ref, an.carry, last=s == len(bounds) - 2)
-    padded = ", padded, its attention mask carried" if ref.mask is not None else ""
-    return (
-        f"each stage's blocks see the whole model's inputs and give its outputs on a probe of "
-        f"{tuple(ref.example.shape)}{padded} (checked before training)"
-    )
 
 
 def _stage_optimizer(optim: torch.optim.Optimizer, names: dict[int, str], stage: nn.Module) -> torch.optim.Optimizer:

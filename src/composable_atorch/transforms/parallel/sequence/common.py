@@ -25,7 +25,7 @@ from composable_atorch.core.contract import Conflict, Order
 from composable_atorch.core.transform import ApplyContext, TrainState
 from composable_atorch.errors import ConfigError
 from composable_atorch.runtime.layout import BATCH_DIMS
-from composable_atorch.runtime.loader import rebuild_loader
+from composable_atorch.runtime.loader import first_length, rebuild_loader
 from composable_atorch.runtime.sequence import mark_sequence_split
 from composable_atorch.transforms.parallel.data.common import DataGradSync, broadcast_local, parallel_context
 from composable_atorch.transforms.parallel.sequence import check as split_check
@@ -95,19 +95,6 @@ def _heads(model) -> tuple[int | None, int | None]:
     return heads, getattr(config, "num_key_value_heads", None) or heads
 
 
-def _first_length(loader) -> int | None:
-    """The sequence length of the loader's first sample (map-style datasets), to refuse it before any work."""
-    dataset = getattr(loader, "dataset", None)
-    try:
-        sample = dataset[0]
-    except Exception:  # noqa: BLE001 - iterable or unindexable datasets are checked at their first batch
-        return None
-    first = sample[0] if isinstance(sample, list | tuple) and sample else sample
-    if isinstance(first, dict):
-        first = first.get("input_ids")
-    return first.size(0) if hasattr(first, "dim") and first.dim() >= 1 else None
-
-
 def apply_split(
     transform, state: TrainState, ctx: ApplyContext, dim: str, kind: str, positions: bool, rotation: str = "allgather"
 ) -> TrainState:
@@ -143,7 +130,7 @@ def apply_split(
             f"{who}(positions=False) for a model without positions: a pipeline stage calls the model's forward with "
             "the tokens or the received activation only, so the global position_ids cannot be given to it",
         )
-    length = _first_length(state.loader) if state.loader is not None else None
+    length = first_length(state.loader) if state.loader is not None else None
     if length is not None:
         check_length(length, n, balanced, who)
     # -- the changes --
