@@ -25,6 +25,7 @@ sum of per-token terms. Both train silently wrong, so each is refused before the
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -152,8 +153,6 @@ def _scalar(loss_fn, output, targets) -> float | None:
 def _gap(attend, loss_fn, whole_out, whole_targets, length: int) -> tuple[float, float, float] | None:
     """``(whole, parts' mean, largest relative gap over the group)`` of ``loss_fn`` on the probe, or None
     where it does not give a finite scalar on every rank (every rank agrees)."""
-    import math
-
     index = chunk_positions(attend.rank, attend.n, length // attend.n, attend.balanced)
     device = whole_targets.device
 
@@ -215,8 +214,9 @@ def check_loss(attend, loss_fn, output, inputs, targets) -> None:
             f"loss_fn on a whole probe sequence ({whole:.6g}) differs from the mean of its values on the ranks' parts "
             f"({mean:.6g}), which is what training with each rank holding 1/{attend.n} of every sequence averages: the "
             "loss shifts the targets inside itself (out[:, :-1] against targets[:, 1:]), slices the output along the "
-            "sequence, sums instead of averaging, or is not a mean of per-token terms (a per-sequence maximum, a "
-            "weight of the sequence length)",
+            "sequence, sums instead of averaging, averages over its part's own count of targets padded with "
+            "ignore_index, or is not a mean of per-token terms (a per-sequence maximum, a weight of the sequence "
+            "length)",
             SHIFT_IN_DATA,
         )
     attend.loss_checked = key
