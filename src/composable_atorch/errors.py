@@ -153,3 +153,17 @@ class SequenceSplitMismatchError(ConfigError):
         self.problem, self.fix = problem, fix
         CompositionError.__init__(self, f"{who}: {problem}. Fix: {fix}.")
         self.field, self.value, self.allowed = f"{who}.model", problem, fix
+
+
+class SequenceLossError(ConfigError):
+    """A loss that does not train a sequence split (context parallelism, Ulysses) as one process:
+    it shifts the targets inside itself (``out[:, :-1]`` against ``y[:, 1:]``: each rank holds
+    chunks of the sequence, so the shift pairs the last token of one chunk with the first of
+    another and drops a real target), slices the output along the sequence, or is not a sum of
+    per-token terms (a per-sequence maximum, a weight that depends on the sequence length). Raised
+    before the optimizer step, the weights unchanged; names the fix."""
+
+    def __init__(self, who: str, problem: str, fix: str):
+        self.problem, self.fix = problem, fix
+        CompositionError.__init__(self, f"{who}: {problem}. Fix: {fix}.")
+        self.field, self.value, self.allowed = f"{who}.loss", problem, fix

@@ -24,7 +24,7 @@ import composable_atorch.compat.atorch as atorch
 from composable_atorch.compat.atorch.auto.accelerate import auto_accelerate
 from composable_atorch.compat.atorch.common.util_func import data_to_device
 from composable_atorch.compat.atorch.distributed import seq_all_to_all
-from composable_atorch.errors import ConfigError
+from composable_atorch.errors import ConfigError, SequenceLossError
 
 from _dist import run_world
 from helpers import TokensDataset
@@ -240,10 +240,30 @@ def _sp_cases(rank, world, _):
     status, result, best_strategy = auto_accelerate(
         *model_context_args(toy_gpt2()), load_strategy=strategy, ignore_dryrun_on_load_strategy=True
     )
+    # ATorch's decoder_loss_func shifts inside itself (its targets are the inputs): on each rank's half of
+    # every sequence that pairs the halves' boundary tokens wrongly, so the first backward refuses it
+    before = {k: v.detach().clone() for k, v in result.model.state_dict().items()}
+    try:
+        run_train(
+            result.model, result.dataloader, result.optim, result.prepare_input, result.loss_func, gpt2_model=True
+        )
+        refused = None
+    except SequenceLossError as exc:
+        refused = str(exc)
+    unchanged = all(torch.equal(before[k], v) for k, v in result.model.state_dict().items())
+    # a per-token loss on the same targets (each token against its own target) then trains, as ATorch asserts
+    result.optim.zero_grad()
     num = run_train(
-        result.model, result.dataloader, result.optim, result.prepare_input, result.loss_func, gpt2_model=True
+        result.model,
+        result.dataloader,
+        result.optim,
+        result.prepare_input,
+        result.optim.loss_wrapper(token_ce),
+        gpt2_model=True,
     )
     out["atorch"] = dict(
+        refused=refused,
+        unchanged=unchanged,
         status=status,
         requested=len(best_strategy.requested_names),
         num=num,
@@ -299,9 +319,12 @@ def _reference(optim, lr):
 
 @pytest.mark.dist
 def test_gpt2_strategy_with_sp_trains_as_atorch_asserts(sp_results):
-    """ATorch asserts status, len(best_strategy) == len(strategy) and num == data_size // batch_size."""
+    """ATorch asserts status, len(best_strategy) == len(strategy) and num == data_size // batch_size; its
+    shift-inside decoder_loss_func is refused at the first backward, the weights unchanged."""
     for r in sp_results:
         case = r["atorch"]
+        assert case["refused"] is not None and "sequence_cross_entropy(model)" in case["refused"], case["refused"]
+        assert case["unchanged"]
         assert case["status"] and case["requested"] == 5 and case["num"] == DATA // BATCH, case
         assert case["instance"] == (1, 0) and case["sp"] == 2
         assert "Ulysses" in case["explain"]
@@ -480,7 +503,9 @@ def test_expert_strategy_on_mixtral_equals_one_process(moe_results, name, optim,
 
 LEDGER = {
     "semi_auto_acc_test.run_gpt2_with_strategy(use_sp=True)": "ported: Ulysses through the strategy entry; "
-    "ATorch's batch_sp_processing_fn replaced by the plan's loader split (contiguous halves, as it cuts)",
+    "ATorch's batch_sp_processing_fn replaced by the plan's loader split (contiguous halves, as it cuts); its "
+    "decoder_loss_func (the shift inside the loss, targets = inputs) refused at the first backward "
+    "(SequenceLossError: on each rank's half it pairs the halves' boundary tokens), a per-token loss trains",
     "toy_module.ToyGPT2Model.set_sp": "different: patches GPT2Attention._attn, gone in transformers 5; "
     "the library reaches attention through transformers' attention interface and does not call set_sp",
     "atorch.distributed.seq_all_to_all": "ported (compat/atorch/distributed/seq_comm.py)",

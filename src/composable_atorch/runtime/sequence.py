@@ -8,12 +8,15 @@ Ulysses) installed before it, without importing it.
 * :func:`mark_sequence_split` / :func:`sequence_split`: the group over which ranks hold different
   tokens of the same sequences. Each rank's loss is its part's mean; a transform that reports the
   loss itself (the pipeline's schedule) averages it over this group too.
+* :func:`check_loss`: ``train_step`` hands the split the loss function it trains with, to be
+  checked before the first step (a loss that shifts its targets inside itself trains a split wrongly).
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+from collections.abc import Callable
 
 import torch
 
@@ -36,17 +39,26 @@ def is_probing() -> bool:
 
 
 class _Split:
-    """The marker: a copy of the model (a probe's replica) gets none (a process group does not copy)."""
+    """The marker: a copy of the model (a probe's replica) gets none (a process group does not copy).
+    ``check_loss(loss_fn, output, inputs, targets)``: the split's check of a loss function."""
 
-    def __init__(self, group, size: int):
-        self.group, self.size = group, size
+    def __init__(self, group, size: int, check_loss: Callable | None = None):
+        self.group, self.size, self.check_loss = group, size, check_loss
 
     def __deepcopy__(self, memo):
         return None
 
 
-def mark_sequence_split(model: torch.nn.Module, group, size: int) -> None:
-    object.__setattr__(model, SPLIT_GROUP_ATTR, _Split(group, int(size)))
+def mark_sequence_split(model: torch.nn.Module, group, size: int, check_loss: Callable | None = None) -> None:
+    object.__setattr__(model, SPLIT_GROUP_ATTR, _Split(group, int(size), check_loss))
+
+
+def check_loss(model: torch.nn.Module, loss_fn: Callable, output, inputs, targets) -> None:
+    """The split's check of ``loss_fn`` on ``model``'s ``output`` for ``inputs`` (a typed error where the
+    loss would not train the split as one process); nothing without a split."""
+    split = getattr(model, SPLIT_GROUP_ATTR, None)
+    if split is not None and split.check_loss is not None:
+        split.check_loss(loss_fn, output, inputs, targets)
 
 
 def sequence_split(model: torch.nn.Module) -> tuple | None:

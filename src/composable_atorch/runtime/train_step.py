@@ -3,7 +3,10 @@
     loss = train_step(model, optim, inputs, targets, loss_fn)
 
 Without a pipeline it is the ordinary loop (``loss_fn(model(inputs), targets)``, the plan
-optimizer's ``backward``, ``step``, ``zero_grad``). For a pipeline-parallel plan the model is one
+optimizer's ``backward``, ``step``, ``zero_grad``); a model whose sequences are split over ranks
+(context parallelism, Ulysses) first has ``loss_fn`` checked on the forward's output
+(:func:`composable_atorch.runtime.sequence.check_loss`: a loss that shifts its targets inside itself
+is refused before the step). For a pipeline-parallel plan the model is one
 stage; its schedule runs forward and backward over the microbatches with the loss inside.
 
 Either way it returns the step's *mean* loss over the data dimension, the same float on every
@@ -29,6 +32,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+
+from composable_atorch.runtime.sequence import check_loss
 
 #: Attribute a pipeline stage module carries: its runner, with ``step(inputs, targets, loss_fn) -> float``.
 PIPELINE_ATTR = "_composable_atorch_pipeline"
@@ -91,7 +96,10 @@ def train_step(model: torch.nn.Module, optim, inputs, targets, loss_fn: Callable
         optim.step()
         optim.zero_grad()
         return loss
-    out = loss_fn(model(inputs), targets)
+    output = model(inputs)
+    check_loss(model, loss_fn, output, inputs, targets)
+    out = loss_fn(output, targets)
+    del output  # the backward keeps what it needs of the model's output, not the whole of it
     finish = _start_data_mean(model, optim, out.detach())
     try:
         if hasattr(optim, "backward"):

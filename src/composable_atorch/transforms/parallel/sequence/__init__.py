@@ -4,7 +4,7 @@ causal chunks) and ATorch's ``sequence_parallel`` (Ulysses: all-to-all between s
 over the ``sequence`` dimension). ``shard`` says which tokens a rank holds, ``comm`` has the
 collectives with autograd, ``attention`` routes a model's attention to them, ``common`` is the
 apply both transforms share, ``loss`` the whole sequence's token mean when parts count different
-numbers of tokens.
+numbers of tokens and the checks that a user's loss trains the split as one process.
 """
 
 from composable_atorch.transforms.parallel.sequence.context import ContextParallel, context_parallel

@@ -54,6 +54,13 @@ class Attend:
     #: context parallelism's key/value exchange: ``"allgather"`` or ``"ring"`` (:mod:`.ring`)
     rotation: str = "allgather"
     calls: int = 0
+    #: the loss function :func:`.loss.check_loss` last found to train the split as one process
+    #: (its code object, or the object itself)
+    loss_checked: Any = None
+    #: the autograd node and shape of the model's last output, kept for the loss guard
+    #: (:class:`.loss.SequenceLossGuard`) until it has checked one loss
+    output: tuple | None = None
+    watch_output: bool = True
 
     @property
     def balanced(self) -> bool:
@@ -62,7 +69,15 @@ class Attend:
     def __deepcopy__(self, memo):
         """A copy of the model (a probe's zero-weight replica) attends locally: it must not join the
         group's collectives, which the other ranks may not be running."""
-        return Attend(kind=self.kind, group=None, rank=0, n=1, who=self.who, rotation=self.rotation)
+        return Attend(kind=self.kind, group=None, rank=0, n=1, who=self.who, rotation=self.rotation, watch_output=False)
+
+    def watch(self, output) -> None:
+        """Keep the autograd node of a training forward's output (logits, a tensor, a tuple's first tensor)."""
+        out = getattr(output, "logits", output)
+        if isinstance(out, tuple | list):
+            out = next((o for o in out if isinstance(o, torch.Tensor)), None)
+        if isinstance(out, torch.Tensor) and out.grad_fn is not None and out.dim() >= 2:
+            self.output = (out.grad_fn, tuple(out.shape))
 
     def __call__(
         self, q, k, v, *, causal: bool, scale=None, dropout: float = 0.0, window=None, softcap=None, sinks=None
@@ -174,8 +189,13 @@ def check_heads(heads: int, n: int, who: str) -> None:
 
 
 #: keyword arguments transformers' attention layers pass that change nothing in a training forward
-#: without a cache (positions are given globally; the flash-attention-only sequence lengths are unused)
-_INERT = {"position_ids", "output_attentions", "use_cache", "cache_position", "layer_idx", "head_mask"}
+#: without a cache (positions are given globally; the flash-attention-only sequence lengths are unused);
+#: ``shift_labels`` / ``num_items_in_batch`` are the loss's, which a causal LM's forward passes on to
+#: every layer with its other keywords (the loader's split gives them: :func:`.shard.with_shift_labels`)
+_INERT = {
+    *("position_ids", "output_attentions", "use_cache", "cache_position", "layer_idx", "head_mask"),
+    *("shift_labels", "num_items_in_batch"),
+}
 #: the per-layer attention features this function computes over the whole sequence
 _FEATURES = {"sliding_window", "softcap", "s_aux"}
 
@@ -350,6 +370,8 @@ class SequenceHooks:
     def after(self, module, args, kwargs, output):
         if self._modes:
             self._modes.pop().__exit__(None, None, None)
+        if self.attend.watch_output and not is_probing():
+            self.attend.watch(output)
         if self.attend.calls == 0 and sys.exc_info()[0] is None and not is_probing():
             how = "scaled_dot_product_attention" if self.intercept_sdpa else "transformers' attention interface"
             raise ConfigError(

@@ -9,17 +9,22 @@ train silently on 1/n-long sequences. So before any step, one probe sequence (ba
 loader's length up to ``MAX_PROBE_TOKENS``) runs through the whole model on every rank and through
 the split model on each rank's part; the parts must equal the whole's rows at the same global positions, else
 :class:`~composable_atorch.errors.SequenceSplitMismatchError`.
+
+:func:`takes_shift_labels`: whether a transformers causal LM given ``labels`` computes its loss from the
+``shift_labels`` and ``num_items_in_batch`` the loader's split gives it (transformers' ``ForCausalLMLoss``
+does; a family that shifts by hand or adds other terms does not), so its ``labels`` batches can train.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from composable_atorch.errors import CompositionError, SequenceSplitMismatchError
 from composable_atorch.transforms.numerics import evaluating, output_tensor, tolerance
-from composable_atorch.transforms.parallel.sequence.shard import chunk_positions
+from composable_atorch.transforms.parallel.sequence.shard import IGNORE_INDEX, NUM_ITEMS, SHIFT_LABELS, chunk_positions
 
 #: probe length when the loader does not say (per part: enough for a causal mask to matter)
 PARTS_TOKENS = 8
@@ -120,3 +125,37 @@ def compare(model: nn.Module, ref, *, group, rank: int, n: int, balanced: bool, 
             "transformers' attention interface",
         )
     return f"split output checked against the whole model's on a probe sequence (difference {rel:.1g} of its scale)"
+
+
+def takes_shift_labels(model: nn.Module, *, group, n: int, length: int | None, shard) -> bool | None:
+    """Does the split ``model`` given ``labels`` report the cross-entropy of its own logits against the
+    ``shift_labels`` the loader's split makes, over its ``num_items_in_batch``? One probe batch (batch
+    1, 4 tokens per chunk) split as the loader splits it (``shard(batch)``); every rank of ``group``
+    agrees on the answer. None where no probe runs (not a transformers LM, weights not materialized,
+    fake or distributed: ``labels`` are then refused)."""
+    if _skip_reason(model):
+        return None
+    length = min(length or 8 * n, 8 * n)
+    length -= length % (2 * n)
+    probe = _tokens(model, length) if length else None
+    if probe is None or "input_ids" not in probe[1]:  # a transformers LM's probe is its input_ids keyword
+        return None
+    ids = probe[1]["input_ids"]
+    batch = shard({"input_ids": ids, "labels": ids})
+    diff = torch.tensor(float("inf"))
+    try:
+        with evaluating(model):
+            out = model(**batch)
+        logits = output_tensor(out)
+        total = F.cross_entropy(
+            logits.reshape(-1, logits.size(-1)),
+            batch[SHIFT_LABELS].reshape(-1),
+            ignore_index=IGNORE_INDEX,
+            reduction="sum",
+        )
+        want = total / batch[NUM_ITEMS]
+        diff = ((out.loss.detach().float() - want).abs() / want.abs().clamp(min=1.0)).cpu()
+    except Exception:  # noqa: BLE001 - the model does not take the keywords (TypeError) or reports no loss
+        pass
+    dist.all_reduce(diff, op=dist.ReduceOp.MAX, group=group)
+    return bool(float(diff) <= 1e-5)

@@ -18,6 +18,7 @@ pipeline stage still calls with keywords.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -38,9 +39,9 @@ from composable_atorch.transforms.parallel.sequence.attention import (
     route_transformers,
     uses_attention_interface,
 )
-from composable_atorch.transforms.parallel.sequence.loss import SPLIT_ATTR
+from composable_atorch.transforms.parallel.sequence.loss import SPLIT_ATTR, SequenceLossGuard, check_loss
 from composable_atorch.transforms.parallel.sequence.recompute import intercept_checkpointed
-from composable_atorch.transforms.parallel.sequence.shard import ShardCollate, check_length, shard_batch
+from composable_atorch.transforms.parallel.sequence.shard import DataSignals, ShardCollate, check_length, shard_batch
 
 #: ``ParallelContext.extras`` key: the name of the split transform already applied (by mixed_parallel)
 APPLIED_KEY = "sequence_split_applied"
@@ -167,17 +168,44 @@ def apply_split(
         )
     state.note(who, skipped)
     pc.extras[APPLIED_KEY] = who
-    setattr(model, SPLIT_ATTR, attend)  # for sequence_cross_entropy (a copy of the model gets a local one)
-    mark_sequence_split(model, group, n)  # for a pipeline's own loss report
-    if state.loader is not None:
-        loader = rebuild_loader(state.loader)
-        loader.collate_fn = ShardCollate(state.loader.collate_fn, rank, n, balanced, who)
-        state.loader = loader
-    state.hooks.append(DataGradSync(model, group, n))
+    _install(state, model, attend, length)
     loss_note = mark_split_loss_group(model, pc, dim)
     if loss_note:
         state.note(who, loss_note)
     return state
+
+
+def _install(state: TrainState, model, attend: Attend, length: int | None) -> None:
+    """The split's state on the model, its loader split and its optimizer hooks (the loss guard, the
+    gradient sync over the group)."""
+    who, rank, n, balanced = attend.who, attend.rank, attend.n, attend.balanced
+    labels = split_check.takes_shift_labels(
+        model,
+        group=attend.group,
+        n=n,
+        length=length,
+        shard=lambda batch: shard_batch(batch, rank, n, balanced, who, labels=True),
+    )
+    if labels is not None:
+        state.note(
+            who,
+            "a batch dict's labels are shifted over the whole sequence by the loader's split (transformers' "
+            "shift_labels and num_items_in_batch, checked on a probe batch)"
+            if labels
+            else "a batch dict with labels is refused (the model does not compute its loss from shift_labels)",
+        )
+    setattr(model, SPLIT_ATTR, attend)  # for sequence_cross_entropy (a copy of the model gets a local one)
+    # for a pipeline's own loss report, and train_step's check of its loss_fn
+    mark_sequence_split(model, attend.group, n, functools.partial(check_loss, attend))
+    guard = SequenceLossGuard(attend, DataSignals())
+    if state.loader is not None:
+        loader = rebuild_loader(state.loader)
+        loader.collate_fn = ShardCollate(
+            state.loader.collate_fn, rank, n, balanced, who, labels=bool(labels), signals=guard.signals
+        )
+        state.loader = loader
+    state.hooks.append(guard)
+    state.hooks.append(DataGradSync(model, attend.group, n))
 
 
 def route_name() -> str:

@@ -7,16 +7,34 @@ splits contiguously (``T/n`` tokens per rank): after its all-to-all every rank a
 whole sequence, so no balancing is needed. Positions stay global: :func:`chunk_positions` is the
 global position of each local token, passed to the model as ``position_ids`` and used by the
 attention's causal mask.
+
+A transformers causal LM given ``labels`` shifts them inside its loss; on a rank's part that would pair
+the last token of one chunk with the first of another. The split sees the whole batch first, so it
+shifts them over the whole sequence itself (:func:`with_shift_labels`: transformers' ``shift_labels``,
+as Accelerate's Ulysses loader adapter injects them) when the model was found to compute its loss
+from them, and refuses ``labels`` otherwise.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
-from composable_atorch.errors import ConfigError
+from composable_atorch.errors import ConfigError, SequenceLossError
+
+#: the batch keys of a transformers causal LM's own loss
+LABELS, SHIFT_LABELS, NUM_ITEMS = "labels", "shift_labels", "num_items_in_batch"
+#: transformers' (and torch's) ignore_index
+IGNORE_INDEX = -100
+#: the fix every loss refusal of a split names
+SHIFT_IN_DATA = (
+    "shift the targets in the data (targets[t] = inputs[t + 1], the last one ignore_index -100; TextDataset's "
+    "(inputs, targets) pairs are so) and train with loss_fn=sequence_cross_entropy(model), which averages the "
+    "token losses over the whole sequence"
+)
 
 
 def chunk_positions(rank: int, n: int, local_len: int, balanced: bool, device=None) -> torch.Tensor:
@@ -63,12 +81,29 @@ def _seq_len(batch: Any) -> int | None:
     return None
 
 
-def shard_batch(batch: Any, rank: int, n: int, balanced: bool, who: str, seq_len: int | None = None) -> Any:
+def with_shift_labels(batch: dict, n: int) -> dict:
+    """``batch`` with transformers' ``shift_labels`` over the whole sequence (``labels[t + 1]``, the last
+    ignored: what ``ForCausalLMLoss`` computes from ``labels``; kept when the batch has them) and
+    ``num_items_in_batch`` (the counted targets, or the batch's own) divided by ``n``: each rank's loss
+    is then its part's summed token losses over 1/n of the count, whose mean over the group (what the
+    gradient sync takes) is the whole batch's mean."""
+    shift = batch.get(SHIFT_LABELS)
+    if shift is None:
+        shift = F.pad(batch[LABELS][:, 1:], (0, 1), value=IGNORE_INDEX)
+    items = batch.get(NUM_ITEMS)
+    items = (shift != IGNORE_INDEX).sum() if items is None else torch.as_tensor(items, device=shift.device)
+    return {**batch, SHIFT_LABELS: shift, NUM_ITEMS: items.float() / n}
+
+
+def shard_batch(
+    batch: Any, rank: int, n: int, balanced: bool, who: str, seq_len: int | None = None, labels: bool = False
+) -> Any:
     """This rank's part of every ``(batch, seq, ...)`` tensor in a batch (tensors, tuples, lists, dicts).
 
     The sequence length is the first tensor's dimension 1; tensors of another length (per-sample
-    values) are kept whole. A dict with ``labels`` is refused: transformers' causal LM losses shift
-    labels inside the model, which would pair the last token of one chunk with the first of the next.
+    values) are kept whole. A dict with ``labels`` gets ``shift_labels`` over the whole sequence first
+    (:func:`with_shift_labels`) when ``labels`` (the model computes its loss from them), else is refused:
+    the model would shift labels inside each rank's part of the sequence.
     """
     seq_len = _seq_len(batch) if seq_len is None else seq_len
     if seq_len is None:
@@ -76,18 +111,57 @@ def shard_batch(batch: Any, rank: int, n: int, balanced: bool, who: str, seq_len
     if isinstance(batch, torch.Tensor):
         return _shard(batch, rank, n, balanced, seq_len, who)
     if isinstance(batch, dict):
-        if "labels" in batch:
-            raise ConfigError(
-                f"{who}: batch key",
-                "labels",
-                "targets already shifted by one, e.g. (input_ids, targets) pairs as TextDataset gives: the model "
-                "would shift labels inside each rank's part of the sequence",
-            )
-        return {k: shard_batch(v, rank, n, balanced, who, seq_len) for k, v in batch.items()}
+        if LABELS in batch:
+            if not labels:
+                raise SequenceLossError(
+                    f"{who}: batch key 'labels'",
+                    "the model would shift the labels inside each rank's part of the sequence, pairing the last "
+                    "token of one chunk with the first of another; this model was not found to compute its loss "
+                    "from transformers' shift_labels on a probe batch (or the probe could not run)",
+                    SHIFT_IN_DATA,
+                )
+            batch = with_shift_labels(batch, n)
+        return {k: shard_batch(v, rank, n, balanced, who, seq_len, labels) for k, v in batch.items()}
     if isinstance(batch, list | tuple):
-        parts = [shard_batch(v, rank, n, balanced, who, seq_len) for v in batch]
+        parts = [shard_batch(v, rank, n, balanced, who, seq_len, labels) for v in batch]
         return type(batch)(parts) if not hasattr(batch, "_fields") else type(batch)(*parts)
     return batch
+
+
+def _token_tensors(batch: Any, seq_len: int) -> list[torch.Tensor]:
+    """The integer ``(batch, seq_len, ...)`` tensors of a batch in order (a dict's labels left out: they are
+    shifted by the split itself)."""
+    if isinstance(batch, torch.Tensor):
+        integer = not (batch.is_floating_point() or batch.is_complex() or batch.dtype == torch.bool)
+        return [batch] if integer and batch.dim() >= 2 and batch.size(1) == seq_len else []
+    if isinstance(batch, dict):
+        items = [v for k, v in batch.items() if k not in (LABELS, SHIFT_LABELS)]
+    else:
+        items = batch if isinstance(batch, list | tuple) else ()
+    return [t for item in items for t in _token_tensors(item, seq_len)]
+
+
+def targets_equal_inputs(batch: Any) -> bool:
+    """True when a later token tensor of the batch equals its first one token for token (transformers'
+    ``labels=input_ids`` habit: the loss must shift them). False for fake or meta tensors (an estimate)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    seq_len = _seq_len(batch)
+    tokens = _token_tensors(batch, seq_len) if seq_len is not None else []
+    if len(tokens) < 2 or any(is_fake(t) or t.is_meta for t in tokens):
+        return False
+    first = tokens[0]
+    return any(t.shape == first.shape and t.dtype == first.dtype and torch.equal(t, first) for t in tokens[1:])
+
+
+@dataclass
+class DataSignals:
+    """What the loader's split saw in this process's batches, for the loss guard (a worker process's
+    collate has its own copy, so with ``num_workers`` > 0 nothing is seen)."""
+
+    targets_equal_inputs: bool = False
+    #: the guard has decided; the batches are no longer compared
+    checking: bool = True
 
 
 @dataclass
@@ -99,10 +173,16 @@ class ShardCollate:
     n: int
     balanced: bool
     who: str
+    #: the model computes its loss from ``shift_labels`` (checked before any step): a dict's ``labels``
+    #: are shifted over the whole sequence, else refused
+    labels: bool = False
+    signals: DataSignals = field(default_factory=DataSignals)
 
     def __call__(self, samples):
         return self.shard(self.collate(samples))
 
     def shard(self, batch):
         """This rank's part of a collated batch (the estimator feeds its batch through this too)."""
-        return shard_batch(batch, self.rank, self.n, self.balanced, self.who)
+        if self.signals.checking:
+            self.signals.targets_equal_inputs = targets_equal_inputs(batch)
+        return shard_batch(batch, self.rank, self.n, self.balanced, self.who, labels=self.labels)
