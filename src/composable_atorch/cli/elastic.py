@@ -242,7 +242,7 @@ def _wrap_agent_and_rendezvous() -> None:
 
     def run_noting_success(self, *args, **kwargs):
         result = run(self, *args, **kwargs)
-        _leaving.succeeded = not result.is_failed()
+        _leaving.succeeded = result is not None and not result.is_failed()  # None: a graceful exit
         return result
 
     def next_rendezvous_remembered(self):
