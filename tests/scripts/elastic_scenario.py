@@ -64,8 +64,14 @@ def _start_node(
     return proc
 
 
-def logs(tmp: Path) -> str:
-    return "\n".join(f"==== {p.name}\n{p.read_text()[-3000:]}" for p in sorted(tmp.glob("*.log")))
+def logs(tmp: Path, tail: int | None = None) -> str:
+    """Every node's log, whole or its last ``tail`` characters (enough to show why a node failed).
+
+    What rank 0 printed mid-run is only in the whole log: a node's log can end with kilobytes of
+    torch's own warnings after it.
+    """
+    texts = {p.name: p.read_text() for p in sorted(tmp.glob("*.log"))}
+    return "\n".join(f"==== {name}\n{text[-tail:] if tail else text}" for name, text in texts.items())
 
 
 def _wait_until(condition, nodes, tmp: Path, what: str, seconds: float) -> None:
@@ -74,14 +80,14 @@ def _wait_until(condition, nodes, tmp: Path, what: str, seconds: float) -> None:
         failed = [n.name for n in nodes if n.poll() not in (None, 0)]
         if failed or time.monotonic() > deadline:
             why = f"nodes {failed} failed" if failed else "timed out"
-            raise ScenarioError(f"waiting for {what}: {why}\n{logs(tmp)}")
+            raise ScenarioError(f"waiting for {what}: {why}\n{logs(tmp, tail=3000)}")
         time.sleep(0.05)
 
 
 def run(
     tmp: Path, *, env_changes: dict | None = None, seconds: float = 150, last_call: int = 2, node_timeout: int = 3
 ) -> dict:
-    """The scenario in ``tmp``: ``{"records", "killed_at", "grown_at", "logs"}``; ScenarioError if it failed.
+    """The scenario in ``tmp``: ``{"records", "killed_at", "grown_at", "logs"}`` (whole); ScenarioError if it failed.
 
     The short rendezvous waits (``launch --last-call 2 --node-timeout 3``) keep the test fast; a
     lost node on localhost is noticed at once (its sockets close), so they are safe here.
@@ -111,6 +117,9 @@ def run(
         grown_at = time.time()
         nodes.append(_start_node(tmp, endpoint, 3, "node3-again", env, False, waits))
         _wait_until(lambda: all(n.poll() is not None for n in nodes), nodes, tmp, "the end", seconds)
+        if any(n.returncode for n in nodes):
+            failed = [(n.name, n.returncode) for n in nodes if n.returncode]
+            raise ScenarioError(f"at the end: nodes {failed} failed\n{logs(tmp, tail=3000)}")
     finally:
         for node in nodes:
             if node.poll() is None:

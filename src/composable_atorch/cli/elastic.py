@@ -31,11 +31,14 @@ checkpoint was done again.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import sys
 import time
+import weakref
+from dataclasses import dataclass, field
 from typing import Any
 
 # the rank side (report_resumed) lives with the checkpoints it reads: state/restarts.py
@@ -185,3 +188,89 @@ def install_recorder() -> RestartRecorder:
     os.environ[RESTART_ENV] = json.dumps({"cause": "start", "at": time.time()})
     metrics.configure(Handler(), group="torchelastic")
     return recorder
+
+
+# -- node 0 leaves last ---------------------------------------------------------------------------
+#: the longest node 0 waits, after its ranks succeeded, for the other nodes to close the rendezvous
+#: (they passed the same exit barrier, so they close within a second unless one died just then)
+LEAVE_WAIT_S = 30.0
+_LEFT_KEY = "composable_atorch/closed"
+
+
+@dataclass
+class _Leaving:
+    """What the wrapped agent and rendezvous methods of this launcher process share."""
+
+    is_host: bool
+    succeeded: bool = False
+    #: rendezvous handler -> (store, number of nodes) of the last round it joined
+    rounds: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
+
+
+_leaving: _Leaving | None = None
+
+
+def host_leaves_last(is_host: bool) -> None:
+    """Keep node 0's rendezvous store up until the other nodes of the last round closed the rendezvous.
+
+    Node 0's agent hosts the c10d rendezvous store in its own process. At the end of a job every
+    agent passes torchrun's exit barrier and then closes the rendezvous through that store; node 0
+    often got there first, its launcher exited and took the store with it, and a node still closing
+    printed a C++ stack trace ("recvVector failed ... Connection was likely closed") and "failed to
+    shutdown the rendezvous ... RendezvousConnectionError" at the end of a successful job (1 run in
+    6 of the elastic test here). Now every other node counts itself in the round's store once it
+    closed, and node 0, when its ranks succeeded, closes only once they all did (at most
+    ``LEAVE_WAIT_S``). After a failure node 0 closes at once, as torchrun does, so the others stop.
+    Wraps three public methods of torchrun's agent and c10d rendezvous, in this process only.
+    """
+    global _leaving
+    first = _leaving is None
+    _leaving = _Leaving(is_host)
+    if first:
+        _wrap_agent_and_rendezvous()
+
+
+def _wrap_agent_and_rendezvous() -> None:
+    from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+
+    run, next_rendezvous, shutdown = (
+        SimpleElasticAgent.run,
+        DynamicRendezvousHandler.next_rendezvous,
+        DynamicRendezvousHandler.shutdown,
+    )
+
+    def run_noting_success(self, *args, **kwargs):
+        result = run(self, *args, **kwargs)
+        _leaving.succeeded = result is not None and not result.is_failed()  # None: a graceful exit
+        return result
+
+    def next_rendezvous_remembered(self):
+        info = next_rendezvous(self)
+        _leaving.rounds[self] = (info.store, info.world_size)
+        return info
+
+    def shutdown_in_order(self):
+        store, nodes = _leaving.rounds.get(self, (None, 1))
+        if store is not None and _leaving.is_host and _leaving.succeeded:
+            _wait_for_closed(store, nodes - 1, LEAVE_WAIT_S)
+        closed = shutdown(self)
+        if store is not None and not _leaving.is_host:
+            with contextlib.suppress(Exception):  # node 0 gone (it gave up waiting): nothing to tell
+                store.add(_LEFT_KEY, 1)
+        return closed
+
+    SimpleElasticAgent.run = run_noting_success
+    DynamicRendezvousHandler.next_rendezvous = next_rendezvous_remembered
+    DynamicRendezvousHandler.shutdown = shutdown_in_order
+
+
+def _wait_for_closed(store, others: int, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while others > 0 and time.monotonic() < deadline:
+        try:
+            if store.add(_LEFT_KEY, 0) >= others:
+                return
+        except Exception:  # the store itself failed: nothing left to wait for
+            return
+        time.sleep(0.05)

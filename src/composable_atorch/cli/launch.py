@@ -246,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     continue_stopped_ranks()
+    if ns.rdzv_endpoint is not None:  # several nodes: node 0 hosts the rendezvous store
+        elastic.host_leaves_last(is_host=ns.node_rank == 0)
 
     try:
         torchrun.run(torchrun.parse_args(torchrun_args(ns)))
