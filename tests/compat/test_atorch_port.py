@@ -905,10 +905,13 @@ def _tp_and_sp_cases(rank, world, _):
     from composable_atorch.compat.atorch.auto.clip_grad_norm import clip_grad_norm as auto_acc_clip_grad_norm
 
     out = {}
-    try:  # ATorch's ToyModel (plain Linear chains), tensor_parallel with no plan
-        torch.manual_seed(0)
+    try:  # ATorch's ToyModel (plain Linear chains), tensor_parallel with no plan, built on each rank unseeded
+        torch.manual_seed(rank)  # as ATorch's test: no common seed, so the ranks' models differ
         local = StackNet()
         reference = copy.deepcopy(local)
+        with torch.no_grad():  # the one process: rank 0's model, which tensor_parallel starts every rank from
+            for p in reference.parameters():
+                torch.distributed.broadcast(p, src=0)
         status, result, _ = ca.auto_accelerate(
             model=local,
             load_strategy=[("parallel_mode", ([("tensor", world)], None)), "tensor_parallel"],
@@ -985,6 +988,9 @@ def test_gpt2_strategy_sp2_at_world_2(tp_and_sp_results):
 
 @pytest.mark.dist
 def test_tp_strategy_clip_grad_norm_at_world_2(tp_and_sp_results):
+    """ATorch builds its ToyModel on each rank with no common seed: tensor_parallel starts every rank
+    from rank 0's weights, so the norm is that of rank 0's model in one process (the probe refused it
+    when each rank sharded its own model)."""
     for r in tp_and_sp_results:
         case = r["tp"]
         assert isinstance(case, dict), case

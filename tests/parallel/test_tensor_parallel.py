@@ -337,6 +337,47 @@ def test_heads_not_divisible_keep_attention_whole():
         ca.tensor_parallel(auto_plan(GPT(GPTConfig(seq_len=8, d_model=24, n_layer=1, n_head=4)))).placements(m, 2)
 
 
+class WideNormBlock(nn.Module):
+    """``up -> LayerNorm over its whole output -> down`` (a norm over the whole q projection, as OLMo-2/3's
+    q_norm): a rank's shard of ``up`` meets a norm of the full width. Then, with ``mlp``, a plain MLP."""
+
+    def __init__(self, d: int = 16, mlp: bool = True):
+        super().__init__()
+        self.up, self.norm, self.down = nn.Linear(d, 2 * d), nn.LayerNorm(2 * d), nn.Linear(2 * d, d)
+        self.mlp = nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d)) if mlp else None
+
+    def forward(self, x):
+        x = x + self.down(self.norm(self.up(x)))
+        return x if self.mlp is None else x + self.mlp(x)
+
+
+class WideNormNet(nn.Module):
+    def __init__(self, mlp: bool = True):
+        super().__init__()
+        self.tok = nn.Embedding(64, 16)
+        self.blocks = nn.ModuleList(WideNormBlock(mlp=mlp) for _ in range(2))
+        self.head = nn.Linear(16, 64)
+
+    def forward(self, ids):
+        x = self.tok(ids)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def test_a_pair_failing_at_one_ranks_shapes_is_kept_whole_and_named():
+    """Auto: the pair whose shard meets a full-width norm stays whole (named with the failure), the MLP
+    shards; with no other pair the model is refused for that failure; a manual plan naming it is refused."""
+    shard, _, _ = ca.tensor_parallel().placements(WideNormNet(), 2)
+    assert sorted(shard) == [f"blocks.{i}.mlp.{j}" for i in (0, 1) for j in (0, 2)]
+    notes = ca.tensor_parallel().check(WideNormNet(), 2)
+    assert any("failing the check at one rank's shapes: blocks.*.{up -> down}: at tensor degree 2" in n for n in notes)
+    with pytest.raises(TensorParallelPlanError, match="one rank's shapes fail a forward"):
+        ca.tensor_parallel().check(WideNormNet(mlp=False), 2)
+    with pytest.raises(TensorParallelPlanError, match="one rank's shapes fail a forward"):
+        ca.tensor_parallel({"blocks.*.up": "colwise", "blocks.*.down": "rowwise"}).check(WideNormNet(), 2)
+
+
 def test_degree_not_dividing_world_fails_at_compose():
     env = ca.Environment(world_size=4)
     with pytest.raises(ConfigError):

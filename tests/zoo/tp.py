@@ -48,6 +48,55 @@ def deepseek_v3():
     return DeepseekV3ForCausalLM(configs.deepseek_v3(32, moe=16, q_lora=16, v_head=8, max_position_embeddings=64))
 
 
+def deepseek_v3_q():
+    """DeepSeek-V3 at width 64, where ``q_b_proj`` writes the model's width: ``q_a_proj -> q_b_proj`` is traced
+    as a pair, which fails at one rank's shapes (its q_a_layernorm and the rope split read the whole width)."""
+    from transformers import DeepseekV3ForCausalLM
+
+    return DeepseekV3ForCausalLM(configs.deepseek_v3(64, moe=32, q_lora=32, v_head=16, max_position_embeddings=64))
+
+
+def _decoder(width: int = 32, **fields) -> dict:
+    return configs.shape(width, num_key_value_heads=2, max_position_embeddings=64, **fields)
+
+
+def olmo3():
+    """OLMo-3: q_norm / k_norm over the whole q / k projection (not per head), sliding-window layers."""
+    from transformers import Olmo3ForCausalLM
+
+    return Olmo3ForCausalLM(configs.cfg("Olmo3Config", **_decoder()))
+
+
+def lfm2():
+    """LFM2: a short-convolution block (in_proj -> causal depthwise conv -> out_proj), then full attention."""
+    from transformers import Lfm2ForCausalLM
+
+    return Lfm2ForCausalLM(configs.cfg("Lfm2Config", **_decoder(), layer_types=["conv", "full_attention"]))
+
+
+def qwen3_next():
+    """Qwen3-Next: gated delta-rule linear attention (fused qkvz / ba projections, a short conv, a gated
+    norm), then gated full attention; MoE with a gated shared expert."""
+    from transformers import Qwen3NextForCausalLM
+
+    linear = {
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 8,
+        "linear_value_head_dim": 8,
+    }
+    experts = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16}
+    return Qwen3NextForCausalLM(
+        configs.cfg(
+            "Qwen3NextConfig",
+            **_decoder(head_dim=8, layer_types=["linear_attention", "full_attention"]),
+            **linear,
+            **experts,
+            shared_expert_intermediate_size=32,
+        )
+    )
+
+
 def qwen2_moe():
     from transformers import Qwen2MoeForCausalLM
 
@@ -77,6 +126,11 @@ BUILDERS = {
     "lora_llama": lora_llama,
     "dora_llama": dora_llama,
     "deepseek_v3": deepseek_v3,
+    "deepseek_v3_q": deepseek_v3_q,
+    "olmo3": olmo3,
+    "lfm2": lfm2,
+    "qwen3_next": qwen3_next,
+    "llama": _llama,
     "qwen2_moe": qwen2_moe,
     "convnext": convnext,
     "user_cnn": lambda: PointwiseCNN(labels=LABELS),

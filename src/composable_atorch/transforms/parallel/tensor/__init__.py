@@ -1,6 +1,7 @@
 """Tensor parallelism on DTensor (Megatron's sequence parallelism is ``tensor_parallel(sequence_parallel=True)``):
 the transform (``transform``), what it shards
-(``planner``: ``TPInfo``, plan normalisation, the auto planner over ``graph``'s traced pairs),
+(``planner``: ``TPInfo``, plan normalisation, the auto planner over ``graph``'s traced pairs;
+``resolve``: the checks at one rank's shapes, failing pairs kept whole),
 dropout streams across tensor ranks (``dropout``) and checkpoints of fused projections in the
 user's layout (``layout``).
 """

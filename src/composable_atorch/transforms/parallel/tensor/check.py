@@ -27,17 +27,26 @@ def _moved(x, like: torch.Tensor):
     return x.to(like.device, like.dtype) if x.is_floating_point() and like.is_floating_point() else x.to(like.device)
 
 
-def probe(model: nn.Module):
-    """``(example, output)`` of the whole model before sharding, or ``(None, why not)``."""
+def without_values(model: nn.Module) -> str:
+    """Why ``model``'s weights hold no values to compare or broadcast (meta, fake, already distributed), or ""."""
     from torch._guards import detect_fake_mode
     from torch._subclasses.fake_tensor import FakeTensor
 
     params = list(model.parameters())
     if not params or any(p.is_meta or hasattr(p, "to_local") for p in params):
-        return None, "numerical check skipped (weights not materialized or already distributed)"
-    # ``estimate`` applies the plan on fake tensors: there are no values to compare
+        return "weights not materialized or already distributed"
+    # ``estimate`` applies the plan on fake tensors: there are no values
     if detect_fake_mode() is not None or any(isinstance(p, FakeTensor) for p in params):
-        return None, "numerical check skipped (fake tensors: the plan is being estimated, not run)"
+        return "fake tensors: the plan is being estimated, not run"
+    return ""
+
+
+def probe(model: nn.Module):
+    """``(example, output)`` of the whole model before sharding, or ``(None, why not)``."""
+    why = without_values(model)
+    if why:
+        return None, f"numerical check skipped ({why})"
+    params = list(model.parameters())
     example = example_input(model)
     if example is None:
         return None, "numerical check skipped (no example input could be guessed for this model)"

@@ -12,7 +12,8 @@ col -> row, unless a layer with weights (a norm) runs between them (DeepSeek's l
 q_a -> norm -> q_b is a low-rank chain, not a pair). What no pair places stays whole (replicated).
 
 The same replica, re-made at each rank's local shapes, runs the forward again before any weight
-moves (:func:`verify`): a plan that would give a shape error is refused then, not mid-training.
+moves (:func:`.resolve.verify`): a pair that would give a shape error is kept whole then, not met
+mid-training.
 """
 
 from __future__ import annotations

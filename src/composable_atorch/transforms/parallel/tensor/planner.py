@@ -7,6 +7,7 @@ with DTensor's ``parallelize_module``. See :mod:`.tensor` for the three plan for
 from __future__ import annotations
 
 import fnmatch
+from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
@@ -179,14 +180,13 @@ def _hf_entries(model: nn.Module, generic: list, notes: list[str]) -> list | Non
     if hf_set != mine:
         notes.append("transformers' base_model_tp_plan differs from the traced pairs: the traced pairs are used")
         return None
-    notes.append("layers placed by transformers' base_model_tp_plan")
     keep = [e for e in generic if e[0] not in ("col", "row") or dict(e[2]).get("gather_output")]
     return entries + keep + _hf_model_level(model, hf)
 
 
-def _by_name(model: nn.Module) -> list[tuple[str, str, tuple]]:
+def _by_name(model: nn.Module) -> list[tuple[tuple[str, ...], str, list]]:
     """Sibling projections with the usual names, for a model whose forward cannot be traced on an
-    example input (the generic planner's fallback)."""
+    example input (the generic planner's fallback): ``(columns, row, entries)`` per pair."""
     groups = (
         (("q", "k", "v"), "o"),
         (("q_proj", "k_proj", "v_proj"), "o_proj"),
@@ -195,30 +195,76 @@ def _by_name(model: nn.Module) -> list[tuple[str, str, tuple]]:
         (("c_fc",), "c_proj"),
         (("w1", "w3"), "w2"),
     )
-    entries: list[tuple[str, str, tuple]] = []
+    found = []
     for name, m in model.named_modules():
         children = dict(m.named_children())
         for cols, row in groups:
             if row in children and all(c in children for c in cols):
                 if not all(is_proj(children[c]) for c in (*cols, row)):
                     continue
-                entries += [("col", f"{name}.{c}" if name else c, ()) for c in cols]
-                entries.append(("row", f"{name}.{row}" if name else row, ()))
+                names = tuple(f"{name}.{c}" if name else c for c in cols)
+                rname = f"{name}.{row}" if name else row
+                entries = [("col", c, ()) for c in names] + [("row", rname, ())]
                 heads = tuple(sorted(graph.heads_of(m)))
                 if heads:
                     entries.append(("shrink", name, heads))
-    return entries
+                found.append((names, rname, entries))
+    return found
 
 
 def _placed(found: list) -> int:
     return sum(len(p.cols) + 1 for p in found)
 
 
-def plan_with_notes(model: nn.Module, attention: bool = True) -> tuple[tuple, list[str]]:
-    """The auto plan for ``model`` and what explain() should say about it (see :mod:`.graph`).
+@dataclass(frozen=True)
+class PairPlan:
+    """One pair's entries (columns, row, and the head counts, per-head tables and summed norms that go
+    with them), merged with the same pair of the other blocks under one pattern (``layers.*.mlp.{gate_proj,
+    up_proj -> down_proj}``): what the check at one rank's shapes keeps whole together when it fails."""
 
-    ``attention=False`` keeps attention-like pairs whole (head counts on the module, or several or
-    fused projections feeding one): the MLPs alone shard."""
+    label: str
+    entries: tuple[tuple[str, str, tuple], ...]
+
+
+@dataclass(frozen=True)
+class AutoPlan:
+    """The auto plan: ``entries`` as applied when every pair passes the check (transformers' own
+    ``base_model_tp_plan`` where it places the same layers), the traced ``pairs`` it was made of (in
+    forward order) and what explain() should say about it (``source``: only when ``entries`` is used)."""
+
+    entries: tuple
+    pairs: tuple[PairPlan, ...]
+    notes: tuple[str, ...]
+    source: tuple[str, ...] = ()
+
+
+def pair_label(cols, row: str) -> str:
+    """``layers.*.self_attn.{q_proj, k_proj, v_proj -> o_proj}``: the names' common module path, block
+    indices as ``*``, then the projections' own names."""
+    parts = [n.split(".") for n in (*cols, row)]
+    k = 0
+    while k < min(len(p) for p in parts) - 1 and len({p[k] for p in parts}) == 1:
+        k += 1
+    head = ".".join("*" if s.isdigit() else s for s in parts[0][:k])
+    rest = [".".join(p[k:]) for p in parts]
+    return f"{head + '.' if head else ''}{{{', '.join(rest[:-1])} -> {rest[-1]}}}"
+
+
+def _grouped(found: list[tuple[tuple[str, ...], str, list]]) -> tuple[PairPlan, ...]:
+    merged: dict[str, list] = {}
+    for cols, row, entries in found:
+        merged.setdefault(pair_label(cols, row), []).extend(entries)
+    return tuple(PairPlan(label, tuple(e)) for label, e in merged.items())
+
+
+def plan_with_notes(model: nn.Module) -> tuple[tuple, list[str]]:
+    """The auto plan for ``model`` and what explain() should say about it (see :mod:`.graph`)."""
+    auto = plan_auto(model)
+    return auto.entries, [*auto.notes, *auto.source]
+
+
+def plan_auto(model: nn.Module) -> AutoPlan:
+    """The auto plan with its pairs (:class:`AutoPlan`); TensorParallelPlanError when there is no pair."""
     notes: list[str] = []
     example = graph.example_input(model)
     tr = None
@@ -227,31 +273,38 @@ def plan_with_notes(model: nn.Module, attention: bool = True) -> tuple[tuple, li
             tr = graph.trace(model, example)
         except Exception as e:  # noqa: BLE001 - a model that cannot run the guessed input falls back to names
             notes.append(f"forward on an example input failed ({type(e).__name__}): planned by layer names")
-    entries: list[tuple[str, str, tuple]] = []
+    found: list[tuple[tuple[str, ...], str, list]] = []
+    source: list[str] = []
     if tr is not None:
         # blocks write back to a residual stream; a plain chain (ATorch's toy models) has none:
         # whichever reading places more layers is the model's
-        found = max(graph.pairs(model, tr), graph.pairs(model, tr, residual=False), key=_placed)
+        traced = max(graph.pairs(model, tr), graph.pairs(model, tr, residual=False), key=_placed)
         sharded: set[str] = set()
-        for p in found:
+        for p in traced:
             p = graph.fused_stride(model, p)
-            heads = graph.shrink_attrs(model, p)
-            if not attention and (heads or len(p.cols) > 1 or p.stride > 1 or p.reason):
-                continue  # attention-like: several or fused projections into one
             if p.reason:
                 notes.append(f"kept whole (replicated): {p.reason}")
                 continue
             args = (("stride", p.stride),) if p.stride > 1 else ()
-            entries += [("col", c, args) for c in p.cols]
-            entries.append(("row", p.row, ()))
-            entries += [("shrink", n, a) for n, a in heads.items()]
+            ents = [("col", c, args) for c in p.cols] + [("row", p.row, ())]
+            ents += [("shrink", n, a) for n, a in graph.shrink_attrs(model, p).items()]
             emb = graph.head_embeddings(model, p)
-            entries += [("col", e, ()) for e in emb]
+            ents += [("col", e, ()) for e in emb]
             sharded.update((*p.cols, p.row, *emb))
-            entries += [("grad_sum", n, ()) for n in graph.partial_grad_modules(tr, p, sharded)]
-        entries = _hf_entries(model, entries, notes) or entries
+            ents += [("grad_sum", n, ()) for n in graph.partial_grad_modules(tr, p, sharded)]
+            found.append((p.cols, p.row, ents))
     else:
-        entries = _by_name(model)
+        found = _by_name(model)
+    generic = [e for _, _, ents in found for e in ents]
+    pairs = _grouped(found)
+    entries = generic
+    if tr is not None:
+        hf = _hf_entries(model, generic, notes)
+        if hf is not None:
+            entries, source = hf, ["layers placed by transformers' base_model_tp_plan"]
+        head = _hf_model_level(model, getattr(getattr(model, "config", None), "base_model_tp_plan", None) or {})
+        if head:  # transformers' logits head, column-sharded and gathered: checked on its own too
+            pairs = (*pairs, PairPlan(f"{head[0][1]} (column, logits gathered)", tuple(head)))
     if any(type(m).__name__.endswith(("Experts", "SparseMoeBlock", "MoE")) for m in model.modules()):
         notes.append(
             "mixture-of-experts layers kept whole: every tensor rank holds every expert "
@@ -273,7 +326,7 @@ def plan_with_notes(model: nn.Module, attention: bool = True) -> tuple[tuple, li
             MANUAL_FORM,
         )
     notes += _whole_note(model, entries)
-    return tuple(sorted(set(entries))), notes
+    return AutoPlan(tuple(sorted(set(entries))), pairs, tuple(notes), tuple(source))
 
 
 def _whole_note(model: nn.Module, entries) -> list[str]:
@@ -300,78 +353,3 @@ def _whole_note(model: nn.Module, entries) -> list[str]:
 def auto_plan(model: nn.Module) -> tuple:
     """The plan for ``model``, or TensorParallelPlanError naming the Linear layers it could not place."""
     return plan_with_notes(model)[0]
-
-
-# ---------------------------------------------------------------------------------------------
-# verification before any weight moves
-# ---------------------------------------------------------------------------------------------
-
-
-def _localize(m: nn.Module, kind: str, kw: dict, degree: int) -> None:
-    """Give a replica module the shapes one rank holds under ``kind``."""
-    if kind == "vocab" or kw.get("gather_output"):
-        return  # the output is gathered: the shapes around it are the full ones
-    base = lora.lora_base(m)
-    if base is not None:  # a LoRA wrapper: its base layer and the adapter side that shards with it
-        mods = dict(m.named_modules())
-        for n, k in lora.parts("", m, kind):
-            _localize(mods[n.lstrip(".")], k, kw, degree)
-        return
-    if isinstance(m, nn.Embedding):
-        m.weight = nn.Parameter(m.weight.new_zeros(m.num_embeddings, m.embedding_dim // degree), requires_grad=False)
-        m.embedding_dim //= degree
-        return
-    conv = is_conv1d(m)
-    in_f, out_f = graph.features(m)
-    if kind == "col":
-        out_f //= degree
-    else:
-        in_f //= degree
-    shape = (in_f, out_f) if conv else (out_f, in_f)
-    m.weight = nn.Parameter(m.weight.new_zeros(shape), requires_grad=False)
-    if m.bias is not None and kind == "col":
-        m.bias = nn.Parameter(m.bias.new_zeros(out_f), requires_grad=False)
-    if conv:
-        m.nf = out_f
-    else:
-        m.in_features, m.out_features = in_f, out_f
-
-
-def verify(model: nn.Module, shard: dict, shrink: dict, degree: int) -> str:
-    """Run one rank's shapes (a zero-weight replica) on an example input; TensorParallelPlanError when
-    the plan would fail mid-forward. Returns what was checked, for explain()."""
-    example = graph.example_input(model)
-    if example is None:
-        return "plan not verified (no example input could be guessed for this model)"
-    cols = [n for n, (kind, kw) in shard.items() if kind == "col" and not kw.get("gather_output")]
-    cols = [n for n in cols if is_linear(dict(model.named_modules())[n])]  # LoRA wrappers: their output is a sum
-    try:
-        whole = graph.split_views(graph.replica(model), example, cols)
-    except Exception as e:  # noqa: BLE001 - the model itself does not take the guessed input
-        return f"plan not verified (the model does not run on a guessed example input: {type(e).__name__})"
-    rep = graph.replica(model)
-    modules = dict(rep.named_modules())
-    for n, (kind, kw) in shard.items():
-        _localize(modules[n], kind, kw, degree)
-    for n, attrs in shrink.items():
-        for a in attrs:
-            setattr(modules[n], a, getattr(modules[n], a) // degree)
-    try:
-        local = graph.split_views(rep, example, cols)
-    except Exception as e:  # noqa: BLE001 - any failure of the sharded shapes is the plan's fault
-        raise TensorParallelPlanError(
-            f"at tensor degree {degree} one rank's shapes fail a forward on an example input "
-            f"({type(e).__name__}: {str(e).splitlines()[0][:200]})",
-            sorted(shard),
-            MANUAL_FORM,
-        ) from None
-    fixed = graph.fixed_head_reads(whole, local)
-    if fixed:
-        raise TensorParallelPlanError(
-            f"at tensor degree {degree} a rank's shard of these projections is split into smaller heads, not "
-            "fewer (the forward views it with a head count fixed at init, e.g. .view(b, t, 3, self.heads, -1)): "
-            "the shapes fit but it would compute another model",
-            fixed,
-            "a plan keeping them whole, or read the heads from the width (.view(b, t, 3, -1, head_dim))",
-        )
-    return f"plan verified at tensor degree {degree}: one rank's shapes run a forward on an example input"

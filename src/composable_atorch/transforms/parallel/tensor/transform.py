@@ -14,8 +14,10 @@ The plan is one of
   :mod:`.lora`), transformers' ``base_model_tp_plan``
   where it is plain colwise/rowwise and places the same layers, head counts divided, fused
   projections strided or kept whole, per-head tables (T5's relative bias) sharded and per-head
-  norms' gradients summed; the plan runs once at one rank's shapes before any weight moves
-  (attention that fails there is kept whole, said in explain()); a model with no pair is a
+  norms' gradients summed; the plan runs once at one rank's shapes before any weight moves, and a
+  pair that fails there (a norm over the whole q projection, a short convolution, gated linear
+  attention, DeepSeek's low-rank q) is kept whole and named in explain() while the others shard
+  (:mod:`.resolve`); a model with no pair, or none that passes, is a
   :class:`TensorParallelPlanError` naming its Linear layers and showing the manual form;
 * a :class:`TPInfo` (ATorch's manual form);
 * a mapping ``{"blocks.*.attn.q": "colwise", ...}`` (HF's form).
@@ -23,8 +25,10 @@ The plan is one of
 Megatron-style sequence parallelism is this transform with ``sequence_parallel=True``; ATorch's
 name ``sequence_parallel`` is Ulysses (``transforms/parallel/sequence``).
 Dropout streams follow the plan's ``replic_drop`` / ``parallel_drop``
-(see :mod:`.tp_dropout`); fused (strided) layers are checkpointed in the user's unpermuted layout
-(see :mod:`.tp_checkpoint`). ``train_step`` averages the loss over the plan's data dimension.
+(see :mod:`.dropout`); fused (strided) layers are checkpointed in the user's unpermuted layout
+(see :mod:`.layout`). ``train_step`` averages the loss over the plan's data dimension.
+Before the probe and the sharding every rank takes the first rank's whole weights (a model built
+without a common seed trains as rank 0's, as under ddp / fsdp).
 """
 
 from __future__ import annotations
@@ -39,20 +43,17 @@ from composable_atorch.core.contract import Conflict, Contract, MinWorldSize, St
 from composable_atorch.core.transform import ApplyContext, TrainState, Transform
 from composable_atorch.errors import ConfigError
 from composable_atorch.runtime.train_step import mark_loss_group
-from composable_atorch.transforms.parallel.data.common import implies_mesh_dim, parallel_context
+from composable_atorch.transforms.parallel.data.common import broadcast_local, implies_mesh_dim, parallel_context
 from composable_atorch.transforms.parallel.tensor import check, lora
 from composable_atorch.transforms.parallel.tensor.dropout import sequence_sliced
-from composable_atorch.transforms.parallel.tensor.graph import is_proj, proj_features
 from composable_atorch.transforms.parallel.tensor.planner import (
-    MANUAL_FORM,
     TensorParallelPlanError,
     TPInfo,
     is_conv1d,
-    name_matches,
     normalize_plan,
-    plan_with_notes,
-    verify,
+    plan_auto,
 )
+from composable_atorch.transforms.parallel.tensor.resolve import Placements, keep_failing_pairs, resolve
 from composable_atorch.transforms.parallel.tensor.styles import (
     blocks_of,
     conv1d_style,
@@ -145,92 +146,17 @@ class TensorParallel(Transform):
         else what explain() will say about the plan."""
         return self._placements(model, degree)[4]
 
-    def _placements(self, model: nn.Module, degree: int):
+    def _placements(self, model: nn.Module, degree: int) -> Placements:
+        sp = self.sequence_parallel
         if self.plan != "auto":
-            return self._resolve(model, degree, self.plan, [])
-        entries, notes = plan_with_notes(model)
+            return resolve(model, degree, self.plan, [], sp)
+        auto = plan_auto(model)
         try:
-            return self._resolve(model, degree, entries, notes)
+            return resolve(model, degree, auto.entries, [*auto.notes, *auto.source], sp)
         except TensorParallelPlanError as e:
-            # an attention module that reads its full width from the input (a user's block, Bloom's
-            # ALiBi built for all heads) fails at local shapes: its projections stay whole, the MLPs shard
-            try:
-                fallback, notes = plan_with_notes(model, attention=False)
-            except TensorParallelPlanError:
-                raise e from None  # nothing but the attention to shard: its failure is the reason
-            if fallback == entries or not any(k in ("col", "row") for k, _, _ in fallback):
-                raise
-            entries = fallback
-            why = f"attention kept whole (replicated): sharding its heads fails: {e.problem} ({', '.join(e.names[:2])})"
-            return self._resolve(model, degree, entries, [*notes, why])
-
-    def _resolve(self, model: nn.Module, degree: int, entries, notes: list[str]):
-        modules = dict(model.named_modules())
-        shard: dict[str, tuple[str, dict]] = {}
-        shrink: dict[str, tuple] = {}
-        drops: dict[str, str] = {}
-        summed: list[str] = []
-        unmatched = []
-        for kind, pattern, args in entries:
-            hits = [n for n in modules if n and name_matches(n, pattern)]
-            if not hits:
-                unmatched.append(f"{kind} {pattern!r}")
-                continue
-            for n in hits:
-                if kind == "shrink":
-                    shrink[n] = tuple(args)
-                elif kind in ("replic_drop", "parallel_drop"):
-                    drops[n] = kind
-                elif kind == "grad_sum":
-                    summed.append(n)
-                else:
-                    shard[n] = (kind, dict(args))
-        if unmatched:
-            raise TensorParallelPlanError("these plan entries match no module of the model", unmatched)
-        if not shard:
-            raise TensorParallelPlanError("the plan shards no layer", [e[1] for e in entries], MANUAL_FORM)
-        bad = []
-        for n, (kind, kw) in shard.items():
-            m = modules[n]
-            if kind == "vocab":
-                if not isinstance(m, nn.Embedding):
-                    bad.append(f"{n}: shard_vocab needs an nn.Embedding, not {type(m).__name__}")
-                elif m.num_embeddings % degree:
-                    bad.append(f"{n}: vocab {m.num_embeddings} not divisible by tensor degree {degree}")
-                continue
-            if kind == "col" and isinstance(m, nn.Embedding):  # a per-head table (T5's relative bias)
-                if m.embedding_dim % degree:
-                    bad.append(f"{n}: {m.embedding_dim} columns not divisible by tensor degree {degree}")
-                continue
-            if not is_proj(m):
-                bad.append(f"{n}: {type(m).__name__} is not an nn.Linear, Conv1D or a LoRA wrapper of one")
-                continue
-            in_f, out_f = proj_features(m)
-            size = out_f if kind == "col" else in_f
-            stride = int(kw.get("stride", 1))
-            if size % (degree * stride):
-                bad.append(
-                    f"{n}: {'output' if kind == 'col' else 'input'} features {size} "
-                    f"not divisible by degree {degree} x stride {stride}"
-                )
-        for n, attrs in shrink.items():
-            for a in attrs:
-                v = getattr(modules[n], a, None)
-                if not isinstance(v, int):
-                    bad.append(f"{n}.{a}: no integer attribute to shrink")
-                elif v % degree:
-                    bad.append(f"{n}.{a} = {v}: heads not divisible by tensor degree {degree}")
-        for n, kind in drops.items():
-            if kind == "replic_drop" and self.sequence_parallel and not isinstance(modules[n], nn.Dropout):
-                bad.append(
-                    f"{n}: replic_drop under sequence_parallel needs an nn.Dropout "
-                    "(it draws the full mask and keeps its sequence slice)"
-                )
-        if bad:
-            raise TensorParallelPlanError("cannot split these layers evenly", bad)
-        if degree > 1:
-            notes = [*notes, verify(model, shard, shrink, degree)]
-        return shard, shrink, drops, summed, notes
+            # a pair that fails at one rank's shapes (a norm over the whole q projection, a convolution or
+            # ALiBi table built for the full width) stays whole, named; the other pairs shard
+            return keep_failing_pairs(model, degree, auto, e, sp)
 
     def apply(self, state: TrainState, ctx: ApplyContext) -> TrainState:
         pc = parallel_context(state, self.name)
@@ -255,6 +181,7 @@ class TensorParallel(Transform):
         )
 
         mesh = pc.mesh["tensor"]
+        state.note(self.name, _from_first_rank(model, pc, mesh))
         reference, why = check.probe(model)  # the whole model's output, before any weight moves
         modules = dict(model.named_modules())
         tied = tied_params(model)
@@ -348,6 +275,21 @@ class TensorParallel(Transform):
         else:
             state.note(self.name, check.compare(model, reference, mesh.get_group(), degree, suspects(layers)))
         return state
+
+
+def _from_first_rank(model: nn.Module, pc, mesh) -> str:
+    """Every rank takes its tensor (then data) group's first rank's parameters and buffers before the probe
+    and the sharding, as ddp and fsdp do: ranks that built the model apart (no common seed) would each
+    shard their own model, and the shards would assemble none of them."""
+    why = check.without_values(model)
+    if why:
+        return f"weights not broadcast before sharding ({why})"
+    broadcast_local(model, mesh.get_group())
+    dims = "tensor"
+    if pc.data_size > 1:
+        broadcast_local(model, pc.data_group())
+        dims = "tensor and data"
+    return f"every rank starts from rank 0's weights (parameters and buffers broadcast over the {dims} dims)"
 
 
 def suspects(layers: dict[str, tuple[str, dict]]) -> list[str]:
