@@ -149,8 +149,8 @@ def run_node_loss(tmp: Path, *, seconds: float = 150) -> dict:
     victim_pause = ("--victim-pause", str(NODE_LOSS_PAUSE))
     shape = {"nodes": "2", "nproc": 2, "restarts": 1}
     start = functools.partial(_start_node, tmp, endpoint, env=env, waits=(2, 3), **shape)
+    # the non-host node first (it waits for node 0's store); a fixed --nnodes 2 waits for both
     nodes = [start(1, "node1", victim=True, train=train + victim_pause)]
-    time.sleep(2)  # the non-host node first: it waits for node 0's store
     nodes.append(start(0, "node0", victim=False, train=train + victim_pause))
     pids = [out / "victim-0.pid", out / "victim-1.pid"]
     try:
