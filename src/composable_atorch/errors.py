@@ -103,6 +103,37 @@ class CheckpointError(ConfigError):
         self.field, self.value, self.allowed = f"checkpoint file {self.path}", problem, fix
 
 
+class CheckpointWriteError(CheckpointError):
+    """A save that could not be written (a full disk, a quota, a directory that is not writable),
+    on any rank: every rank raises the same one, naming the directory, the step and the cause.
+    Nothing was published: the partial copy is removed, the previous checkpoint is still the one
+    ``load_state`` opens, and training can go on and save again once the cause is fixed.
+    ``errno`` is the failed write's (``errno.ENOSPC`` for a full disk) or None; ``needed_bytes``
+    what the save writes in all, when known; ``latest`` the checkpoint that stays the latest."""
+
+    def __init__(
+        self,
+        directory: object,
+        step: int,
+        problem: str,
+        fix: str,
+        *,
+        errno: int | None = None,
+        needed_bytes: int | None = None,
+        latest: str | None = None,
+    ):
+        self.path, self.problem, self.fix = str(directory), problem, fix
+        self.directory, self.step, self.errno, self.needed_bytes, self.latest = (
+            str(directory),
+            step,
+            errno,
+            needed_bytes,
+            latest,
+        )
+        CompositionError.__init__(self, f"saving step {step} into {directory} failed: {problem}. Fix: {fix}.")
+        self.field, self.value, self.allowed = f"checkpoint directory {directory}", problem, fix
+
+
 class NonFiniteError(CompositionError, FloatingPointError):
     """A training step met inf/nan (``amp`` / ``half`` with ``nonfinite="raise"``): raised before the
     weights or the optimizer state change, so the run can stop or go back to a checkpoint."""

@@ -208,3 +208,41 @@ def test_lose_a_node_go_on_at_3_grow_back_to_4_as_if_uninterrupted(tmp_path):
         f"a node joined to the first step at 4: {first[(6, 4)] - run['grown_at']:.1f} s; "
         f"one step redone each time (saving every {sc.SAVE_EVERY})"
     )
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_a_node_lost_under_hybrid_sharding_resumes_from_the_checkpoint_and_ends_as_if_uninterrupted(tmp_path):
+    """Two launcher nodes of two processes (``--nnodes 2 --max-restarts 1``) under hybrid sharding
+    (zero 2 inside a node, data 2 across); after step 6 every process of node 1 is SIGKILLed and a
+    replacement node 1 started. The job resumes from the step-4 checkpoint at the same world and
+    layout: steps 5 and 6, trained again, see the same batches and bitwise the same losses, and each
+    step's global batch and loss and the final weights are those of one uninterrupted process."""
+    from safetensors.torch import load_file
+
+    sc = scenario()
+    for attempt in range(2):
+        try:
+            run = sc.run_node_loss(tmp_path / f"attempt{attempt}")
+            break
+        except sc.ScenarioError as exc:
+            if "EADDRINUSE" not in str(exc) or attempt:  # torch's own port race (see the test above)
+                pytest.fail(str(exc))
+    records, log, steps = run["records"], run["logs"], sc.NODE_LOSS_STEPS
+    assert sc.rounds_of(records) == [(0, 4), (4, 4)], log  # resumed from step 4, at world 4 again
+    assert "this node's ranks failed; restarting them" in log and "resumed from step-00000004" in log, log
+    assert {r["placements"] for r in records} == {"(Replicate(), Shard(dim=0))"}  # hybrid: a 2-D mesh
+    history = sc.history(records, steps)
+    want_losses, want_state, want_batches = sc.reference_run(steps)
+    for step, got in history.items():
+        assert sorted(r["rank"] for r in got) == [0, 1, 2, 3], (step, got)
+        assert sorted(i for r in got for i in r["ids"]) == want_batches[step - 1], step
+        loss = sum(r["loss"] for r in got) / len(got)
+        assert loss == pytest.approx(want_losses[step - 1], rel=1e-5, abs=1e-6), step
+    first = {(r["step"], tuple(r["ids"])): r["loss"] for r in records if r["start"] == 0}
+    again = {(r["step"], tuple(r["ids"])): r["loss"] for r in records if r["start"] == 4 and r["step"] <= 6}
+    assert len(again) == 8 and all(first[k] == v for k, v in again.items()), (first, again)  # bitwise
+    final = load_file(tmp_path / f"attempt{attempt}" / "out" / "final.safetensors")
+    assert final.keys() == want_state.keys()
+    for key in final:
+        torch.testing.assert_close(final[key], want_state[key], rtol=1e-5, atol=1e-6)

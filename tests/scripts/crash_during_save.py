@@ -58,7 +58,7 @@ if kill_point == "data":
 
     def fsync(fd):
         calls.append(fd)
-        if len(calls) == 2:  # 1st: this rank's JSON; 2nd: DCP's data file
+        if len(calls) == 1:  # 1st: DCP's data file (this rank's JSON follows DCP's files)
             die()
         real_fsync(fd)
 

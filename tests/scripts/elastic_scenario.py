@@ -10,6 +10,7 @@ the uninterrupted run: one process, plain PyTorch, the same global batches in th
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -40,14 +41,26 @@ def _free_port() -> int:
 
 
 def _start_node(
-    tmp: Path, endpoint: str, node_rank: int, name: str, env: dict, victim: bool, waits
+    tmp: Path,
+    endpoint: str,
+    node_rank: int,
+    name: str,
+    env: dict,
+    victim: bool,
+    waits,
+    *,
+    nodes: str = "3:4",
+    nproc: int = 1,
+    restarts: int = 3,
+    train: tuple[str, ...] = (),
 ) -> subprocess.Popen:
+    """A ``launch`` node; ``train`` are train_elastic.py's arguments (this scenario's by default)."""
     env = dict(env, ELASTIC_VICTIM="1") if victim else env
-    cmd = [sys.executable, "-m", "composable_atorch", "launch", "--nnodes", "3:4", "--nproc", "1"]
+    cmd = [sys.executable, "-m", "composable_atorch", "launch", "--nnodes", nodes, "--nproc", str(nproc)]
     cmd += ["--node-rank", str(node_rank), "--rdzv-endpoint", endpoint, "--rdzv-id", "elastic-test"]
     cmd += [
         "--max-restarts",
-        "3",
+        str(restarts),
         "--last-call",
         str(waits[0]),
         "--node-timeout",
@@ -56,8 +69,8 @@ def _start_node(
         "120",
     ]
     cmd += ["--timeout", "60", str(SCRIPT), "--ckpt", str(tmp / "ckpt"), "--out", str(tmp / "out")]
-    cmd += ["--steps", str(STEPS), "--save-every", str(SAVE_EVERY)]
-    cmd += ["--victim-pause", str(VICTIM_PAUSE), "--grow-pause", f"{GROW_PAUSE}:3"]
+    cmd += train or ["--steps", str(STEPS), "--save-every", str(SAVE_EVERY)]
+    cmd += [] if train else ["--victim-pause", str(VICTIM_PAUSE), "--grow-pause", f"{GROW_PAUSE}:3"]
     log = open(tmp / f"{name}.log", "w")
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     proc.name = name
@@ -106,10 +119,10 @@ def run(
     nodes.append(_start_node(tmp, endpoint, 0, "node0", env, False, waits))
     victim = next(n for n in nodes if n.name == "node3")
     try:
-        _wait_until(lambda: (out / "victim.pid").exists(), nodes, tmp, f"node 3 at step {VICTIM_PAUSE}", seconds)
+        _wait_until(lambda: (out / "victim-0.pid").exists(), nodes, tmp, f"node 3 at step {VICTIM_PAUSE}", seconds)
         killed_at = time.time()
         victim.kill()
-        os.kill(int((out / "victim.pid").read_text()), signal.SIGKILL)
+        os.kill(int((out / "victim-0.pid").read_text()), signal.SIGKILL)
         victim.wait()
         nodes.remove(victim)
         paused = lambda: len(list(out.glob("paused-*"))) == 3  # noqa: E731
@@ -128,11 +141,49 @@ def run(
     return {"records": records, "killed_at": killed_at, "grown_at": grown_at, "logs": logs(tmp)}
 
 
+#: the node-loss scenario: hybrid sharding on 2 nodes of 2 processes, node 1 lost after step 6
+NODE_LOSS_STEPS, NODE_LOSS_SAVE_EVERY, NODE_LOSS_PAUSE = 8, 4, 6
+
+
+def run_node_loss(tmp: Path, *, seconds: float = 150) -> dict:
+    """``launch --nnodes 2 --nproc 2 --max-restarts 1`` twice on localhost training under hybrid
+    sharding; every process of node 1 (launcher and workers) is SIGKILLed after step 6, and a
+    replacement node 1 is started: node 0 restarts its ranks (its one restart), the two nodes
+    rendezvous again and resume from the step-4 checkpoint. ``{"records", "logs"}``."""
+    out = tmp / "out"
+    out.mkdir(parents=True)
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    endpoint = f"127.0.0.1:{_free_port()}"
+    train = ("--steps", str(NODE_LOSS_STEPS), "--save-every", str(NODE_LOSS_SAVE_EVERY), "--hybrid")
+    victim_pause = ("--victim-pause", str(NODE_LOSS_PAUSE))
+    shape = {"nodes": "2", "nproc": 2, "restarts": 1}
+    start = functools.partial(_start_node, tmp, endpoint, env=env, waits=(2, 3), **shape)
+    # the non-host node first (it waits for node 0's store); a fixed --nnodes 2 waits for both
+    nodes = [start(1, "node1", victim=True, train=train + victim_pause)]
+    nodes.append(start(0, "node0", victim=False, train=train + victim_pause))
+    pids = [out / "victim-0.pid", out / "victim-1.pid"]
+    try:
+        _wait_until(lambda: all(p.exists() for p in pids), nodes, tmp, f"node 1 at step {NODE_LOSS_PAUSE}", seconds)
+        victim = nodes.pop(0)
+        victim.kill()  # the launcher, then its workers: every process of the node
+        for pid in pids:
+            os.kill(int(pid.read_text()), signal.SIGKILL)
+        victim.wait()
+        nodes.append(start(1, "node1-replacement", victim=False, train=train))
+        _wait_until(lambda: all(n.poll() is not None for n in nodes), nodes, tmp, "the end", seconds)
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+    records = [json.loads(line) for f in out.glob("steps-*.jsonl") for line in f.read_text().splitlines()]
+    return {"records": records, "logs": logs(tmp)}
+
+
 def rounds_of(records: list[dict]) -> list[tuple[int, int]]:
     return sorted({(r["start"], r["world"]) for r in records})
 
 
-def history(records: list[dict]) -> dict[int, list[dict]]:
+def history(records: list[dict], steps: int = STEPS) -> dict[int, list[dict]]:
     """For each step, the records of the last round that trained it: what the final weights saw.
 
     A later round resumes from a checkpoint and trains the steps after it again, so a step's
@@ -145,11 +196,11 @@ def history(records: list[dict]) -> dict[int, list[dict]]:
             for r in records
             if r["step"] == step and (r["start"], r["world"]) == max(k for k in rounds if k[0] < step)
         ]
-        for step in range(1, STEPS + 1)
+        for step in range(1, steps + 1)
     }
 
 
-def reference_run() -> tuple[list[float], dict[str, torch.Tensor], list[list[int]]]:
+def reference_run(steps: int = STEPS) -> tuple[list[float], dict[str, torch.Tensor], list[list[int]]]:
     """Losses, final state and sorted sample ids per step of the uninterrupted run."""
     sys.path.insert(0, str(HERE))
     try:
@@ -159,7 +210,7 @@ def reference_run() -> tuple[list[float], dict[str, torch.Tensor], list[list[int
     data, model = Numbered(), tiny_model()
     optim = make_optimizer(model)
     losses, batches, epoch = [], [], 0
-    while len(losses) < STEPS:
+    while len(losses) < steps:
         order = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True)  # its permutation at any world
         order.set_epoch(epoch)
         order = list(order)
@@ -171,7 +222,7 @@ def reference_run() -> tuple[list[float], dict[str, torch.Tensor], list[list[int
             optim.zero_grad()
             losses.append(loss.item())
             batches.append(sorted(ids))
-            if len(losses) == STEPS:
+            if len(losses) == steps:
                 break
         epoch += 1
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, batches

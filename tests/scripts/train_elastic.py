@@ -1,6 +1,6 @@
 """Launched by tests/cli/test_elastic_launch.py and benchmarks/elastic.py: fsdp training across membership changes.
 
-    train_elastic.py --ckpt DIR --out DIR --steps N --save-every K [--victim-pause S] [--grow-pause S:W]
+    train_elastic.py --ckpt DIR --out DIR --steps N --save-every K [--victim-pause S] [--grow-pause S:W] [--hybrid]
 
 The user's script as the README shows it: apply the plan at whatever ``WORLD_SIZE`` this round
 has, resume from the latest checkpoint, train, save every K steps. A tiny MLP on 48 numbered
@@ -9,8 +9,11 @@ step to ``OUT/steps-{pid}.jsonl``: the step, epoch, rank, world, the sample ids 
 loss, the step the round resumed from, the wall time, the step's and the save's seconds, and on
 its first step after a restart what ``report_resumed`` measured.
 
-Test hooks: ``--victim-pause S`` makes the worker of the launcher started with
-``ELASTIC_VICTIM=1`` write ``OUT/victim.pid`` after step S of the first round and wait to be
+``--hybrid`` trains under hybrid sharding instead: ``parallel_mode([("zero", processes per node),
+("data", nodes)])`` with ``fsdp()`` shards inside each node and replicates across nodes.
+
+Test hooks: ``--victim-pause S`` makes each worker of the launcher started with
+``ELASTIC_VICTIM=1`` write ``OUT/victim-{local rank}.pid`` after step S of the first round and wait to be
 killed (its peers go on into the next step's collectives and block there, as with a machine lost
 mid-step). ``--grow-pause S:W`` makes every rank of a world-W round write ``OUT/paused-{rank}``
 after step S and wait (a node joining then restarts them). Waits end after 120 s. At the end
@@ -67,6 +70,7 @@ def main() -> None:
     parser.add_argument("--save-every", type=int, required=True)
     parser.add_argument("--victim-pause", type=int, default=None)
     parser.add_argument("--grow-pause", default=None)
+    parser.add_argument("--hybrid", action="store_true")
     args = parser.parse_args()
 
     torch.set_num_threads(1)
@@ -75,7 +79,12 @@ def main() -> None:
     model = tiny_model()
     optim = make_optimizer(model)
     loader = DataLoader(Numbered(), batch_size=BATCH, shuffle=True)
-    model, optim, loader = ca.fsdp()(model, optim, loader)  # the plan, at this round's world size
+    plan = ca.fsdp()
+    if args.hybrid:
+        per_node = int(os.environ["LOCAL_WORLD_SIZE"])
+        plan = ca.compose(ca.parallel_mode([("zero", per_node), ("data", world // per_node)]), ca.fsdp())
+    model, optim, loader = plan(model, optim, loader)  # the plan, at this round's world size
+    placements = str(next(model.parameters()).placements)
 
     step = 0
     if latest_checkpoint(args.ckpt) is not None:
@@ -110,13 +119,14 @@ def main() -> None:
                 "time": time.time(),
                 "step_s": step_s,
                 "save_s": save_s,
+                "placements": placements,
             }
             if resumed is not None:
                 record["resumed"] = resumed
             log.write(json.dumps(record) + "\n")
             log.flush()
             if step == args.victim_pause and start == 0 and os.environ.get("ELASTIC_VICTIM") == "1":
-                with open(os.path.join(args.out, "victim.pid"), "w") as f:
+                with open(os.path.join(args.out, f"victim-{os.environ['LOCAL_RANK']}.pid"), "w") as f:
                     f.write(str(os.getpid()))
                 time.sleep(120)
             if grow == (step, world):

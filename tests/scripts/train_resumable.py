@@ -1,17 +1,22 @@
 """Launched by tests/state/test_checkpointing.py: train a tiny GPT with fsdp, checkpointing and resuming.
 
     train_resumable.py --ckpt DIR --out DIR --steps N --save-every K [--pause-after S] [--full-state]
+                       [--asynchronous] [--kill-after-save S:MS]
 
 Resumes from the latest checkpoint in ``--ckpt`` if there is one. Each rank appends
 ``{"step", "loss"}`` lines to ``OUT/losses-rank{r}.jsonl`` (fsynced, so they survive a SIGKILL).
 ``--pause-after S`` makes each rank write ``OUT/pid-rank{r}`` after step S and wait to be
 killed. ``--full-state`` makes rank 0 gather the full model and optimizer state at every save and
 at the end into ``OUT/full-step-{step}.safetensors`` (the reference for resharding checks).
+``--asynchronous`` saves with ``asynchronous=True``. ``--kill-after-save S:MS`` makes rank 1 SIGKILL
+itself MS milliseconds after the save call of step S returned (an asynchronous save's writer is then
+still writing, or done).
 """
 
 import argparse
 import json
 import os
+import signal
 import time
 
 import torch
@@ -33,6 +38,8 @@ parser.add_argument("--steps", type=int, required=True)
 parser.add_argument("--save-every", type=int, required=True)
 parser.add_argument("--pause-after", type=int, default=None)
 parser.add_argument("--full-state", action="store_true")
+parser.add_argument("--asynchronous", action="store_true")
+parser.add_argument("--kill-after-save", default=None)
 args = parser.parse_args()
 
 torch.set_num_threads(1)
@@ -58,6 +65,7 @@ def full_state(step: int) -> None:
         )
 
 
+kill = None if args.kill_after_save is None else tuple(int(v) for v in args.kill_after_save.split(":"))
 step = 0
 if latest_checkpoint(args.ckpt) is not None:
     step, extra = ca.load_state(args.ckpt, model, optim, loader)
@@ -76,9 +84,20 @@ while step < args.steps:
         log.flush()
         os.fsync(log.fileno())
         if step % args.save_every == 0:
-            ca.save_state(args.ckpt, model, optim, loader, step=step, extra={"note": f"saved at {step}"})
-            if args.full_state:
+            if args.full_state:  # before the save call: nothing delays a kill after it
                 full_state(step)
+            ca.save_state(
+                args.ckpt,
+                model,
+                optim,
+                loader,
+                step=step,
+                extra={"note": f"saved at {step}"},
+                asynchronous=args.asynchronous,
+            )
+            if kill is not None and kill[0] == step and rank == 1:
+                time.sleep(kill[1] / 1000)
+                os.kill(os.getpid(), signal.SIGKILL)
         if step == args.pause_after:
             with open(os.path.join(args.out, f"pid-rank{rank}"), "w") as f:
                 f.write(str(os.getpid()))
@@ -87,6 +106,7 @@ while step < args.steps:
         if step >= args.steps:
             break
     epoch += 1
+ca.wait_for_saves()  # the write's collectives need the group
 if args.full_state:
     full_state(step)
 dist.destroy_process_group()

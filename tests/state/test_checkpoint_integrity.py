@@ -339,3 +339,79 @@ def test_what_is_not_a_checkpoint_is_named_as_such(tmp_path):
             ca.load_state(where, model, optim, loader, verbose=False)
         assert str(where) in str(err.value) and says in str(err.value)
     assert_untouched(model, optim, loader, before)
+
+
+# -- world 2: a flipped byte in an expert-parallel or a context-parallel checkpoint ---------------
+def _parallel_run(kind: str):
+    """(model, optim, loader, train one batch) at expert 2 or context 2, as test_reshard_* trains them."""
+    import test_reshard_expert as ep
+    import test_reshard_sequence as cp
+
+    if kind == "expert":
+        model = ep.mm.build("user")
+        model, optim, loader = ep.PLANS["ep"]()(model, ep.OPTIMIZERS["adamw"](model.parameters()), ep.loader())
+        return model, optim, loader, lambda b: ca.train_step(model, optim, b[1], b[1], ep.loss_fn)
+    model = cp.model()
+    model, optim, loader = cp.PLANS["context"]()(model, cp.OPTIMIZERS["adamw"](model.parameters()), cp.loader())
+    return model, optim, loader, lambda b: ca.train_step(model, optim, b[1], b[2], cp.loss_fn)
+
+
+def _local_state(model, optim) -> dict[str, torch.Tensor]:
+    """This rank's weights and optimizer state (its own experts, its shards), copied."""
+    out = {n: (p.to_local() if hasattr(p, "to_local") else p).detach().clone() for n, p in model.named_parameters()}
+    for i, state in enumerate(optim.optimizer.state.values()):
+        out.update({f"optim.{i}.{k}": v.detach().clone() for k, v in state.items() if torch.is_tensor(v)})
+    return out
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def flipped_in_group(rank, world, directory):
+    """Save step 1, train on, flip one byte of rank 1's shard, load: per kind, (error, unchanged, then
+    with the byte put back: loads and changes the state)."""
+    import torch.distributed as dist
+
+    out = {}
+    for kind in ("expert", "context"):
+        model, optim, loader, train = _parallel_run(kind)
+        batches = iter(loader)
+        train(next(batches))
+        where = Path(directory) / kind
+        ca.save_state(where, model, optim, loader, step=1)
+        train(next(batches))  # the live state differs from the checkpoint's
+        before, consumed = _local_state(model, optim), loader.batches_consumed
+        shard = where / "step-00000001" / "__1_0.distcp"
+        original = shard.read_bytes()
+        dist.barrier()
+        if rank == 0:
+            _flip(shard)
+        dist.barrier()
+        error = None
+        try:
+            ca.load_state(where, model, optim, loader, verbose=False)
+        except CheckpointError as exc:
+            error = str(exc)
+        unchanged = _same(_local_state(model, optim), before) and loader.batches_consumed == consumed
+        dist.barrier()
+        if rank == 0:
+            shard.write_bytes(original)
+        dist.barrier()
+        step = ca.load_state(where, model, optim, loader, verbose=False).step  # the intact one loads
+        out[kind] = (str(shard), error, unchanged, step, not _same(_local_state(model, optim), before))
+    return out
+
+
+@pytest.mark.dist
+def test_a_flipped_byte_in_an_expert_or_context_parallel_shard_is_named_at_world2_and_nothing_loads(tmp_path):
+    from _dist import run_world
+
+    per_rank = run_world(flipped_in_group, 2, str(tmp_path))
+    for kind in ("expert", "context"):
+        for rank, results in enumerate(per_rank):
+            shard, error, unchanged, step, loaded_intact = results[kind]
+            assert error is not None, (kind, rank)
+            assert f"checkpoint file {shard}: its checksum differs" in error and "nothing was loaded" in error, error
+            assert unchanged, (kind, rank)  # model, optimizer state and data position, by value
+            assert step == 1 and loaded_intact, (kind, rank)  # the same load, byte restored, does change them

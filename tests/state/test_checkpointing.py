@@ -343,6 +343,37 @@ def test_sigkill_and_resume_reproduce_the_uninterrupted_losses_bitwise(tmp_path,
 
 
 @pytest.mark.dist
+def test_a_rank_sigkilled_while_an_asynchronous_save_writes_leaves_the_last_complete_checkpoint(tmp_path):
+    """fsdp at world 2 saving asynchronously at steps 4 and 8; rank 1 SIGKILLs itself 0, 20 and 200 ms
+    after the save call of step 8 (the three jobs run side by side). The newest complete checkpoint
+    opens exactly (model and AdamW state equal to what the ranks held at that step); the partial
+    one is ignored. At 0 ms the writer cannot have finished: step 4 is the one that opens."""
+    delays = (0, 20, 200)
+    procs = {
+        ms: launch(tmp_path / f"{ms}ms", "--asynchronous", "--full-state", "--kill-after-save", f"8:{ms}")
+        for ms in delays
+    }
+    opened = {}
+    for ms, proc in procs.items():
+        log = finish(proc)
+        assert proc.returncode != 0 and "exitcode: -9" in log, (ms, log)
+        ckpt = tmp_path / f"{ms}ms" / "ckpt"
+        latest = latest_checkpoint(ckpt)
+        assert latest is not None and latest.name in ("step-00000004", "step-00000008"), (ms, list(ckpt.iterdir()))
+        step = int(latest.name[5:])
+        if ms == 0:
+            assert step == 4 and (ckpt / ".step-00000008.partial").is_dir(), list(ckpt.iterdir())
+        torch.manual_seed(1)  # other initial weights: everything must come from the checkpoint
+        model = GPT(GPTConfig(seq_len=16, d_model=32, n_layer=2, n_head=2, dropout=0.1))
+        optim = torch.optim.AdamW(model.parameters(), lr=1.0)
+        assert ca.load_state(ckpt, model, optim).step == step
+        want = load_file(tmp_path / f"{ms}ms" / "out" / f"full-step-{step}.safetensors")
+        assert_same_state(flat_state(model, optim), want)
+        opened[ms] = (step, sorted(p.name for p in ckpt.iterdir() if p.name.endswith(".partial")))
+    print(f"\nrank 1 SIGKILLed after the save call of step 8: {opened} (ms: step opened, partial left)")
+
+
+@pytest.mark.dist
 def test_a_world2_fsdp_checkpoint_loads_in_one_process(world2_reference):
     torch.manual_seed(1)  # different initial weights: everything must come from the checkpoint
     model = GPT(GPTConfig(seq_len=16, d_model=32, n_layer=2, n_head=2, dropout=0.1))

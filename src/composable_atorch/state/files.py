@@ -54,10 +54,14 @@ def fsync_dir(path: Path) -> None:
 def write_json(path: Path, data: Any) -> None:
     """Write, flush and fsync; through a temporary name and os.replace, so readers see all or nothing."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(data, f)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError:  # a full disk: what was written of the temporary file goes, the old file stays
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, path)
 
 
@@ -142,8 +146,12 @@ def publish(root: Path, partial: Path, step: int) -> Path:
     fsync_dir(partial)
     if not final.exists():
         os.replace(partial, final)
-        fsync_dir(root)
-        _point_at(root, final, step)
+        try:
+            fsync_dir(root)
+            _point_at(root, final, step)
+        except OSError:  # latest.json could not move (a full disk): not published, back to partial
+            os.replace(final, partial)
+            raise
         return final
     staged = root / f"{final.name}{RESAVED}"
     shutil.rmtree(staged, ignore_errors=True)

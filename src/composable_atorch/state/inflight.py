@@ -12,12 +12,15 @@ Never lost
     At most one save is in flight per process. The next ``save_state`` (either kind) and
     ``load_state`` wait for it first; :func:`wait_for_saves` (``composable_atorch.wait_for_saves``)
     waits explicitly and re-raises its failure; the thread is not a daemon, so the interpreter
-    finishes it before exiting, and an ``atexit`` hook reports a failure nobody waited for.
+    finishes it before exiting, and an ``atexit`` hook reports a failure nobody waited for. A
+    write that failed (a full disk, on any rank) is the same CheckpointWriteError a blocking save
+    raises (writes.py), on every rank, raised by whichever of these comes first; nothing of it
+    was published and the next save starts afresh.
     Call ``wait_for_saves()`` before ``dist.destroy_process_group()``: the write's collectives
     need the group.
 
 Why a second process group
-    The write's collectives (DCP's planning and the publish barriers) run on the background
+    The write's collectives (DCP's planning and the publish agreements) run on the background
     thread while training runs its own collectives on the main one. Two threads issuing
     collectives on one gloo group interleave them; the save uses a gloo group of its own,
     created once per default group (every rank creates it in the same save_state call).
@@ -45,15 +48,14 @@ class SaveInFlight(os.PathLike):
     complete once ``wait()`` returns.
     """
 
-    def __init__(self, path: Path, future, finish: Callable[[], None]):
+    def __init__(self, path: Path, work: Callable[[], None]):
         self.path, self._error = Path(path), None
-        self._thread = threading.Thread(target=self._run, args=(future, finish), name="composable_atorch-save")
+        self._thread = threading.Thread(target=self._run, args=(work,), name="composable_atorch-save")
         self._thread.start()
 
-    def _run(self, future, finish) -> None:
+    def _run(self, work: Callable[[], None]) -> None:
         try:
-            future.result()
-            finish()
+            work()
         except BaseException as exc:  # noqa: BLE001 - kept, re-raised by wait()
             self._error = exc
 
@@ -75,9 +77,10 @@ class SaveInFlight(os.PathLike):
         return f"SaveInFlight({str(self.path)!r}, {state})"
 
 
-def start(path: Path, future, finish: Callable[[], None]) -> SaveInFlight:
+def start(path: Path, work: Callable[[], None]) -> SaveInFlight:
+    """Run ``work`` (wait for DCP's write, then publish: save.py) on the save thread."""
     global _pending
-    _pending = SaveInFlight(path, future, finish)
+    _pending = SaveInFlight(path, work)
     return _pending
 
 

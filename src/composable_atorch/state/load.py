@@ -23,7 +23,7 @@ from composable_atorch.errors import CheckpointError, ConfigError
 from composable_atorch.runtime import resumable as _resumable
 from composable_atorch.runtime.optim import PlanOptimizer
 from composable_atorch.runtime.train_step import PIPELINE_ATTR
-from composable_atorch.state import inflight, verify
+from composable_atorch.state import inflight, verify, writes
 from composable_atorch.state.files import FORMAT, META, VERSION, _pointer_target, latest_checkpoint
 from composable_atorch.state.resumed import Resumed
 from composable_atorch.state.save import (
@@ -385,10 +385,9 @@ def _read(path: Path, model, model_sd: dict, local, metadata, reader, meta: dict
 
 
 def _first_failure(exc) -> str:
-    failures = getattr(exc, "failures", None) or {}
-    for rank, failure in sorted(failures.items()):
-        return f"rank {rank}: {type(failure).__name__}: {str(failure)[:300]}"
-    return str(exc)[:300]
+    """The first failing rank's exception (DCP pairs each with its traceback) as one line."""
+    first = writes.dcp_failures(exc)[0]
+    return f"rank {first.rank}: {first.text[:300]}"
 
 
 def _restore_grads(model: torch.nn.Module, grads: dict[str, torch.Tensor], rank: int) -> None:

@@ -22,7 +22,9 @@ Why it survives a crash
     ``sync_files``, our JSON files too); only then rank 0 renames the directory into place and
     moves ``latest.json`` (written to a temporary file, fsynced, ``os.replace``-d). A process
     killed at any point leaves ``latest.json`` naming the previous complete checkpoint; the next
-    save clears the stale partial directory.
+    save clears the stale partial directory. A write that fails (a full disk, on any rank) is a
+    CheckpointWriteError naming the directory and the cause, raised alike on every rank (none is
+    left waiting for another), with the partial directory removed and nothing published (writes.py).
 
 Why it resumes bitwise
     Weights and optimizer state come back through ``get_state_dict`` / ``set_state_dict`` (which
@@ -81,7 +83,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import warnings
 from pathlib import Path
 from typing import Any
@@ -92,18 +93,15 @@ import torch.distributed as dist
 from composable_atorch.errors import ConfigError
 from composable_atorch.runtime import resumable as _resumable
 from composable_atorch.runtime.optim import PlanOptimizer
-from composable_atorch.state import inflight, verify
+from composable_atorch.state import inflight, writes
 from composable_atorch.state.files import (
     FORMAT,
-    META,
     VERSION,
     check_jsonable,
     checkpoint_name,
     latest_checkpoint,
-    partial_dir,
     prune,
     publish,
-    recover,
     write_json,
 )
 from composable_atorch.state.resumed import Resumed
@@ -140,11 +138,6 @@ def _single_process_is_intended():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         yield
-
-
-def _barrier() -> None:
-    if _distributed():
-        dist.barrier()
 
 
 def _split_optimizer(optim) -> tuple[torch.optim.Optimizer | None, list, int]:
@@ -275,6 +268,44 @@ def _grad_state(model: torch.nn.Module, rank: int) -> dict[str, torch.Tensor]:
 
 
 # -- save ------------------------------------------------------------------------------------------
+def _state_to_write(model: torch.nn.Module, local, micro_step: int, rank: int) -> dict[str, Any]:
+    """What DCP writes: the model's (and ``local`` optimizer's) state dict in the user's layout, and
+    a mid-window save's gradients. Without optimizer state (``local`` None) only the model's:
+    get_state_dict would initialise the state with a zero step, changing training."""
+    _, sd, options = _dcp()
+    if local is not None:
+        model_sd, optim_sd = sd.get_state_dict(model, [local], options=options)
+        state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
+    else:
+        state = {"model": sd.get_model_state_dict(model, options=options)}
+    state = save_layout(model, state)  # fused (strided) tensor-parallel layers in the user's layout
+    expert_checkpoint.to_global(model, state["model"], state.get("optim"))  # each rank's experts as its shard
+    if micro_step:
+        state["grads"] = _grad_state(model, rank)
+    return state
+
+
+def _check_arguments(model, step, keep, extra, loader, asynchronous) -> None:
+    """save_state's arguments, each a ConfigError naming the fix, before anything is written."""
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError("model", type(model).__name__, "a torch.nn.Module")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ConfigError("save_state step", step, "an integer >= 0")
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+        raise ConfigError("save_state keep", keep, "an integer >= 1, or None to keep every checkpoint")
+    if extra is not None and not isinstance(extra, dict):
+        raise ConfigError("save_state extra", type(extra).__name__, "a dict of JSON values, or None")
+    if loader is not None and not _resumable.is_resumable(loader):
+        raise ConfigError(
+            "save_state loader",
+            type(loader).__name__,
+            "the loader a plan returned, or composable_atorch.resumable(loader) called before iterating it "
+            "(a plain DataLoader does not know how far it was iterated), or loader=None",
+        )
+    if not isinstance(asynchronous, bool):
+        raise ConfigError("save_state asynchronous", asynchronous, "True or False")
+
+
 def save_state(
     directory: str | os.PathLike,
     model: torch.nn.Module,
@@ -299,26 +330,12 @@ def save_state(
     training goes on, and the result is a :class:`~composable_atorch.state.inflight.SaveInFlight`
     (path-like; ``.wait()``). The next save, a load and process exit wait for it (inflight.py).
     """
-    if not isinstance(model, torch.nn.Module):
-        raise ConfigError("model", type(model).__name__, "a torch.nn.Module")
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ConfigError("save_state step", step, "an integer >= 0")
-    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
-        raise ConfigError("save_state keep", keep, "an integer >= 1, or None to keep every checkpoint")
-    if extra is not None and not isinstance(extra, dict):
-        raise ConfigError("save_state extra", type(extra).__name__, "a dict of JSON values, or None")
+    _check_arguments(model, step, keep, extra, loader, asynchronous)
     refuse_expert_parallel(model, "save_state")
     extra = check_jsonable(dict(extra or {}), "save_state extra")
     scheduler_state = _scheduler_state(scheduler)
     inner, hooks, micro_step = _split_optimizer(optim)
     hook_states = [check_jsonable(h.state_dict(), f"{type(h).__name__}.state_dict()") for h in hooks]
-    if loader is not None and not _resumable.is_resumable(loader):
-        raise ConfigError(
-            "save_state loader",
-            type(loader).__name__,
-            "the loader a plan returned, or composable_atorch.resumable(loader) called before iterating it "
-            "(a plain DataLoader does not know how far it was iterated), or loader=None",
-        )
     if micro_step and _has_fsdp(model):
         raise ConfigError(
             "save_state during an accumulation window",
@@ -326,69 +343,45 @@ def save_state(
             "a save right after optim.step() completed a window: FSDP keeps unsynchronised gradients inside its own "
             "buffers",
         )
-
-    if not isinstance(asynchronous, bool):
-        raise ConfigError("save_state asynchronous", asynchronous, "True or False")
     inflight.wait_for_saves()  # one save at a time: the one in flight is published before this one starts
     rank, world = _rank_world()
     root = Path(directory)
-    partial = partial_dir(root, step)
+    job = writes.Writes(root, step, rank)  # a failed write on any rank: the same typed error on all
+    partial = job.partial
     if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        recover(root)  # finish a re-save a crash interrupted, before this save adds its own
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir()
-    _barrier()
+        job.attempt(lambda: writes.prepare(root, partial))
+    job.agree()
 
-    dcp, sd, options = _dcp()
+    dcp = _dcp()[0]
     local = None if inner is None else _state_optimizer(inner)
     has_optim_state = local is not None and bool(local.state)
-    if has_optim_state:
-        model_sd, optim_sd = sd.get_state_dict(model, [local], options=options)
-        state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
-    else:  # no state yet: get_state_dict would initialise it with a zero step, changing training
-        state = {"model": sd.get_model_state_dict(model, options=options)}
-    state = save_layout(model, state)  # fused (strided) tensor-parallel layers in the user's layout
-    expert_checkpoint.to_global(model, state["model"], state.get("optim"))  # each rank's experts as its shard
-    if micro_step:
-        state["grads"] = _grad_state(model, rank)
+    state = _state_to_write(model, local if has_optim_state else None, micro_step, rank)
     group_sizes = None if inner is None else _joined_group_sizes(model, inner)  # collective
     position = None if loader is None else loader.position.to_json()
-    write_json(
-        partial / f"rank-{rank}.json",
-        {
-            "rank": rank,
-            "rng": _resumable.capture_rng(),
-            "loader": position,
-            "micro_step": micro_step,
-            "hooks": hook_states,
-        },
-    )
+    rank_state = {  # captured now, written with the tensors (on the writing thread when asynchronous)
+        "rank": rank,
+        "rng": _resumable.capture_rng(),
+        "loader": position,
+        "micro_step": micro_step,
+        "hooks": hook_states,
+    }
     meta = None
     if rank == 0:
-        meta = {
-            "format": FORMAT,
-            "version": VERSION,
-            "step": step,
-            "world_size": world,
-            "extra": extra,
-            "optimizer": None
-            if inner is None
-            else {
-                **_optimizer_shape(inner, hooks),
-                "group_sizes": group_sizes,
-                "has_state": has_optim_state,
-                "hyperparameters": group_hyperparameters(inner),
-            },
-            "micro_step": micro_step,
-            "loader": position is not None,
-            "scheduler": scheduler_state,
-        }
-    writer = dcp.FileSystemWriter(partial, sync_files=True)
+        optimizer = None
+        if inner is not None:
+            optimizer = {**_optimizer_shape(inner, hooks), "group_sizes": group_sizes, "has_state": has_optim_state}
+            optimizer["hyperparameters"] = group_hyperparameters(inner)
+        meta = {"format": FORMAT, "version": VERSION, "step": step, "world_size": world, "extra": extra}
+        meta.update(optimizer=optimizer, micro_step=micro_step, loader=position is not None, scheduler=scheduler_state)
+
+    def write_rank_state() -> None:
+        write_json(partial / f"rank-{rank}.json", rank_state)
+
     if not asynchronous:
         with _single_process_is_intended():
-            dcp.save(state, storage_writer=writer, no_dist=not _distributed())
-        _finish(root, partial, step, meta, keep, _barrier)
+            job.attempt(lambda: dcp.save(state, storage_writer=job.writer, no_dist=not _distributed()))
+        job.attempt(write_rank_state)
+        job.finish(meta, keep, None, publish=_publish)
         return root / checkpoint_name(step)
     group = inflight.save_group()
     if group is None:
@@ -398,27 +391,25 @@ def save_state(
     with _single_process_is_intended():  # stages (copies) the tensors here; writes on a thread
         future = dcp.async_save(
             state,
-            storage_writer=writer,
+            storage_writer=job.writer,
             process_group=group,
             no_dist=not _distributed(),
             async_checkpointer_type=inflight.checkpointer_type(),
         )
-    barrier = (lambda: dist.barrier(group=group)) if group is not None else (lambda: None)
-    return inflight.start(
-        root / checkpoint_name(step), future, lambda: _finish(root, partial, step, meta, keep, barrier)
-    )
+
+    def write_and_publish() -> None:  # on the writing thread; DCP's failure is raised by result()
+        job.attempt(future.result)
+        job.attempt(write_rank_state)
+        job.finish(meta, keep, group, publish=_publish)
+
+    return inflight.start(root / checkpoint_name(step), write_and_publish)
 
 
-def _finish(root: Path, partial: Path, step: int, meta: dict | None, keep: int | None, barrier) -> None:
-    """Once every rank's files are written: rank 0 seals the manifest and publishes atomically."""
-    barrier()
-    if meta is not None:
-        meta[verify.FILES] = verify.manifest(partial, skip=(META, f"{META}.tmp"))
-        write_json(partial / META, verify.seal(meta))
-        publish(root, partial, step)
-        if keep is not None:
-            prune(root, keep)
-    barrier()
+def _publish(root: Path, partial: Path, step: int, keep: int | None) -> None:
+    """Rank 0, every file written: rename into place, move latest.json, prune (files.py)."""
+    publish(root, partial, step)
+    if keep is not None:
+        prune(root, keep)
 
 
 def _scheduler_state(scheduler) -> dict[str, Any] | None:
