@@ -29,6 +29,8 @@ from auto_faults import adamw, lm_step
 
 MiB = 2**20
 KEPT = ("amp", "checkpoint")
+# the GPT's checkpoint options: Block, CausalSelfAttention, MLP fully, Block selectively; with amp or not,
+# 2 plans without checkpointing (30 MiB) and 8 with (10-12 MiB)
 
 
 def workload():
@@ -105,17 +107,17 @@ def test_plans_predicted_over_the_budget_are_recorded_with_the_prediction_and_ne
     stub = Stub()
     result, runner = run(memory_limit="20MiB", estimator=stub)
     valid = result.enumeration.valid
-    assert len(valid) == 8 and len(stub.calls) == 8  # every valid plan predicted once
+    assert len(valid) == 10 and len(stub.calls) == 10  # every valid plan predicted once
     skipped = result.skipped
     assert len(skipped) == 2 and all("checkpoint" not in r.steps for r in skipped)
     assert all(r.predicted.peak_bytes == true_peak(r.steps) and "predicted peak" in r.reason for r in skipped)
     assert {plan_key(ca.Plan.from_json(r.plan_json, env=result.space.env)) for r in skipped}.isdisjoint(runner.calls)
-    assert len(runner.calls) == 6 and result.over_budget_runs == 0  # every run fit: none over the budget
+    assert len(runner.calls) == 8 and result.over_budget_runs == 0  # every run fit: none over the budget
     assert result.stopped_by == "every valid plan measured" and "checkpoint" in result.best.steps
     # the trials table, trials.json and the HTML report show predicted and measured memory side by side
     rows = report.rows(result)
     ran = [r for r in rows if r["status"] == "ok"]
-    assert len(ran) == 6 and all(r["predicted_mib"] == r["peak_mib"] for r in ran)
+    assert len(ran) == 8 and all(r["predicted_mib"] == r["peak_mib"] for r in ran)
     assert [r["status"] for r in rows[-2:]] == ["predicted-infeasible"] * 2 and all(
         r["peak_mib"] is None for r in rows[-2:]
     )
@@ -142,20 +144,20 @@ def test_plans_predicted_over_the_budget_are_recorded_with_the_prediction_and_ne
 def test_plans_not_predicted_ahead_are_predicted_when_proposed_and_skipped_at_no_cost():
     stub = Stub()
     result, runner = run(memory_limit="20MiB", estimator=stub, predict_ahead_s=0)
-    assert len(result.skipped) == 2 and len(runner.calls) == 6 and result.over_budget_runs == 0
-    assert len(stub.calls) == 8 and "0.0 s ahead" in result.prediction_note
+    assert len(result.skipped) == 2 and len(runner.calls) == 8 and result.over_budget_runs == 0
+    assert len(stub.calls) == 10 and "0.0 s ahead" in result.prediction_note
     # n_trials beyond what fits: the study stops when every plan is measured or predicted over
-    result, runner = run(memory_limit="11MiB", estimator=Stub(), predict_ahead_s=0, n_trials=8)
-    assert len(runner.calls) == 3 and len(result.skipped) == 5
+    result, runner = run(memory_limit="11MiB", estimator=Stub(), predict_ahead_s=0, n_trials=10)
+    assert len(runner.calls) == 4 and len(result.skipped) == 6
     assert result.stopped_by in ("every valid plan measured", "every valid plan measured or predicted over the budget")
 
 
 def test_the_safety_margin_skips_plans_predicted_just_under_the_budget():
-    # amp+checkpoint: 10 MiB; checkpoint: 12 MiB (3 plans each). A 12.2 MiB budget: 12 MiB fits only without margin
+    # amp+checkpoint: 10 MiB; checkpoint: 12 MiB (4 plans each). A 12.2 MiB budget: 12 MiB fits only without margin
     no_margin, runner = run(memory_limit=int(12.2 * MiB), estimator=Stub(), margin=0.0)
-    assert len(no_margin.skipped) == 2 and len(runner.calls) == 6
+    assert len(no_margin.skipped) == 2 and len(runner.calls) == 8
     margin, runner = run(memory_limit=int(12.2 * MiB), estimator=Stub(), margin=0.05)
-    assert len(margin.skipped) == 5 and len(runner.calls) == 3
+    assert len(margin.skipped) == 6 and len(runner.calls) == 4
     assert all(r.status == "ok" for r in margin.measured) and margin.over_budget_runs == 0
     with pytest.raises(ConfigError, match="memory_margin"):
         Budget(memory_margin=1.5)
@@ -163,7 +165,7 @@ def test_the_safety_margin_skips_plans_predicted_just_under_the_budget():
 
 def test_a_low_prediction_costs_a_run_over_the_budget_and_it_is_counted():
     result, runner = run(memory_limit="20MiB", estimator=Stub(scale=0.6), margin=0.0)  # 30 MiB predicted as 18
-    assert result.skipped == [] and len(runner.calls) == 8
+    assert result.skipped == [] and len(runner.calls) == 10
     assert result.over_budget_runs == 2
     assert "2 run(s) over the budget anyway" in report.text_table(result)
 
@@ -186,12 +188,12 @@ def test_the_first_trials_are_the_plans_predicted_fastest_among_those_that_fit()
 
 def test_without_a_prediction_every_plan_runs_and_the_report_says_why():
     result, runner = run(memory_limit="20MiB", estimator=Stub(fail=True))
-    assert result.skipped == [] and len(runner.calls) == 8 and result.over_budget_runs == 2
+    assert result.skipped == [] and len(runner.calls) == 10 and result.over_budget_runs == 2
     assert "cannot estimate this plan" in result.prediction_note
     untimed, _ = run(memory_limit="20MiB", estimator=Stub(timed=False), n_trials=2, baseline_first=False)
     assert untimed.prior_labels == () and len(untimed.skipped) == 2  # memory still used, no prior without a time
     off, runner = run(memory_limit="20MiB", estimator=Stub(), predict=False)
-    assert off.skipped == [] and len(runner.calls) == 8 and off.prediction_note.startswith("no predictions")
+    assert off.skipped == [] and len(runner.calls) == 10 and off.prediction_note.startswith("no predictions")
 
 
 def test_estimate_plan_reads_the_agreed_interface():

@@ -44,6 +44,7 @@ def test_composition_is_order_independent(name):
 def test_transforms_with_several_configs_are_checked_in_each():
     several = {n: len(configs(n)) for n in CASES if CASES[n].world == 1}
     assert several["checkpoint"] >= 3 and several["accumulate"] >= 2, several  # candidates join the matrix
+    assert {t.policy for t in configs("checkpoint")} == {"full", "selective"}
 
 
 WORLDS = sorted({c.world for c in CASES.values() if c.world > 1})

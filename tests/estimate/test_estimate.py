@@ -80,11 +80,36 @@ def test_world_1_plans_within_bound():
     for plan in (
         ca.compose(env=env),
         ca.compose(ca.checkpoint(Block), ca.amp("bf16"), env=env),
+        ca.compose(ca.checkpoint(Block, policy="selective"), ca.amp("bf16"), env=env),
         ca.compose(ca.accumulate(2), env=env),
     ):
         text = plan.to_json()
         measured, predicted = measure(text, 1), predict(text, 1)
         assert abs(predicted - measured) / measured <= BOUND, (plan.names, predicted, measured)
+
+
+def test_selective_checkpoint_keeps_less_than_none_more_than_full_and_reruns_no_matmul():
+    """Measured and predicted: the peak orders none > selective > full; the estimate's traced step
+    reruns every forward matmul under full checkpointing and none under selective (all saved)."""
+    env = ca.Environment.detect().with_(world_size=1)
+    shape = torch.Size([TASK.batch_size, TASK.seq_len])
+    kw = dict(world_size=1, device="cpu", loss_fn=TASK.loss, optimizer=TASK.optimizer)
+    runs = {}
+    for label, steps in (
+        ("none", ()),
+        ("full", (ca.checkpoint(Block),)),
+        ("selective", (ca.checkpoint(Block, policy="selective"),)),
+    ):
+        text = ca.compose(*steps, env=env).to_json()
+        runs[label] = (measure(text, 1), estimate(text, TASK.model, (shape, shape), **kw))
+    measured = {k: m for k, (m, _) in runs.items()}
+    predicted = {k: e.peak for k, (_, e) in runs.items()}
+    assert measured["none"] > measured["selective"] > measured["full"], measured
+    assert predicted["none"] > predicted["selective"] > predicted["full"], predicted
+    for k in runs:
+        assert abs(predicted[k] - measured[k]) / measured[k] <= BOUND, (k, predicted[k], measured[k])
+    flops = {k: e.flops for k, (_, e) in runs.items()}
+    assert flops["selective"] == flops["none"] < flops["full"], flops
 
 
 @pytest.mark.dist
@@ -96,6 +121,7 @@ def test_world_2_plans_within_bound():
         ca.compose(p, env=env).to_json()
         for p in (
             ca.fsdp(wrap=Block),
+            ca.fsdp(wrap=Block) | ca.checkpoint(Block, policy="selective"),
             ca.zero2() | ca.checkpoint(Block),
             ca.ddp() | ca.amp("bf16"),
             ca.ddp() | ca.zero1(),
