@@ -156,6 +156,8 @@ def cut_stage(model: nn.Module, an: Anatomy, first: bool, last: bool, kept: rang
     if not first:
 
         def put_back(module, args, kwargs):
+            if box[0] is None:  # a checkpoint's recompute in the backward: its saved inputs are already the stage's
+                return None
             if args:
                 return (box[0], *args[1:]), kwargs
             return args, {**kwargs, hidden_name(module): box[0]}
