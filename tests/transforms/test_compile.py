@@ -80,6 +80,13 @@ def test_compile_after_checkpoint_is_still_bitwise_equal():
     assert all(torch.equal(weights[n], w) for n, w in ref_weights.items())
 
 
+def test_whole_model_compile_with_checkpointed_blocks_is_refused_before_any_work():
+    """Whole-model compile over checkpointed blocks failed torch's recompute check in the first backward."""
+    with pytest.raises(ca.errors.ConflictError, match="compile per block"):
+        ca.checkpoint(Block) | ca.compile(backend="aot_eager", per_block=False)
+    ca.checkpoint(Block) | ca.compile(backend="aot_eager", per_block=True)  # per block composes
+
+
 def test_repeated_blocks_are_detected():
     assert repeated_blocks(tiny_gpt()) == (Block,)
     assert repeated_blocks(torch.nn.Sequential(torch.nn.Linear(2, 2))) == ()

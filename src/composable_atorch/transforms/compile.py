@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from composable_atorch.core.contract import Contract, Stage
+from composable_atorch.core.contract import Conflict, Contract, Stage
 from composable_atorch.core.transform import ApplyContext, TrainState, Transform
 from composable_atorch.errors import ConfigError
 from composable_atorch.transforms._util import is_block_target, outermost_matches
@@ -50,7 +50,19 @@ class Compile(Transform):
     """``torch.compile`` in place, per block or whole model (see the module docstring)."""
 
     name = "compile"
-    contract = Contract(stage=Stage.COMPILE, roles=("compile",))
+    contract = Contract(
+        stage=Stage.COMPILE,
+        roles=("compile",),
+        conflicts=(
+            Conflict(
+                "checkpoint",
+                "compiling the whole model traces through the checkpointed blocks' hooks, and torch's recompute then "
+                "sees other tensors than the forward saved (CheckpointError in the first backward)",
+                "compile per block (compile(per_block=True), the default), or drop checkpoint",
+                when=lambda mine, _checkpoint: mine.per_block is False,
+            ),
+        ),
+    )
 
     backend: str = "inductor"
     mode: str | None = None
