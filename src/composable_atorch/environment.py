@@ -7,9 +7,11 @@ without one it calls :func:`Environment.detect`.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import importlib.util
+import logging
 import os
 from dataclasses import dataclass, field, replace
 
@@ -48,6 +50,44 @@ def package_available(name: str) -> bool:
         except Exception:  # noqa: BLE001 - a broken install is an absent package
             return False
     return True
+
+
+#: ``(logger, text in the message)`` of log lines optional packages print about themselves on import.
+#: transformers imports torchao (its quantizer registry) whenever torchao is installed, so any command
+#: that builds a transformers model printed them, fp8 or not:
+#: * torchao's "Failed to load <its _C*.so>": prebuilt kernels that cannot load here (a wheel's
+#:   extension for another CPython, CUTLASS sm90 / mxfp8 kernels with a CPU-only torch). Harmless for
+#:   this library: its fp8 step is torchao.float8's Float8Linear (torch._scaled_mm or emulation), which
+#:   calls none of them; where they load, nothing is printed anyway;
+#: * torch's pytree warning that torchao registers its Enums (KernelPreference, ScaleCalculationMode)
+#:   through a deprecated call: torchao's to fix, nothing a user can act on.
+IMPORT_NOISE = (
+    ("torchao", "Failed to load "),
+    ("torch.utils._pytree", "is an Enum subclass and is now natively supported"),
+)
+
+
+class _DropImportNoise(logging.Filter):
+    def __init__(self, text: str):
+        super().__init__()
+        self.text = text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.text not in record.getMessage()
+
+
+@contextlib.contextmanager
+def quiet_imports():
+    """Hold back :data:`IMPORT_NOISE` while the block runs (the CLI's commands, fp8's torchao import);
+    every other line of those loggers still prints."""
+    added = [(logging.getLogger(name), _DropImportNoise(text)) for name, text in IMPORT_NOISE]
+    for logger, f in added:
+        logger.addFilter(f)
+    try:
+        yield
+    finally:
+        for logger, f in added:
+            logger.removeFilter(f)
 
 
 @dataclass(frozen=True)

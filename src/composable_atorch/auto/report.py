@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import html
 import json
+import warnings
 from pathlib import Path
 
 from rich.table import Table
@@ -203,15 +204,23 @@ def show(console, result: SearchResult) -> None:
 def figures(study) -> list[tuple[str, object | None, str]]:
     """optuna's plotly figures for the study: (title, figure or None, note)."""
     from optuna import visualization as vis
+    from optuna.trial import TrialState
 
     out = []
+    complete = bool(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
     for title, make in (
         ("optimization history", vis.plot_optimization_history),
         ("parameter importances", vis.plot_param_importances),
         ("slices", vis.plot_slice),
     ):
+        if not complete:  # optuna would draw an empty figure and log a warning per plot to the user's console
+            out.append((title, None, "not drawn: no trial completed"))
+            continue
         try:
-            out.append((title, make(study), ""))
+            with warnings.catch_warnings(record=True) as caught:  # optuna's caveats go in the report, not the console
+                warnings.simplefilter("always")
+                fig = make(study)
+            out.append((title, fig, "; ".join(str(w.message) for w in caught)))
         except Exception as exc:  # noqa: BLE001 - e.g. too few complete trials for importances
             out.append((title, None, f"not drawn: {type(exc).__name__}: {exc}"))
     return out
@@ -239,8 +248,9 @@ def write_html(result: SearchResult, path: str | Path) -> Path:
     include_js = True  # the first figure carries plotly.js inline: the report opens offline
     for title, fig, note in figures(result.study):
         parts.append(f"<h2>{html.escape(title)}</h2>")
-        if fig is None:
+        if note:
             parts.append(f"<p>{html.escape(note)}</p>")
+        if fig is None:
             continue
         parts.append(fig.to_html(full_html=False, include_plotlyjs=include_js))
         include_js = False

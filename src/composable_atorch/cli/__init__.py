@@ -33,5 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"unknown command {name!r}\n\n{usage()}", file=sys.stderr)
         return 2
-    module = importlib.import_module(COMMANDS[name][0])
-    return int(module.main(rest) or 0)
+    from composable_atorch.environment import quiet_imports
+
+    with quiet_imports():  # optional packages' import-time lines the user did not ask for
+        module = importlib.import_module(COMMANDS[name][0])
+        return int(module.main(rest) or 0)

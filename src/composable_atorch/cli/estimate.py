@@ -1,4 +1,4 @@
-"""``python -m composable_atorch estimate PLAN.json --model gpt|llama-7b|hf:<config.json> ...``
+"""``python -m composable_atorch estimate PLAN.json --model gpt|llama-7b|llama3-8b|hf:<config.json> ...``
 
 Prints each rank's predicted memory (parameters, gradients, optimizer state, activations,
 temporary buffers, peak) and whether it fits ``--device-memory``. Nothing real is allocated: the
@@ -30,6 +30,20 @@ LLAMA_7B = dict(
     max_position_embeddings=4096,
     rms_norm_eps=1e-5,
 )
+#: Llama-3-8B's published shape: hidden 4096, 32 layers, 32 heads / 8 key-value heads, MLP 14336, vocab 128256
+LLAMA3_8B = dict(
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=128256,
+    max_position_embeddings=8192,
+    rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+)
+#: the published shapes ``--model`` names
+SHAPES = {"llama-7b": LLAMA_7B, "llama3-8b": LLAMA3_8B}
 
 
 def build_model(spec: str, seq: int):
@@ -38,17 +52,17 @@ def build_model(spec: str, seq: int):
         from composable_atorch.models import GPT, GPTConfig
 
         return lambda: GPT(GPTConfig(seq_len=seq))
-    if spec == "llama-7b" or spec.startswith("hf:"):
+    if spec in SHAPES or spec.startswith("hf:"):
         from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
-        config = LlamaConfig(**LLAMA_7B) if spec == "llama-7b" else AutoConfig.from_pretrained(spec[3:])
+        config = LlamaConfig(**SHAPES[spec]) if spec in SHAPES else AutoConfig.from_pretrained(spec[3:])
         # the model named on the command line: its modeling module is imported here, so a plan may
         # name its block class (a plan never imports a module itself)
         AutoModelForCausalLM._model_mapping[type(config)]
         return lambda: AutoModelForCausalLM.from_config(config)
     from composable_atorch.errors import ConfigError
 
-    raise ConfigError("--model", spec, "gpt, llama-7b, or hf:<path to a config.json>")
+    raise ConfigError("--model", spec, f"gpt, {', '.join(SHAPES)}, or hf:<path to a config.json>")
 
 
 def degrees(plan_data: dict, world: int) -> dict[str, int]:
@@ -85,7 +99,7 @@ def main(argv: list[str]) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("plan", help="a plan JSON file (plan.to_json(), best_plan.json)")
-    parser.add_argument("--model", default="gpt", help="gpt | llama-7b | hf:<config.json>")
+    parser.add_argument("--model", default="gpt", help="gpt | llama-7b | llama3-8b | hf:<config.json>")
     parser.add_argument("--batch", type=int, default=4, help="samples per data-parallel rank")
     parser.add_argument("--seq", type=int, default=1024, help="sequence length (tokens per sample)")
     parser.add_argument("--world-size", type=int, default=1)

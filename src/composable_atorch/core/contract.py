@@ -272,11 +272,16 @@ class Cost:
     lets torch's MemTracker see what it costs, so most steps need to say nothing. ``simulated=False``
     marks an engine that cannot run there (DDP's C++ reducer needs real storage, pipelining
     real send/recv): the estimate leaves it out and adds ``grad_copies`` extra copies of the
-    local gradients it would hold (DDP's buckets), reported as temporary bytes.
+    local gradients it would hold (DDP's buckets), reported as temporary bytes; one that declares
+    nothing to add (DeepSpeed's engines) makes the estimate refuse the plan (a typed error) rather
+    than report a figure that is not the plan's. ``compiles=True`` marks a compiler (torch.compile):
+    run on fake tensors it would generate and run real kernels, so the estimate simulates the eager
+    step in its place and prices the step as compiled (``estimate.steptime``).
     """
 
     simulated: bool = True
     grad_copies: float = 0.0
+    compiles: bool = False
 
 
 @dataclass(frozen=True)

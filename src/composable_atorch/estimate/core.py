@@ -22,7 +22,7 @@ from composable_atorch.core.plan import Plan
 from composable_atorch.core.transform import Transform
 from composable_atorch.environment import Environment
 from composable_atorch.errors import CompositionError, ConfigError
-from composable_atorch.estimate.inputs import check_batch, check_world_size, meta_model
+from composable_atorch.estimate.inputs import EstimateError, check_batch, check_world_size, meta_model
 from composable_atorch.estimate.pipeline import Mailbox
 from composable_atorch.estimate.result import Estimate, RankCost
 from composable_atorch.estimate.simulate import simulate_rank
@@ -137,6 +137,7 @@ def estimate(
     )
     target_plan = compose_for(data, target, own)
     sim_plan = compose_for(data, here.with_(device="cpu", compute_capability=None), own)
+    refuse_undeclared(sim_plan)
     notes = []
     if target_plan.names != sim_plan.names:
         notes.append(
@@ -189,6 +190,7 @@ def estimate(
         )
     for name in run.skipped:
         notes.append(f"{name} cannot run in the fake world: left out, its cost added from its contract")
+    notes += compile_notes(run, modelled)
     costs = [to_rank_cost(r.by_kind, r.extra_temporary if whole_step else 0, stage=r.stage) for r in runs]
     ranks = [costs[s] for s in run.stage_of_rank] if run.stage_of_rank is not None else [costs[0]] * world_size
     if run.extra_temporary:
@@ -242,6 +244,44 @@ def estimate(
         micro_batches=run.micro_batches,
         extra=extra,
     )
+
+
+def refuse_undeclared(plan: Plan) -> None:
+    """An EstimateError, before any work, for a plan with a step that cannot run on fake tensors and
+    declares no cost to add in its place (``Cost(simulated=False)`` alone: DeepSpeed's engines): the
+    figure without it would not be the plan's."""
+    left = [t.describe() for t in plan.transforms if not t.contract.cost.simulated and not t.contract.cost.grad_copies]
+    if left:
+        raise EstimateError(
+            f"the estimate cannot simulate {', '.join(left)}",
+            "its engine does not run on fake tensors and its contract declares no cost to add in its place",
+            "measure the plan (a trial; the search does so by itself), or estimate the nearest plan it can "
+            "simulate (DeepSpeed's ZeRO stages: the torch backends zero1() / zero2() / fsdp())",
+        )
+
+
+def compile_notes(run, modelled: bool) -> list[str]:
+    """What the estimate assumed of the plan's compile steps (simulated eagerly, see ``steptime.Fusion``)."""
+    notes = []
+    for regions in run.compiled:
+        if not modelled:
+            eager = run.step_time_s is not None
+            priced = "the step time is the eager step's" if eager else "the step time is not modelled here"
+        elif not regions.fuses:
+            priced = "its backend fuses nothing: priced as the eager step"
+        else:
+            t = run.trace
+            priced = (
+                f"priced as fused: the {t.fused_ops} memory-bound ops run inside compiled modules counted as "
+                f"{t.fused_kernels} kernels, each moving its largest op's bytes and paying the per-op cost once; "
+                "matmuls, attention and collectives unchanged"
+            )
+        notes.append(
+            f"{regions.what}: simulated eagerly (the compiler is not run on fake tensors); {priced}. Memory: the "
+            "eager step's activations (inductor's partitioner recomputes cheap ops in the backward rather than "
+            "save them, which usually saves a little: for that part the figure is usually an upper bound)"
+        )
+    return notes
 
 
 def shallow_run(simulate, model, dedup: bool | None, notes: list[str]):

@@ -117,6 +117,21 @@ def default_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
     return out.loss if hasattr(out, "loss") else out.float().mean()
 
 
+def materialize(model: torch.nn.Module) -> None:
+    """Replace every parameter and buffer by a fake CPU tensor of the same shape and dtype (call under
+    FakeTensorMode), keeping ties (one fake tensor per original)."""
+    memo: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for table, as_param in ((module._parameters, True), (module._buffers, False)):
+            for name, t in list(table.items()):
+                if t is None:
+                    continue
+                if id(t) not in memo:
+                    new = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+                    memo[id(t)] = torch.nn.Parameter(new, requires_grad=t.requires_grad) if as_param else new
+                table[name] = memo[id(t)]
+
+
 def make_optimizer(optimizer: Any, model: torch.nn.Module) -> torch.optim.Optimizer:
     """None (AdamW), an optimizer class, or ``f(model) -> optimizer`` (as the search's Workload)."""
     if optimizer is None:

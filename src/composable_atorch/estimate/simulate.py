@@ -28,8 +28,8 @@ from torch.utils.data import DataLoader
 
 from composable_atorch.core.plan import Plan
 from composable_atorch.core.transform import ApplyContext, TrainState
-from composable_atorch.errors import ConfigError
-from composable_atorch.estimate.inputs import EstimateError, default_loss, fake_batch, make_optimizer
+from composable_atorch.errors import CompositionError, ConfigError
+from composable_atorch.estimate.inputs import EstimateError, default_loss, fake_batch, make_optimizer, materialize
 from composable_atorch.estimate.moe import fake_grouped_mm
 from composable_atorch.estimate.pipeline import NEEDS_CRITERION, Mailbox, runner_of, schedule_step, split_batch, wire
 from composable_atorch.estimate.steptime import OpTrace
@@ -59,6 +59,8 @@ class RankRun:
     allreduce_buckets: list[int] = field(default_factory=list)
     #: a sequence split's ``(kind, rotation, degree, [steptime.AttendCall])`` of the traced step
     sequence: Any = None
+    #: the plan's compile steps (``transforms.compile.CompiledRegions``), simulated eagerly
+    compiled: list = field(default_factory=list)
 
 
 @contextlib.contextmanager
@@ -78,6 +80,25 @@ def fake_world(world_size: int, rank: int):
         yield
     finally:
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def no_compiler():
+    """torch.compile switched off while a rank is simulated: a compiled function or module (the
+    user's own, one a library compiles inside its forward) runs its eager code. Compiling on fake
+    tensors would generate and run real kernels for them (inductor's CPU kernels crashed the
+    process there); the plan's own compile step is priced instead (``steptime.Fusion``).
+
+    Also held back here: the trackers' "Module is None. Skipping PRE_BW hook" (torch's ModTracker,
+    for a module collected before its backward ran: BERT, T5), a note about the simulation's own
+    bookkeeping that the user's console has no use for."""
+    import warnings
+
+    import torch._dynamo
+
+    with torch._dynamo.config.patch(disable=True), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Module is None. Skipping", category=UserWarning)
+        yield
 
 
 class _NoHook:
@@ -104,28 +125,30 @@ def frozen_safe_tracker():
     return Tracker()
 
 
-def materialize(model: torch.nn.Module) -> None:
-    """Replace every parameter and buffer by a fake CPU tensor of the same shape and dtype (call under
-    FakeTensorMode), keeping ties (one fake tensor per original)."""
-    memo: dict[int, torch.Tensor] = {}
-    for module in model.modules():
-        for table, as_param in ((module._parameters, True), (module._buffers, False)):
-            for name, t in list(table.items()):
-                if t is None:
-                    continue
-                if id(t) not in memo:
-                    new = torch.empty(t.shape, dtype=t.dtype, device="cpu")
-                    memo[id(t)] = torch.nn.Parameter(new, requires_grad=t.requires_grad) if as_param else new
-                table[name] = memo[id(t)]
+@dataclass
+class Applied:
+    """The plan's steps applied in the fake world (:func:`apply_plan`)."""
+
+    model: Any
+    optim: PlanOptimizer
+    loader: Any
+    #: the steps left out (their contract's ``Cost(simulated=False)``) and the gradient copies they declare
+    skipped: list[str]
+    grad_copies: float
+    #: the parallel context (its layout says which pipeline stage each rank holds)
+    parallel: Any
+    #: what each compile step would compile (``transforms.compile.CompiledRegions``): simulated eagerly
+    compiled: list[Any]
 
 
-def apply_plan(plan: Plan, model, optim, loader) -> tuple[Any, PlanOptimizer, Any, list[str], float, Any]:
-    """Plan.apply's loop, leaving out the steps whose contract says they cannot be simulated; returns
-    the triple, their names, the extra gradient copies their contracts declare and the parallel
-    context (its layout says which pipeline stage each rank holds)."""
+def apply_plan(plan: Plan, model, optim, loader) -> Applied:
+    """Plan.apply's loop in the fake world. Steps whose contract says they cannot be simulated are
+    left out; a compiler (``Cost.compiles``) is not run: the step stays eager and the regions it would
+    compile are kept for the step-time model. A step that fails on fake tensors is an EstimateError
+    naming it."""
     state = TrainState(model=model, optim=optim, loader=loader, param_names=parameter_names(model, optim))
     ctx = ApplyContext(plan=plan, env=plan.env, strict=plan.strict)
-    skipped, grad_copies = [], 0.0
+    skipped, grad_copies, compiled = [], 0.0, []
     for step in plan.steps:
         cost = step.transform.contract.cost
         if not cost.simulated:
@@ -136,10 +159,30 @@ def apply_plan(plan: Plan, model, optim, loader) -> tuple[Any, PlanOptimizer, An
             skipped.append(step.transform.describe())
             grad_copies += cost.grad_copies
             continue
-        state = step.transform.apply(state, ctx.for_step(step.transform))
+        if cost.compiles:
+            compiled.append(step.transform.regions(state.model))
+            continue
+        try:
+            state = step.transform.apply(state, ctx.for_step(step.transform))
+        except (CompositionError, NotImplementedError):  # typed already: a refusal naming its fix
+            raise
+        except Exception as exc:  # noqa: BLE001 - name the step that cannot run here
+            raise EstimateError(
+                f"the plan's step {step.transform.describe()} cannot be applied on fake tensors",
+                exc,
+                "measure the plan instead (a trial), or estimate the nearest plan whose steps run on fake tensors",
+            ) from exc
         if isinstance(state.optim, torch.optim.Optimizer):
             state.optim = rebuild_optimizer(state.optim, state.param_names, state.model)
-    return state.model, PlanOptimizer(state.optim, state.hooks), state.loader, skipped, grad_copies, state.parallel
+    return Applied(
+        state.model,
+        PlanOptimizer(state.optim, state.hooks),
+        state.loader,
+        skipped,
+        grad_copies,
+        state.parallel,
+        compiled,
+    )
 
 
 def _bucketed(trained: list[torch.Tensor], parallel) -> list[torch.Tensor]:
@@ -189,7 +232,7 @@ def simulate_rank(
     from torch.utils.flop_counter import FlopCounterMode
 
     loss_fn = loss_fn or (criterion_loss(criterion) if criterion is not None else default_loss)
-    with fake_world(plan.env.world_size, rank):
+    with fake_world(plan.env.world_size, rank), no_compiler():
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         with torch.device("meta"):
             model = copy.deepcopy(model) if any(True for _ in model.parameters()) else model
@@ -197,7 +240,9 @@ def simulate_rank(
             materialize(model)
             optim = make_optimizer(optimizer, model)
         loader = DataLoader(range(global_batch), batch_size=global_batch)
-        model, optim, loader, skipped, grad_copies, parallel = apply_plan(plan, model, optim, loader)
+        applied = apply_plan(plan, model, optim, loader)
+        model, optim, loader, parallel = applied.model, applied.optim, applied.loader, applied.parallel
+        skipped, grad_copies = applied.skipped, applied.grad_copies
         micro = int(getattr(loader, "batch_size", None) or global_batch)
         micro_steps = int(getattr(optim, "accumulation_steps", 1))
         runner = runner_of(model)
@@ -263,7 +308,8 @@ def simulate_rank(
                     key = kind if isinstance(kind, str) else kind.value
                     by_kind[key] = by_kind.get(key, 0) + int(n)
             counter = FlopCounterMode(display=False)
-            trace = OpTrace() if trace_ops else contextlib.nullcontext()
+            fused = [m for r in applied.compiled if r.fuses for m in r.modules]
+            trace = OpTrace(fused) if trace_ops else contextlib.nullcontext()
             attends = recorded_attention(model) if trace_ops else contextlib.nullcontext()
             with counter, trace, attends as sequence:
                 step()
@@ -284,6 +330,7 @@ def simulate_rank(
                 trace=trace if trace_ops else None,
                 allreduce_buckets=[b for _, b in bucket_sizes(bucketed, 1.0)] if grad_copies > 0 else [],
                 sequence=sequence,
+                compiled=applied.compiled,
             )
             if step_time:
                 run.step_time_s, run.step_time_mode = runtime_of(step)

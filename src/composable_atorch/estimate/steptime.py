@@ -21,7 +21,9 @@ at its ring-equivalent size). A point-to-point send of ``B`` bytes costs half of
 all-gather of ``2B``; a receive beside a send of its size (the ring attention's exchange, 1F1B's
 batched send/receive) is in that price. On the CPU nothing is overlapped: gloo's thread
 competes with the compute for the same cores. A sequence split's traffic is also counted by hand
-from its attention calls (:func:`sequence_traffic`) for the estimate report's line.
+from its attention calls (:func:`sequence_traffic`) for the estimate report's line. A compiled
+plan's step is simulated eagerly (no compiler runs on fake tensors) and its compiled regions are
+priced by :class:`Fusion`'s rule.
 """
 
 from __future__ import annotations
@@ -112,12 +114,30 @@ def _group_size(args) -> int | None:
 
 
 class OpTrace(TorchDispatchMode):
-    """Counts the ops of what runs under it: ``(kind, dtype, size) -> calls`` (see the module doc)."""
+    """Counts the ops of what runs under it: ``(kind, dtype, size) -> calls`` (see the module doc).
 
-    def __init__(self):
+    ``fused``: the modules a fusing compiler (inductor) compiles; the step runs eagerly and their
+    ops are counted as compiled (:class:`Fusion`)."""
+
+    def __init__(self, fused=()):
         super().__init__()
         self.ops: Counter = Counter()
         self.op_count = 0
+        self.fusion = Fusion(fused) if fused else None
+        #: memory-bound ops of compiled regions, and the fused kernels they were counted as
+        self.fused_ops = self.fused_kernels = 0
+
+    def __enter__(self):
+        if self.fusion is not None:
+            self.fusion.tracker.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        out = super().__exit__(*exc)
+        if self.fusion is not None:
+            self.fusion.tracker.__exit__(*exc)
+            self._close_run()
+        return out
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -135,12 +155,13 @@ class OpTrace(TorchDispatchMode):
             return
         ns = getattr(func, "namespace", "")
         comm = _collective(name) if ns in ("c10d", "_c10d_functional", "c10d_functional") else None
+        region = self.fusion.region() if self.fusion is not None else None
         if comm is not None:
+            self._close_run()
             size = max(_sum_bytes(args[:1]), _sum_bytes(args[1:2]), _sum_bytes(out))
             group = _group_size(args)  # hybrid sharding: a zero group's gathers, a replica group's all-reduce
             self.ops[(comm, str(group) if group else "", float(size))] += 1
             return
-        self.op_count += 1
         first = next((t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()), None)
         dtype = str(first.dtype).removeprefix("torch.") if first is not None else ""
         if name in MATMULS or name.startswith("_scaled_dot_product") or name == SDPA_CPU + "_backward":
@@ -151,9 +172,36 @@ class OpTrace(TorchDispatchMode):
                     # a causal mask is priced as the full attention: measured here, the CPU kernels
                     # took no less time for it
                     kind = "sdpa_bwd" if name.endswith("_backward") else "sdpa"
+                self._close_run()  # a compiler calls the matmul kernels as they are: the same FLOPs
+                self.op_count += 1
                 self.ops[(kind, dtype, float(flops))] += 1
                 return
-        self.ops[("memory", dtype, float(_sum_bytes((args, out))))] += 1
+        size = float(_sum_bytes((args, out)))
+        if region:
+            self._extend_run(region, dtype, size)
+            return
+        self._close_run()
+        self.op_count += 1
+        self.ops[("memory", dtype, size)] += 1
+
+    def _extend_run(self, region, dtype: str, size: float) -> None:
+        """A memory-bound op of a compiled region joins the run of such ops it follows (:class:`Fusion`)."""
+        run = self.fusion.run
+        if run is not None and run[0] != region:
+            self._close_run()
+            run = None
+        self.fused_ops += 1
+        self.fusion.run = (region, dtype, size) if run is None or size > run[2] else run
+
+    def _close_run(self) -> None:
+        """The open run of fused ops, priced as one kernel moving its largest op's bytes."""
+        if self.fusion is None or self.fusion.run is None:
+            return
+        _, dtype, size = self.fusion.run
+        self.fusion.run = None
+        self.fused_kernels += 1
+        self.op_count += 1
+        self.ops[("memory", dtype, size)] += 1
 
     def price(self, cal, world: int = 2) -> dict[str, float]:
         """Seconds by part: ``compute`` (kernels), ``comm`` (collectives), ``overhead`` (framework per op)."""
@@ -169,6 +217,42 @@ class OpTrace(TorchDispatchMode):
 
     def flops(self) -> int:
         return int(sum(size * n for (kind, _, size), n in self.ops.items() if kind in ("mm", "sdpa", "sdpa_bwd")))
+
+
+class Fusion:
+    """Where a fusing compiler's regions are while the eager step runs, and the run of fused ops open.
+
+    The rule (inductor, the one fusing backend): inside a compiled module's forward or backward, a
+    run of consecutive memory-bound ops (elementwise, reductions, casts, norms) with no matmul,
+    attention or collective between them is one generated kernel. Such a kernel reads its inputs
+    and writes its outputs once, so it is priced as moving the bytes of the run's largest op (each
+    of whose tensors the fused kernel still reads or writes at least once), and it pays the
+    framework's per-op cost once. Matmuls and attention keep their FLOPs and their price (the
+    compiler calls the same kernels); ops outside the regions (the embedding, the loss, FSDP's
+    hooks, the optimizer step) are priced as eager. A rule, not a fit: it is a floor on the fused
+    kernel's traffic and says nothing about autotuning or CUDA graphs (``mode``).
+
+    Where a module runs (its forward, its backward, a checkpoint's recompute) is read from torch's
+    ``ModTracker``."""
+
+    def __init__(self, modules):
+        from torch.distributed._tools.mod_tracker import ModTracker
+
+        self.ids = {id(m) for m in modules}
+        self.names: set[str] = set()
+        self.tracker = ModTracker()
+        self.tracker.register_user_hooks(pre_fw_hook=self._seen)
+        #: the open run: (region names it is in, dtype and bytes of its largest op), or None
+        self.run = None
+
+    def _seen(self, module, _inputs) -> None:
+        if id(module) in self.ids:
+            self.names.add(self.tracker.get_known_fqn(module))
+
+    def region(self) -> frozenset | None:
+        """The compiled modules running now (forward or backward), None outside all of them."""
+        inside = self.names.intersection(self.tracker.parents)
+        return frozenset(inside) if inside else None
 
 
 COMM_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p", "p2p_recv")

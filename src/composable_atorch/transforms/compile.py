@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from composable_atorch.core.contract import Conflict, Contract, Stage
+from composable_atorch.core.contract import Conflict, Contract, Cost, Stage
 from composable_atorch.core.transform import ApplyContext, TrainState, Transform
 from composable_atorch.errors import ConfigError
 from composable_atorch.transforms._util import is_block_target, outermost_matches
@@ -45,6 +45,24 @@ def repeated_blocks(model: nn.Module) -> tuple[type, ...]:
     return (max(repeated, key=lambda item: item[0])[1],) if repeated else ()
 
 
+#: the backends that fuse a graph's ops into generated kernels (the others run the captured graph's
+#: ops one by one, as the eager step does)
+FUSING_BACKENDS = ("inductor",)
+
+
+@dataclass(frozen=True)
+class CompiledRegions:
+    """What a compile step compiles, as the estimate needs it (it simulates the eager step in its
+    place and prices these modules' forward and backward as compiled: ``estimate.steptime``)."""
+
+    #: the modules compiled in place (the whole model when no blocks are found or asked for)
+    modules: tuple[nn.Module, ...]
+    #: True when the backend fuses their ops into generated kernels (inductor)
+    fuses: bool
+    #: the step, as explain() writes it
+    what: str
+
+
 @dataclass(frozen=True)
 class Compile(Transform):
     """``torch.compile`` in place, per block or whole model (see the module docstring)."""
@@ -53,6 +71,9 @@ class Compile(Transform):
     contract = Contract(
         stage=Stage.COMPILE,
         roles=("compile",),
+        # the estimate never runs the compiler on its fake tensors (inductor generates and runs real
+        # kernels there): it simulates the eager step and prices the regions as compiled
+        cost=Cost(compiles=True),
         conflicts=(
             Conflict(
                 "checkpoint",
@@ -130,22 +151,34 @@ class Compile(Transform):
         extra = "".join(f", {k}={getattr(self, k)!r}" for k in ("mode", "dynamic") if getattr(self, k) is not None)
         return f"compile({self.backend}, {where}{', fullgraph' if self.fullgraph else ''}{extra})"
 
-    def apply(self, state: TrainState, ctx: ApplyContext) -> TrainState:
-        model = state.model
-        kwargs = {"backend": self.backend, "mode": self.mode, "fullgraph": self.fullgraph, "dynamic": self.dynamic}
+    def targets(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
+        """``(name, module)`` of the blocks compiled in place, or ``[]`` for the whole model; a
+        ``per_block`` matching nothing is a ConfigError."""
         targets = self.per_block
         if targets is True:
             targets = repeated_blocks(model)
-            if not targets:
-                state.note(self.name, f"no repeated blocks found in {type(model).__name__}: compiling the whole model")
-        if targets:
-            found = outermost_matches(model, targets)
-            if not found:
-                raise ConfigError(
-                    "compile.per_block",
-                    tuple(_target_name(t) for t in targets),
-                    f"classes or names of modules in {type(model).__name__} (none matched)",
-                )
+        if not targets:
+            return []
+        found = outermost_matches(model, targets)
+        if not found:
+            raise ConfigError(
+                "compile.per_block",
+                tuple(_target_name(t) for t in targets),
+                f"classes or names of modules in {type(model).__name__} (none matched)",
+            )
+        return found
+
+    def regions(self, model: nn.Module) -> CompiledRegions:
+        """What :meth:`apply` would compile in ``model``, compiling nothing (for the estimate)."""
+        found = self.targets(model)
+        modules = tuple(m for _, m in found) if found else (model,)
+        return CompiledRegions(modules, self.backend in FUSING_BACKENDS, self.describe())
+
+    def apply(self, state: TrainState, ctx: ApplyContext) -> TrainState:
+        model = state.model
+        kwargs = {"backend": self.backend, "mode": self.mode, "fullgraph": self.fullgraph, "dynamic": self.dynamic}
+        found = self.targets(model)
+        if found:
             for _, module in found:
                 module.compile(**kwargs)
             kinds = sorted({type(m).__name__ for _, m in found})
@@ -155,6 +188,8 @@ class Compile(Transform):
                 "names unchanged",
             )
         else:
+            if self.per_block is True:
+                state.note(self.name, f"no repeated blocks found in {type(model).__name__}: compiling the whole model")
             model.compile(**kwargs)
             state.note(
                 self.name,

@@ -40,7 +40,7 @@ from composable_atorch.core.contract import (
     When,
 )
 from composable_atorch.core.transform import ApplyContext, TrainState, Transform
-from composable_atorch.environment import Environment
+from composable_atorch.environment import Environment, quiet_imports
 from composable_atorch.errors import ConfigError
 
 BACKENDS = ("auto", "transformer_engine", "torchao")
@@ -254,7 +254,8 @@ class Fp8(Transform):
         return state
 
     def _apply_torchao(self, state: TrainState, chosen: list[str], env: Environment) -> str:
-        from torchao.float8 import CastConfig, Float8LinearConfig, convert_to_float8_training
+        with quiet_imports():  # torchao's loader lines about kernels this step does not call
+            from torchao.float8 import CastConfig, Float8LinearConfig, convert_to_float8_training
 
         # Without fp8 tensor cores, torchao's emulation (fp8 rounding, matmul in the high precision)
         # is the fast path: torch's own fp8 matmul on the CPU took 7.2 s for one 64 x 11008 Linear's

@@ -19,7 +19,7 @@ them back for the optimizer and saved state.
 
 from __future__ import annotations
 
-from composable_atorch.core.contract import Conflict, Contract, Package, Stage
+from composable_atorch.core.contract import Conflict, Contract, Cost, Package, Stage
 from composable_atorch.core.transform import ApplyContext, TrainState
 from composable_atorch.errors import ConfigError, RequirementError
 from composable_atorch.runtime.optim import NAME_PREFIX_ATTR, OptimizerHook
@@ -66,6 +66,10 @@ def deepspeed_contract() -> Contract:
                 when=_fp16,
             ),
         ),
+        # the engine flattens real parameter storage and builds its C++ ops on first use: it cannot
+        # run on the estimate's fake tensors, which refuses the plan (a typed error) rather than
+        # report a figure without the engine's sharding
+        cost=Cost(simulated=False),
     )
 
 

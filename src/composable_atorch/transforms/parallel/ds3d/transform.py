@@ -37,7 +37,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Any
 
-from composable_atorch.core.contract import Conflict, Contract, Package, Stage
+from composable_atorch.core.contract import Conflict, Contract, Cost, Package, Stage
 from composable_atorch.core.transform import ApplyContext, TrainState, Transform
 from composable_atorch.errors import ConfigError, RequirementError
 from composable_atorch.runtime.optim import NAME_PREFIX_ATTR, named_parameters
@@ -162,6 +162,7 @@ class DeepSpeed3DParallel(Transform):
         # module_replace: its pairs are applied again to each layer built from the recorded init args
         reads=("clip_grad", "module_replace", *PRECISION_READS),
         renames=True,  # a stage holds its layers only, named by DeepSpeed's layer index
+        cost=Cost(simulated=False),  # DeepSpeed's engine cannot run on the estimate's fake tensors
         requires=(Package(name="deepspeed", extra="deepspeed"),),
         implies=(implies_mesh_dim("pipeline", "the pipeline, tensor and data degrees are parallel_mode's groups"),),
         conflicts=(
