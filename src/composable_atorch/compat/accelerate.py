@@ -209,58 +209,91 @@ def auto_accelerate(
         finetune_strategy=finetune_strategy,
         save_strategy_to_file=save_strategy_to_file,
     )
+    plan = _agreed_plan(req, shrink_notes)
+    if plan is None:
+        return False, None, None
+    if save_strategy_to_file:
+        _save_strategy(plan, save_strategy_to_file)
+    model, optim, loader = _apply(req, plan)
+    if req.opts["verbose"] and _rank() == 0:
+        print(plan.explain())  # after _apply: its notes (sampler_seed's) are part of the plan's explanation
+    return True, _result(req, model, optim, loader), plan
+
+
+def _agreed_plan(req: Request, shrink_notes: tuple[str, ...]) -> AtorchStrategy | None:
+    """The plan every rank applies, the same on each; None when there is none (``status False``).
+
+    A loaded plan holding functions cannot travel as JSON: each rank applies the one it loaded
+    itself. Otherwise rank 0 decides (loads, dry-runs or searches) and broadcasts the plan as JSON
+    text, so the ranks cannot disagree; the user's own code failing with no plan at all is a
+    WorkloadError raised on every rank, so none is left waiting in a collective.
+    """
     opts = req.opts
     env = Environment.detect()
     _ensure_process_group(env.world_size)
     loaded = (
-        None if load_strategy is None else req.settings(strategy.load(load_strategy, env=env))
+        None if req.load_strategy is None else req.settings(strategy.load(req.load_strategy, env=env))
     )  # typed errors on every rank
 
     local = _unserializable(req, loaded)
     if local is not None:  # every rank applies the plan it loaded itself (it holds functions: not JSON)
-        plan = AtorchStrategy.of(local, req.notes() + shrink_notes)
-    else:
-        payload = _decide(req, loaded, env) if _rank() == 0 else None
-        decided = json.loads(_broadcast(payload))
-        if decided.get("workload_error"):
-            raise WorkloadError(**decided["workload_error"])  # on every rank: the user's code fails with no plan
-        if decided["failure"]:
-            if opts["verbose"] and _rank() == 0:
-                print(f"auto_accelerate: no plan: {decided['failure']}")
-            return False, None, None
-        # rank 0's text names what this rank holds too: the strategy's classes and the model's own
-        trusted = handed_over(model, loaded)
-        plan = AtorchStrategy.of(Plan.from_json(decided["plan"], env=env, allow=trusted), req.notes() + shrink_notes)
-    if save_strategy_to_file:
-        if _rank() == 0:
-            strategy.dump(plan, save_strategy_to_file)
-        _barrier()  # every rank may read the file as soon as the call returns (ATorch writes it on each rank)
+        return AtorchStrategy.of(local, req.notes() + shrink_notes)
+    payload = _decide(req, loaded, env) if _rank() == 0 else None
+    decided = json.loads(_broadcast(payload))
+    if decided.get("workload_error"):
+        raise WorkloadError(**decided["workload_error"])  # on every rank: the user's code fails with no plan
+    if decided["failure"]:
+        if opts["verbose"] and _rank() == 0:
+            print(f"auto_accelerate: no plan: {decided['failure']}")
+        return None
+    # rank 0's text names what this rank holds too: the strategy's classes and the model's own
+    trusted = handed_over(req.model, loaded)
+    return AtorchStrategy.of(Plan.from_json(decided["plan"], env=env, allow=trusted), req.notes() + shrink_notes)
+
+
+def _save_strategy(plan: AtorchStrategy, path) -> None:
+    """``save_strategy_to_file``: the plan as JSON (never pickle), written once by rank 0."""
+    if _rank() == 0:
+        strategy.dump(plan, path)
+    _barrier()  # every rank may read the file as soon as the call returns (ATorch writes it on each rank)
+
+
+def _apply(req: Request, plan: AtorchStrategy) -> tuple:
+    """Build the user's optimizer and loader, apply the plan to them with the model, and wire what
+    ATorch's callers read besides the plan's result: the groups of its module-level helpers, a
+    DeepSpeed pipeline engine's loss, the sampler's seed. Returns ``(model, optim, loader)``."""
+    model = req.model
     optim_maker = req.optim_maker
     optim = optim_maker(model) if optim_maker else None
-    loader = None if dataset is None else torch.utils.data.DataLoader(dataset, **req.dataloader_args)
+    loader = None if req.dataset is None else torch.utils.data.DataLoader(req.dataset, **req.dataloader_args)
     applied = plan(model, optim, loader)
     model, optim, loader = applied
     groups.record(applied.state.parallel)  # for ATorch's module-level helpers (compat.atorch.distributed)
-    if loss_func is not None and hasattr(getattr(model, "module", None), "loss_fn"):
+    if req.loss_func is not None and hasattr(getattr(model, "module", None), "loss_fn"):
         model.module.loss_fn = (
-            loss_func  # a DeepSpeed pipeline engine computes the loss inside train_batch (ds_3d_parallel)
+            req.loss_func  # a DeepSpeed pipeline engine computes the loss inside train_batch (ds_3d_parallel)
         )
-    _seed_sampler(loader, opts["sampler_seed"], plan)
-    if opts["verbose"] and _rank() == 0:
-        print(plan.explain())
+    _seed_sampler(loader, req.opts["sampler_seed"], plan)
+    return model, optim, loader
+
+
+def _result(req: Request, model, optim, loader) -> AccelerateResult:
+    """ATorch's ``AutoAccelerateResult`` around the applied plan: the scheduler built on the plan's
+    optimizer, ``args`` saying whether the backward must go through it, and a loss function whose
+    plain ``.backward()`` does (loss scaling, accumulation)."""
     scheduler = None
-    if lr_scheduler_cls is not None:
-        scheduler = lr_scheduler_cls(optim, **(lr_scheduler_args or {}))
+    if req.lr_scheduler_cls is not None:
+        scheduler = req.lr_scheduler_cls(optim, **(req.lr_scheduler_args or {}))
     args = AccelerateArgs(
         use_optim_backward=_needs_optim_backward(optim),
         requires_set_gradient_accumulation_boundary=_needs_boundary(optim),
     )
     wrap = getattr(optim, "loss_wrapper", None)
+    loss_func = req.loss_func
     result_loss = wrap(loss_func) if callable(wrap) and loss_func is not None else loss_func
-    result = AccelerateResult(
-        model, optim, loader, result_loss, prepare_input or default_prepare_input, scheduler, args
+    return AccelerateResult(
+        model, optim, loader, result_loss, req.prepare_input or default_prepare_input, scheduler, args
     )
-    return True, result, plan
 
 
 def handed_over(model, loaded: Plan | None) -> tuple:

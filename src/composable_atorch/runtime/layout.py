@@ -32,7 +32,7 @@ INSTANCE_DIM = "instance"
 #: Other names ATorch's parallel groups use for the same dimensions.
 DIM_ALIASES = {"model": "tensor", "pipe": "pipeline", "expert_fsdp": "data"}
 #: Names ATorch knows whose feature is not built here: name -> what it is and what to use instead.
-DIM_NOT_BUILT: dict[str, str] = {}  # every dimension ATorch names is built now (sequence, expert: issue 29)
+DIM_NOT_BUILT: dict[str, str] = {}  # empty: every dimension ATorch names is built, sequence and expert included
 
 
 @dataclass(frozen=True)

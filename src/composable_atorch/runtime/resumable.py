@@ -326,12 +326,6 @@ def _resumable_class(base: type) -> type:
             base = super()._index_sampler
             return _SkipFirst(base, self._ca_skip) if self._ca_skip else base
 
-        def _pass_rng(self) -> dict[str, Any]:
-            return {
-                "global": capture_rng(),
-                "generators": {k: _bytes_of(g.get_state()) for k, g in _generators(self).items()},
-            }
-
         def resume_at(self, saved: dict[str, Any], *, rng: dict | None = None, replay: bool = True) -> None:
             """Make the next pass continue a saved position (``DataPosition.to_json()``).
 
@@ -356,41 +350,73 @@ def _resumable_class(base: type) -> type:
         def __iter__(self):
             position = self.position
             resume, position.pending = position.pending, None
-            sampler = _epoch_sampler(self)
-            skip = 0
-            if resume is not None:
-                if resume["pass_rng"] is not None:
-                    restore_rng(resume["pass_rng"]["global"])
-                    gens = _generators(self)
-                    for role, text in resume["pass_rng"]["generators"].items():
-                        if role in gens:
-                            gens[role].set_state(_state_of(text))
-                if sampler is not None:
-                    sampler.set_epoch(resume["epoch"])
-                skip = resume["batches"]
-            position.pass_rng = self._pass_rng()
-            position.order, position.per_batch = order_of(self)
-            position.passes = position.passes + 1 if resume is None else max(1, resume["passes"])
-            if resume is not None:
-                position.epoch = resume["epoch"]
-            else:
-                position.epoch = int(getattr(sampler, "epoch", 0)) if sampler is not None else position.passes - 1
-            position.batches = skip
-            self._ca_skip = skip
+            self._ca_skip = _start_pass(self, position, resume)
             try:
                 inner = super().__iter__()
-                index_sampler = getattr(inner, "_index_sampler", None)
-                if isinstance(index_sampler, _SkipFirst) and index_sampler.last is not None:
-                    # draw what the original pass drew before the save (a RandomSampler's seed...)
-                    index_sampler.last.prime()
+                _skip_now(inner)
             finally:
                 self._ca_skip = 0
             if resume is not None and resume["rng"] is not None:
-                restore_rng(resume["rng"])
+                restore_rng(resume["rng"])  # the states of the moment of the save, once the pass is set up
             return _Counting(inner, position)
 
     Resumable.__name__ = Resumable.__qualname__ = f"Resumable{base.__name__}"
     return Resumable
+
+
+def _pass_rng(loader: DataLoader) -> dict[str, Any]:
+    """The RNG states a pass starts from (global, and the loader's own generators by role): what a
+    resumed pass puts back to shuffle and seed its workers as the saved pass did."""
+    return {
+        "global": capture_rng(),
+        "generators": {k: _bytes_of(g.get_state()) for k, g in _generators(loader).items()},
+    }
+
+
+def _replay_pass_start(loader: DataLoader, pass_rng: dict[str, Any]) -> None:
+    """Put back what :func:`_pass_rng` recorded at the start of the saved pass (a generator this
+    loader does not have is skipped)."""
+    restore_rng(pass_rng["global"])
+    gens = _generators(loader)
+    for role, text in pass_rng["generators"].items():
+        if role in gens:
+            gens[role].set_state(_state_of(text))
+
+
+def _start_pass(loader: DataLoader, position: DataPosition, resume: dict[str, Any] | None) -> int:
+    """Record a new pass in ``position``; returns the batches it skips (0 unless it resumes).
+
+    A resumed pass (``resume``: what resume_at left pending) first replays the saved pass's start
+    (its RNG states, when the saved ones apply here, and its sampler epoch), so it draws the same
+    order; its epoch and pass count are the saved ones. A fresh pass takes the sampler's epoch
+    (set by the user's ``set_epoch``), or without such a sampler its pass index.
+    """
+    sampler = _epoch_sampler(loader)
+    skip = 0
+    if resume is not None:
+        if resume["pass_rng"] is not None:
+            _replay_pass_start(loader, resume["pass_rng"])
+        if sampler is not None:
+            sampler.set_epoch(resume["epoch"])
+        skip = resume["batches"]
+    position.pass_rng = _pass_rng(loader)
+    position.order, position.per_batch = order_of(loader)
+    position.passes = position.passes + 1 if resume is None else max(1, resume["passes"])
+    if resume is not None:
+        position.epoch = resume["epoch"]
+    else:
+        position.epoch = int(getattr(sampler, "epoch", 0)) if sampler is not None else position.passes - 1
+    position.batches = skip
+    return skip
+
+
+def _skip_now(inner) -> None:
+    """Prime a resumed pass's skip as soon as the DataLoader's iterator exists: the index sampler
+    then draws what the saved pass drew before the save (a RandomSampler's seed...) from the
+    replayed states, before the states of the moment of the save are put back."""
+    index_sampler = getattr(inner, "_index_sampler", None)
+    if isinstance(index_sampler, _SkipFirst) and index_sampler.last is not None:
+        index_sampler.last.prime()
 
 
 _CLASSES: dict[type, type] = {}

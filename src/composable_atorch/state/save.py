@@ -336,6 +336,34 @@ def save_state(
     scheduler_state = _scheduler_state(scheduler)
     inner, hooks, micro_step = _split_optimizer(optim)
     hook_states = [check_jsonable(h.state_dict(), f"{type(h).__name__}.state_dict()") for h in hooks]
+    _refuse_fsdp_mid_window(model, optim, micro_step)
+    job, world = _open_job(Path(directory), step)
+
+    local = None if inner is None else _state_optimizer(inner)
+    has_optim_state = local is not None and bool(local.state)
+    state = _state_to_write(model, local if has_optim_state else None, micro_step, job.rank)
+    group_sizes = None if inner is None else _joined_group_sizes(model, inner)  # collective
+    position = None if loader is None else loader.position.to_json()
+    rank_state = {  # captured now, written with the tensors (on the writing thread when asynchronous)
+        "rank": job.rank,
+        "rng": _resumable.capture_rng(),
+        "loader": position,
+        "micro_step": micro_step,
+        "hooks": hook_states,
+    }
+    meta = None
+    if job.rank == 0:
+        optimizer = None if inner is None else _optimizer_meta(inner, hooks, group_sizes, has_optim_state)
+        meta = {"format": FORMAT, "version": VERSION, "step": step, "world_size": world, "extra": extra}
+        meta.update(optimizer=optimizer, micro_step=micro_step, loader=position is not None, scheduler=scheduler_state)
+    if not asynchronous:
+        return _write_now(job, state, rank_state, meta, keep)
+    return _write_in_background(job, state, rank_state, meta, keep)
+
+
+def _refuse_fsdp_mid_window(model: torch.nn.Module, optim, micro_step: int) -> None:
+    """A save inside an accumulation window saves each rank's accumulated gradients; FSDP keeps
+    them in its own buffers, where a save cannot reach them: a ConfigError before any work."""
     if micro_step and _has_fsdp(model):
         raise ConfigError(
             "save_state during an accumulation window",
@@ -343,46 +371,54 @@ def save_state(
             "a save right after optim.step() completed a window: FSDP keeps unsynchronised gradients inside its own "
             "buffers",
         )
-    inflight.wait_for_saves()  # one save at a time: the one in flight is published before this one starts
+
+
+def _open_job(root: Path, step: int) -> tuple[writes.Writes, int]:
+    """Start this save on every rank: ``(its writes, the world size)``.
+
+    One save at a time: the one in flight is published before this one starts. Rank 0 then readies
+    an empty partial directory and every rank agrees on it before writing there (a failed write on
+    any rank: the same typed error on all).
+    """
+    inflight.wait_for_saves()
     rank, world = _rank_world()
-    root = Path(directory)
-    job = writes.Writes(root, step, rank)  # a failed write on any rank: the same typed error on all
-    partial = job.partial
+    job = writes.Writes(root, step, rank)
     if rank == 0:
-        job.attempt(lambda: writes.prepare(root, partial))
+        job.attempt(lambda: writes.prepare(root, job.partial))
     job.agree()
+    return job, world
 
+
+def _optimizer_meta(inner: torch.optim.Optimizer, hooks: list, group_sizes: list[int], has_state: bool) -> dict:
+    """checkpoint.json's optimizer entry: its shape over the whole model, whether DCP holds its state
+    (a stateless one has none), and its groups' hyperparameters (DCP saves them only with a state)."""
+    optimizer = {**_optimizer_shape(inner, hooks), "group_sizes": group_sizes, "has_state": has_state}
+    optimizer["hyperparameters"] = group_hyperparameters(inner)
+    return optimizer
+
+
+def _write_rank_state(job: writes.Writes, rank_state: dict[str, Any]) -> None:
+    """This rank's ``rank-N.json`` (RNG, data position, hook states), beside its DCP shard."""
+    write_json(job.partial / f"rank-{job.rank}.json", rank_state)
+
+
+def _write_now(job: writes.Writes, state: dict, rank_state: dict, meta: dict | None, keep: int | None) -> Path:
+    """The synchronous save: DCP's files, this rank's JSON, then the manifest and the publish."""
     dcp = _dcp()[0]
-    local = None if inner is None else _state_optimizer(inner)
-    has_optim_state = local is not None and bool(local.state)
-    state = _state_to_write(model, local if has_optim_state else None, micro_step, rank)
-    group_sizes = None if inner is None else _joined_group_sizes(model, inner)  # collective
-    position = None if loader is None else loader.position.to_json()
-    rank_state = {  # captured now, written with the tensors (on the writing thread when asynchronous)
-        "rank": rank,
-        "rng": _resumable.capture_rng(),
-        "loader": position,
-        "micro_step": micro_step,
-        "hooks": hook_states,
-    }
-    meta = None
-    if rank == 0:
-        optimizer = None
-        if inner is not None:
-            optimizer = {**_optimizer_shape(inner, hooks), "group_sizes": group_sizes, "has_state": has_optim_state}
-            optimizer["hyperparameters"] = group_hyperparameters(inner)
-        meta = {"format": FORMAT, "version": VERSION, "step": step, "world_size": world, "extra": extra}
-        meta.update(optimizer=optimizer, micro_step=micro_step, loader=position is not None, scheduler=scheduler_state)
+    with _single_process_is_intended():
+        job.attempt(lambda: dcp.save(state, storage_writer=job.writer, no_dist=not _distributed()))
+    job.attempt(lambda: _write_rank_state(job, rank_state))
+    job.finish(meta, keep, None, publish=_publish)
+    return job.root / checkpoint_name(job.step)
 
-    def write_rank_state() -> None:
-        write_json(partial / f"rank-{rank}.json", rank_state)
 
-    if not asynchronous:
-        with _single_process_is_intended():
-            job.attempt(lambda: dcp.save(state, storage_writer=job.writer, no_dist=not _distributed()))
-        job.attempt(write_rank_state)
-        job.finish(meta, keep, None, publish=_publish)
-        return root / checkpoint_name(step)
+def _write_in_background(
+    job: writes.Writes, state: dict, rank_state: dict, meta: dict | None, keep: int | None
+) -> inflight.SaveInFlight:
+    """The asynchronous save: DCP stages (copies) the tensors here and returns; the same writes,
+    manifest and publish as :func:`_write_now` follow on the save thread, over a group of their own
+    (a collective there must not interleave with training's on the default group)."""
+    dcp = _dcp()[0]
     group = inflight.save_group()
     if group is None:
         # DCP warns from its writing thread, after _single_process_is_intended() has ended (warning
@@ -399,10 +435,10 @@ def save_state(
 
     def write_and_publish() -> None:  # on the writing thread; DCP's failure is raised by result()
         job.attempt(future.result)
-        job.attempt(write_rank_state)
+        job.attempt(lambda: _write_rank_state(job, rank_state))
         job.finish(meta, keep, group, publish=_publish)
 
-    return inflight.start(root / checkpoint_name(step), write_and_publish)
+    return inflight.start(job.root / checkpoint_name(job.step), write_and_publish)
 
 
 def _publish(root: Path, partial: Path, step: int, keep: int | None) -> None:
