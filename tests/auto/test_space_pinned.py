@@ -71,24 +71,39 @@ def sgd(model):
 
 
 def case(name: str):
-    """``(workload, environment)`` of one pinned case."""
+    """``(workload, environment, space options)`` of one pinned case."""
+    long, short = TextDataset(LONG, limit=16), TextDataset(16, limit=16)
     if name == "gpt-world2":
-        return GPTTask(limit=32).workload(), Environment(world_size=2)
+        return GPTTask(limit=32).workload(), Environment(world_size=2), SpaceOptions()
     if name == "llama-long-world4":
-        return Workload(llama, sgd, TextDataset(LONG, limit=16), hf_loss, 8), Environment(world_size=4)
+        return Workload(llama, sgd, long, hf_loss, 8), Environment(world_size=4), SpaceOptions()
     if name == "moe-world4":
-        return Workload(moe, sgd, TextDataset(16, limit=16), lm_loss, 8), Environment(world_size=4)
+        return Workload(moe, sgd, short, lm_loss, 8), Environment(world_size=4), SpaceOptions()
     if name == "moe-world4-2nodes":
-        return Workload(moe, sgd, TextDataset(16, limit=16), lm_loss, 8), Environment(world_size=4, nodes=2)
+        return Workload(moe, sgd, short, lm_loss, 8), Environment(world_size=4, nodes=2), SpaceOptions()
+    # a pinned kind (no "absent" option), and a sequence split forced on short sequences
+    if name == "moe-world4-2nodes-included-parallel_mode":
+        options = SpaceOptions(included=("parallel_mode",), excluded=("checkpoint", "amp"))
+        return Workload(moe, sgd, short, lm_loss, 8), Environment(world_size=4, nodes=2), options
+    if name == "llama-short-world2-included-ulysses":
+        options = SpaceOptions(included=("sequence_parallel",), excluded=("checkpoint",))
+        return Workload(llama, sgd, short, hf_loss, 4), Environment(world_size=2), options
     raise KeyError(name)
 
 
-CASES = ("gpt-world2", "llama-long-world4", "moe-world4", "moe-world4-2nodes")
+CASES = (
+    "gpt-world2",
+    "llama-long-world4",
+    "moe-world4",
+    "moe-world4-2nodes",
+    "moe-world4-2nodes-included-parallel_mode",
+    "llama-short-world2-included-ulysses",
+)
 
 
 def space_of(name: str) -> dict:
-    workload, env = case(name)
-    space, _ = build_space(workload, env, SpaceOptions())
+    workload, env, options = case(name)
+    space, _ = build_space(workload, env, options)
     enumeration = space.enumerate()
     return {
         "plans": {digest(key): point.plan.names for key, point in enumeration.valid.items()},
