@@ -4,7 +4,8 @@ and on two nodes), recorded from the search as it stood and asserted equal since
 
 Moving where a degree is decided (the search, a transform's ``candidates()``) must not change which
 plans are searched. ``space_pins.json`` beside this file holds, per case, a digest of each valid
-plan's key (``plan_key``: its ordered steps and configs) and the notes. Regenerate it only for a
+plan's key (``plan_key``: its ordered steps and configs), the notes and the knobs (the sampler's
+parameters: names, labels, order). Regenerate it only for a
 change meant to alter the space:
 
     PYTHONPATH=src python tests/auto/test_space_pinned.py --write
@@ -108,6 +109,7 @@ def space_of(name: str) -> dict:
     return {
         "plans": {digest(key): point.plan.names for key, point in enumeration.valid.items()},
         "notes": sorted(space.degrees.notes),
+        "knobs": [[knob, list(choices)] for knob, choices in space.options.items()],
     }
 
 
@@ -124,10 +126,11 @@ def test_the_space_is_the_pinned_one(name):
     extra = [got["plans"][key] for key in sorted(set(got["plans"]) - set(pinned["plans"]))]
     assert not missing and not extra, f"{len(missing)} plans gone ({missing[:3]}), {len(extra)} new: {extra[:3]}"
     assert got["notes"] == pinned["notes"]
+    assert got["knobs"] == pinned["knobs"]  # the sampler's parameters: knob names, labels and their order
 
 
 if __name__ == "__main__" and "--write" in sys.argv:
     with open(PINS, "w") as f:
         pins = {name: space_of(name) for name in CASES}
-        json.dump({n: {"plans": sorted(p["plans"]), "notes": p["notes"]} for n, p in pins.items()}, f, indent=1)
+        json.dump({n: {**p, "plans": sorted(p["plans"])} for n, p in pins.items()}, f, indent=1)
         f.write("\n")
