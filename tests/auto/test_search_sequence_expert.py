@@ -15,18 +15,18 @@ import torch.nn.functional as F
 
 import composable_atorch as ca
 from _seq import UserLM
-from composable_atorch.auto.degrees import KNOB, LONG_SEQUENCE
 from composable_atorch.auto.policy import Budget, SpaceOptions, StudyOptions, TrialSettings
 from composable_atorch.auto.predict import Prediction, Predictor, StepTimeCheck
-from composable_atorch.auto.space import build_space
+from composable_atorch.auto.space import KNOB, build_space, sequence_split
 from composable_atorch.auto.study import search
-from composable_atorch.auto.trial import TrialResult, run_trial, samples_per_step, sequence_split
+from composable_atorch.auto.trial import TrialResult, run_trial, samples_per_step
 from composable_atorch.auto.workload import Workload
 from composable_atorch.core.plan import Plan
 from composable_atorch.core.transform import lookup
 from composable_atorch.data import TextDataset
 from composable_atorch.environment import Environment
 from composable_atorch.estimate import EstimateError
+from composable_atorch.transforms.parallel.sequence.common import LONG_SEQUENCE
 from moe_models import UserMoEModel
 
 from _dist import run_world
@@ -205,8 +205,10 @@ def test_a_sequence_split_counts_each_sample_once_not_once_per_part():
     env = Environment(world_size=4)
     context = ca.compose(ca.parallel_mode([("context", 2), ("data", 2)]), lookup("context_parallel")(), env=env)
     implied = ca.compose(lookup("sequence_parallel")(), env=env)
-    assert sequence_split(context.to_json()) == 2 and sequence_split(implied.to_json()) == 2
-    assert sequence_split(ca.compose(ca.parallel_mode([("zero", 2), ("data", 2)]), env=env).to_json()) == 1
+    assert sequence_split(context) == 2 and sequence_split(implied) == 2
+    assert sequence_split(ca.compose(ca.parallel_mode([("zero", 2), ("data", 2)]), env=env)) == 1
+    ulysses_4 = ca.compose(ca.parallel_mode([("sequence", 4), ("data", 1)]), lookup("sequence_parallel")(), env=env)
+    assert sequence_split(ulysses_4) == 4
     # two data ranks of two context parts each: 2 samples per data rank, 4 digests each (halves differ)
     ranks = [
         {"sample_ids": [[f"{s}{part}" for s in "ab" for part in "xy"]]},
