@@ -117,7 +117,11 @@ def search(
         if predictor is not None:
             predictor.deadline = deadline
             predictor.timeout_s = min(predictor.timeout_s, trial.timeout)
-    loop = _Loop(workload, trial, budget, space, study, env, runner, progress, predictor, started=started)
+    # the user's model is built and run here (tensor-parallel placement): under a limit (auto/preflight.py)
+    with user_code_limit(in_process_limit(trial, budget, started), "listing the plans"):
+        built, example = build_space(workload, env, space)
+        enumeration = built.enumerate()
+    loop = _Loop(built, enumeration, example, trial, budget, space, study, runner, progress, predictor, started)
     result = loop.run()
     result.preflight = checked
     return result
@@ -129,27 +133,26 @@ class _Loop(Recorders):
 
     def __init__(
         self,
-        workload,
+        built,
+        enumeration,
+        example,
         trial: TrialSettings,
         budget: Budget,
         space: SpaceOptions,
         study: StudyOptions,
-        env: Environment,
         runner,
         progress: bool,
-        predictor: Predictor | None = None,
-        started: float | None = None,
+        predictor: Predictor | None,
+        started: float,
     ):
+        """The study over ``built`` (a :class:`~.space.SearchSpace`, its ``enumeration``), read from the
+        ``example`` model."""
         import optuna
 
-        self.started = time.monotonic() if started is None else started
-        self.trial_settings, self.budget, self.runner, self.progress, self.env = trial, budget, runner, progress, env
+        self.space, self.enumeration, self.env, self.started = built, enumeration, built.env, started
+        self.trial_settings, self.budget, self.runner, self.progress = trial, budget, runner, progress
         self.limit = budget.memory_bytes
         start_from = space.start_from
-        # the user's model is built and run here (tensor-parallel placement): under a limit (auto/preflight.py)
-        with user_code_limit(in_process_limit(trial, budget, self.started), "listing the plans"):
-            self.space, example = build_space(workload, env, space)
-            self.enumeration = self.space.enumerate()
         # the space's classes, held here: the best plan's JSON is read back against them (core.codec)
         self.trusted = tuple({type(m) for m in example.modules()}) + tuple(
             obj for p in self.enumeration.valid.values() for obj in p.plan.named_objects()
