@@ -111,5 +111,5 @@ def test_optim_func_returns_to_few_modules_it_had_left(tmp_path):
 
     chain, returns = follow(run, optim)
     assert chain[0] == ("compat.accelerate", "auto_accelerate")
-    assert {"auto.study", "auto.space", "auto.trial"} <= {m for m, _ in chain}  # it did reach the search
+    assert {"auto.study", "auto.space", "auto.trial"} <= {".".join(m.split(".")[:2]) for m, _ in chain}  # the search
     assert len(returns) <= MOST_RETURNS, "\n".join(f"{m}.{f}" for m, f in returns)
