@@ -237,3 +237,35 @@ def test_included_parallel_mode_pins_the_knob_to_its_degrees():
     assert "absent" not in space.options[KNOB]
     assert {label.split(" ")[0] for label in space.options[KNOB]} == {"expert", "zero"}
     assert "parallel_mode" not in space_of(moe_model, 16, 4, nodes=2, excluded=("parallel_mode",)).options
+
+
+def test_each_axis_offers_its_own_degrees_from_the_model_facts_and_the_meta_forward_runs_once():
+    from composable_atorch.core.context import ForwardProfile, LayoutOption, ModelFacts, NotOffered, SearchContext
+
+    runs = []
+
+    def measure():
+        runs.append(1)
+        return ForwardProfile(activation_bytes=2**30, heads=(4,))
+
+    def facts(model, length):
+        return ModelFacts(model, length, 4, measure)
+
+    env = Environment(world_size=4)
+    dense = facts(dense_model(), LONG_SEQUENCE)
+    search = SearchContext(env=env, batch_size=4, model=dense)
+    context, ulysses = lookup("context_parallel").candidates(search), lookup("sequence_parallel").candidates(search)
+    assert [(o.dim, o.degree) for o in context] == [("context", 2), ("context", 4)]
+    assert [(o.dim, o.degree) for o in ulysses] == [("sequence", 2), ("sequence", 4)]
+    assert all(isinstance(o, LayoutOption) and dict(o.layout.groups)[o.dim] == o.degree for o in context + ulysses)
+    assert runs == [1]  # one meta forward for both splits
+    (why,) = lookup("expert_parallel").candidates(search)
+    assert isinstance(why, NotOffered) and "no mixture-of-experts layer" in why.note
+    # short sequences: no split, and the user's forward never runs for it (unless the kind is included)
+    short = SearchContext(env=env, batch_size=4, model=facts(dense_model(16), 16))
+    (no,) = lookup("context_parallel").candidates(short)
+    assert no.note == "context_parallel not proposed: sequences of 16 tokens (split from 64 on)" and runs == [1]
+    forced = SearchContext(env=env, batch_size=4, model=short.model, included=frozenset({"context_parallel"}))
+    assert [o.degree for o in lookup("context_parallel").candidates(forced)] == [2, 4] and runs == [1, 1]
+    # no model facts (a space built without a model): no degrees
+    assert lookup("expert_parallel").candidates(SearchContext(env=env, batch_size=4)) == ()

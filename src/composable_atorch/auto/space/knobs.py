@@ -76,14 +76,14 @@ class Degrees:
     rules: tuple[Callable[[Plan], str | None], ...] = ()
 
     @classmethod
-    def of(cls, answers: list[tuple[str, Any]], forced: set[str], pinned_knob: bool) -> Degrees:
+    def of(cls, answers: list[tuple[str, Any]], forced: set[str], pinned_knob: bool, notes=()) -> Degrees:
         """The knob from each kind's layout answers (``(kind, LayoutOption | NotOffered)`` in registry order).
 
         Options are listed by what they divide: sequence dimensions, then batch dimensions with a step of
         their own, then layouts alone, each by degree (a fixed order: the sampler's categorical
         parameter stays the same, and a stored study resumes). With ``forced`` kinds (included, offering
-        nothing but layouts) every option holds one of them. A reason several kinds give in their own
-        name is said once, the kinds joined by " / "."""
+        nothing but layouts) every option holds one of them. ``notes`` come first (what the model's facts
+        could not tell); a reason several kinds give in their own name is said once, the kinds joined by " / "."""
         offered = list({a: None for _, a in answers if isinstance(a, LayoutOption)})
         offered.sort(key=lambda o: (o.dim in BATCH_DIMS, not o.steps, o.degree))
         if forced:
@@ -97,7 +97,7 @@ class Degrees:
         return cls(
             {o.label: o.transforms for o in offered},
             bool(offered) and bool(forced or pinned_knob),
-            [f"{' / '.join(subjects)} not proposed: {reason}" for (reason, _), subjects in said.items()],
+            [*notes, *(f"{' / '.join(subjects)} not proposed: {reason}" for (reason, _), subjects in said.items())],
             tuple(dict.fromkeys(o.admit for o in offered if o.admit is not None)),
         )
 

@@ -122,18 +122,17 @@ class SearchSpace:
         per_kind, classes, answers, forced = self._ask(search, excluded_kinds, included_kinds, extra)
         if KNOB in excluded_kinds:
             answers = []
-        self.degrees = Degrees.of(answers, forced, KNOB in included_kinds)
-        self.degrees.notes[:0] = [*notes, *facts_notes(search.model)]
+        known = [*notes, *facts_notes(search.model)]
+        self.degrees = Degrees.of(answers, forced, KNOB in included_kinds, known)
         by_degrees = {t.name for combo in self.degrees.options.values() for t in combo}
         for kind in sorted(included_kinds - set(per_kind) - by_degrees):
-            if kind in registry():
-                why = "; ".join(self.degrees.notes)
-                raise ConfigError(
-                    "included",
-                    kind,
-                    f"transforms that offer search candidates here ({kind} offers none for {self.env.describe()}"
-                    f"{': ' + why if why else ''}); pass it in load_strategy instead",
-                )
+            why = "; ".join(self.degrees.notes)
+            raise ConfigError(
+                "included",
+                kind,
+                f"transforms that offer search candidates here ({kind} offers none for {self.env.describe()}"
+                f"{': ' + why if why else ''}); pass it in load_strategy instead",
+            )
         self.admit = self.degrees.admit(admit)
         #: sub-combinations of a knob that compose() rejected while the space was built
         self.rejected: list[tuple[str, str]] = []
@@ -159,7 +158,8 @@ class SearchSpace:
             found = [c for c in found if isinstance(c, Transform)]
             found += [t for t in extra if t.name == kind and t not in found]
             if not found:
-                forced |= {kind} & included if layouts else set()
+                if layouts and kind in included:
+                    forced.add(kind)
                 continue
             per_kind[kind] = ([] if kind in included else [None]) + list(dict.fromkeys(found))
             classes[kind] = cls
