@@ -148,7 +148,7 @@ def test_a_forward_hanging_in_the_predictions_is_cut_and_the_search_ends_within_
 def test_the_time_limit_interrupts_a_loop_that_swallows_it_in_any_thread():
     import threading
 
-    from composable_atorch.auto.limits import PredictionTimeout, time_limit
+    from composable_atorch.auto.preflight import PredictionTimeout, time_limit
 
     def stubborn():
         while True:

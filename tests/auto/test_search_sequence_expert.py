@@ -15,18 +15,18 @@ import torch.nn.functional as F
 
 import composable_atorch as ca
 from _seq import UserLM
-from composable_atorch.auto.degrees import KNOB, LONG_SEQUENCE
 from composable_atorch.auto.policy import Budget, SpaceOptions, StudyOptions, TrialSettings
 from composable_atorch.auto.predict import Prediction, Predictor, StepTimeCheck
-from composable_atorch.auto.space import build_space
+from composable_atorch.auto.space import KNOB, build_space, sequence_split
 from composable_atorch.auto.study import search
-from composable_atorch.auto.trial import TrialResult, run_trial, samples_per_step, sequence_split
+from composable_atorch.auto.trial import TrialResult, run_trial, samples_per_step
 from composable_atorch.auto.workload import Workload
 from composable_atorch.core.plan import Plan
 from composable_atorch.core.transform import lookup
 from composable_atorch.data import TextDataset
 from composable_atorch.environment import Environment
 from composable_atorch.estimate import EstimateError
+from composable_atorch.transforms.parallel.sequence.common import LONG_SEQUENCE
 from moe_models import UserMoEModel
 
 from _dist import run_world
@@ -205,8 +205,10 @@ def test_a_sequence_split_counts_each_sample_once_not_once_per_part():
     env = Environment(world_size=4)
     context = ca.compose(ca.parallel_mode([("context", 2), ("data", 2)]), lookup("context_parallel")(), env=env)
     implied = ca.compose(lookup("sequence_parallel")(), env=env)
-    assert sequence_split(context.to_json()) == 2 and sequence_split(implied.to_json()) == 2
-    assert sequence_split(ca.compose(ca.parallel_mode([("zero", 2), ("data", 2)]), env=env).to_json()) == 1
+    assert sequence_split(context) == 2 and sequence_split(implied) == 2
+    assert sequence_split(ca.compose(ca.parallel_mode([("zero", 2), ("data", 2)]), env=env)) == 1
+    ulysses_4 = ca.compose(ca.parallel_mode([("sequence", 4), ("data", 1)]), lookup("sequence_parallel")(), env=env)
+    assert sequence_split(ulysses_4) == 4
     # two data ranks of two context parts each: 2 samples per data rank, 4 digests each (halves differ)
     ranks = [
         {"sample_ids": [[f"{s}{part}" for s in "ab" for part in "xy"]]},
@@ -235,3 +237,35 @@ def test_included_parallel_mode_pins_the_knob_to_its_degrees():
     assert "absent" not in space.options[KNOB]
     assert {label.split(" ")[0] for label in space.options[KNOB]} == {"expert", "zero"}
     assert "parallel_mode" not in space_of(moe_model, 16, 4, nodes=2, excluded=("parallel_mode",)).options
+
+
+def test_each_axis_offers_its_own_degrees_from_the_model_facts_and_the_meta_forward_runs_once():
+    from composable_atorch.core.context import ForwardProfile, LayoutOption, ModelFacts, NotOffered, SearchContext
+
+    runs = []
+
+    def measure():
+        runs.append(1)
+        return ForwardProfile(activation_bytes=2**30, heads=(4,))
+
+    def facts(model, length):
+        return ModelFacts(model, length, 4, measure)
+
+    env = Environment(world_size=4)
+    dense = facts(dense_model(), LONG_SEQUENCE)
+    search = SearchContext(env=env, batch_size=4, model=dense)
+    context, ulysses = lookup("context_parallel").candidates(search), lookup("sequence_parallel").candidates(search)
+    assert [(o.dim, o.degree) for o in context] == [("context", 2), ("context", 4)]
+    assert [(o.dim, o.degree) for o in ulysses] == [("sequence", 2), ("sequence", 4)]
+    assert all(isinstance(o, LayoutOption) and dict(o.layout.groups)[o.dim] == o.degree for o in context + ulysses)
+    assert runs == [1]  # one meta forward for both splits
+    (why,) = lookup("expert_parallel").candidates(search)
+    assert isinstance(why, NotOffered) and "no mixture-of-experts layer" in why.note
+    # short sequences: no split, and the user's forward never runs for it (unless the kind is included)
+    short = SearchContext(env=env, batch_size=4, model=facts(dense_model(16), 16))
+    (no,) = lookup("context_parallel").candidates(short)
+    assert no.note == "context_parallel not proposed: sequences of 16 tokens (split from 64 on)" and runs == [1]
+    forced = SearchContext(env=env, batch_size=4, model=short.model, included=frozenset({"context_parallel"}))
+    assert [o.degree for o in lookup("context_parallel").candidates(forced)] == [2, 4] and runs == [1, 1]
+    # no model facts (a space built without a model): no degrees
+    assert lookup("expert_parallel").candidates(SearchContext(env=env, batch_size=4)) == ()

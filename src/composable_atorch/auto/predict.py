@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from composable_atorch.auto.limits import PredictionTimeout, time_limit
+from composable_atorch.auto.preflight import PredictionTimeout, time_limit
 from composable_atorch.auto.space import plan_key
 from composable_atorch.auto.workload import Workload, first_batch
 from composable_atorch.core.plan import Plan

@@ -1,13 +1,23 @@
-"""What a search found: one record per trial of the study, and the search's result."""
+"""What a search records: one record per trial of the study (:class:`TrialRecord`), the search's result
+(:class:`SearchResult`), and what the study writes down for each outcome of a proposal (:class:`Recorders`).
+
+Each recorder sets the trial's user attributes (the status and reason the report reads back as a
+:class:`TrialRecord`) and tells optuna the outcome: an invalid or skipped plan as pruned (with a
+constraint, so the sampler learns to avoid it), a duplicate or failure as failed, a measured plan with
+its throughput. They are kept apart from the loop (:mod:`.study`) so that the loop reads as the
+sequence of decisions and this module as what each decision writes down.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
+from rich.markup import escape
+
 from composable_atorch.auto.predict import Prediction
 from composable_atorch.auto.preflight import PreflightResult
-from composable_atorch.auto.space import ABSENT, Enumeration, SearchSpace
+from composable_atorch.auto.space import ABSENT, Enumeration, Point, SearchSpace
 from composable_atorch.auto.trial import TrialResult
 from composable_atorch.core.plan import Plan
 
@@ -99,3 +109,114 @@ def best_record(records: list[TrialRecord]) -> TrialRecord | None:
     """The fastest feasible measured trial, or None."""
     feasible = [r for r in records if r.status == "ok" and r.result and r.result.samples_per_s]
     return max(feasible, key=lambda r: r.result.samples_per_s, default=None)
+
+
+class Recorders:
+    """The trial recorders of the study's loop (``study._Loop``), which holds the state they write:
+    ``study`` (optuna), ``counts``, ``repeats``, ``seen`` (plan key -> trial number), ``predictions``,
+    ``check`` (the step-time model), ``limit`` and ``margin`` (the memory budget), ``bar`` / ``task``
+    (the progress display)."""
+
+    def _skip(self, trial, key: str) -> None:
+        """Record a plan predicted over the budget on ``trial`` (told as pruned and infeasible by the caller)."""
+        point, pred = self.enumeration.valid[key], self.predictions[key]
+        for name, value in (
+            ("plan_key", key),
+            ("steps", list(point.plan.names)),
+            ("plan_json", point.plan.to_json(indent=None)),
+            ("status", "predicted-infeasible"),
+            ("predicted", pred.to_dict()),
+        ):
+            trial.set_user_attr(name, value)
+        trial.set_user_attr(
+            "reason",
+            f"predicted peak {pred.peak_bytes / 2**20:.1f} MiB x (1 + margin {self.margin:g}) > "
+            f"budget {self.limit / 2**20:.1f} MiB; not run",
+        )
+        trial.set_constraint("memory", (pred.peak_bytes - self.limit) / self.limit)
+        self.seen[key] = trial.number
+
+    def _tell_unrun(self, trial) -> None:
+        """The time budget ran out between the proposal and its run: not run, proposed again on resume."""
+        import optuna
+
+        trial.set_user_attr("status", "failed")
+        trial.set_user_attr("reason", "stopped by the study's time limit before it ran")
+        trial.set_user_attr("retryable", True)
+        self.study.tell(trial, state=optuna.trial.TrialState.FAIL)
+
+    def _tell_invalid(self, trial, point: Point) -> None:
+        import optuna
+
+        self.counts["invalid"] += 1
+        self.repeats += 1
+        trial.set_user_attr("status", "invalid")
+        trial.set_user_attr("reason", point.error)
+        trial.set_constraint("valid", 1.0)
+        self.study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+
+    def _tell_skipped(self, trial, point: Point) -> None:
+        """A plan predicted over the memory budget: recorded with its prediction, not run (no trial cost)."""
+        import optuna
+
+        self.counts["skipped"] += 1
+        self.repeats += 1
+        self._skip(trial, point.key)
+        self.study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+        self.bar.console.print(
+            f"  #{trial.number} {escape(TrialRecord(trial.number, '', dict(point.assignment)).plan_label)}: "
+            f"[dim]predicted over the budget, not run[/dim]"
+        )
+
+    def _tell_slower(self, trial, point: Point, why: str) -> None:
+        """A plan the step-time model says cannot win (:class:`~.predict.StepTimeCheck`): recorded, not run."""
+        import optuna
+
+        self.counts["skipped"] += 1
+        self.repeats += 1
+        self.seen[point.key] = trial.number
+        for name, value in (("status", "predicted-slower"), ("reason", why)):
+            trial.set_user_attr(name, value)
+        trial.set_user_attr("predicted", self.predictions[point.key].to_dict())
+        self.study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+
+    def _tell_duplicate(self, trial, point: Point) -> None:
+        import optuna
+
+        self.counts["duplicate"] += 1
+        self.repeats += 1
+        trial.set_user_attr("status", "duplicate")
+        trial.set_user_attr("reason", f"same plan as trial {self.seen[point.key]}; not run again")
+        self.study.tell(trial, state=optuna.trial.TrialState.FAIL)
+
+    def _tell_failed(self, trial, point: Point, result: TrialResult, label: str, cut: bool) -> None:
+        """A crash, OOM or hang; a trial cut by the study's own time limit may run again on resume."""
+        import optuna
+
+        trial.set_user_attr("status", "failed")
+        trial.set_user_attr("reason", ("stopped by the study's time limit; " if cut else "") + (result.reason or ""))
+        trial.set_user_attr("retryable", cut)
+        self.study.tell(trial, state=optuna.trial.TrialState.FAIL)
+        if not cut:
+            self.seen[point.key] = trial.number
+        # the reason is the worker's text (gloo writes "[.../pair.cc:553]"): not rich markup
+        self.bar.console.print(f"  #{trial.number} {escape(label)}: [red]failed[/red] — {escape(result.reason or '')}")
+        self.bar.update(self.task, advance=1)
+
+    def _tell_measured(self, trial, point: Point, result: TrialResult, label: str) -> None:
+        """A measured plan: its throughput, and over-budget memory as an infeasible constraint."""
+        self.seen[point.key] = trial.number
+        self.check.observe(self.predictions.get(point.key), result)
+        limit, peak = self.limit, result.peak_bytes
+        over = limit is not None and peak is not None and peak > limit
+        trial.set_user_attr("status", "infeasible" if over else "ok")
+        if limit is not None:
+            trial.set_constraint("memory", (peak - limit) / limit if peak is not None else 0.0)
+            if over:
+                trial.set_user_attr("reason", f"peak {peak / 2**20:.1f} MiB > budget {limit / 2**20:.1f} MiB")
+        self.study.tell(trial, result.samples_per_s)
+        mem = "" if peak is None else f", peak {peak / 2**20:.1f} MiB"
+        flag = " [yellow]over budget[/yellow]" if over else ""
+        self.bar.console.print(f"  #{trial.number} {escape(label)}: {result.samples_per_s:.1f} samples/s{mem}{flag}")
+        best = best_record([TrialRecord.from_frozen(t) for t in self.study.trials])
+        self.bar.update(self.task, advance=1, best=f"best {best.result.samples_per_s:.1f} samples/s" if best else "")

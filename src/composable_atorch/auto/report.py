@@ -77,7 +77,7 @@ def summary(result: SearchResult) -> dict:
             "duplicate_assignments": e.duplicates,
             "rejected_sub_combinations": len(result.space.rejected),
             "knobs": {k: list(v) for k, v in result.space.options.items()},
-            # why a parallel degree (sequence split, experts, hybrid) was not proposed (auto/degrees.py)
+            # why a parallel degree (sequence split, experts, hybrid) was not proposed (the axes' candidates)
             "degree_notes": list(result.space.degrees.notes),
         },
         "environment": result.space.env.describe(),

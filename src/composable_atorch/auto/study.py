@@ -8,7 +8,7 @@ the memory budget is an optuna constraint (``trial.set_constraint``: over-budget
 infeasible). Studies persist in sqlite and resume by name: earlier trials are kept and not re-run.
 Before the study the workload trains once with no plan (:mod:`.preflight`): an error no plan can
 fix stops the search at once. Settings come as policy values (:mod:`.policy`). The space is
-built by :func:`.space.build_space`; what each outcome records is :mod:`.tell`'s.
+built by :func:`.space.build_space`; what each outcome records is :mod:`.records`'s.
 
 Before the study every valid plan is also predicted (:mod:`.predict`, no plan runs for it): a plan
 predicted over the memory budget is recorded as infeasible with its prediction and never run, and
@@ -23,7 +23,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from composable_atorch.auto.limits import in_process_limit, user_code_limit
 from composable_atorch.auto.policy import (
     Budget,
     SpaceOptions,
@@ -40,10 +39,9 @@ from composable_atorch.auto.predict import (
     first_to_measure,
     predictions_note,
 )
-from composable_atorch.auto.preflight import preflight, preflight_in_child
-from composable_atorch.auto.records import SearchResult, TrialRecord, best_record
+from composable_atorch.auto.preflight import in_process_limit, preflight, preflight_in_child, user_code_limit
+from composable_atorch.auto.records import Recorders, SearchResult, TrialRecord, best_record
 from composable_atorch.auto.space import build_space
-from composable_atorch.auto.tell import Recorders
 from composable_atorch.auto.trial import ProcessRunner, TrialResult
 from composable_atorch.auto.workload import Workload
 from composable_atorch.core.plan import Plan
@@ -119,7 +117,11 @@ def search(
         if predictor is not None:
             predictor.deadline = deadline
             predictor.timeout_s = min(predictor.timeout_s, trial.timeout)
-    loop = _Loop(workload, trial, budget, space, study, env, runner, progress, predictor, started=started)
+    # the user's model is built and run here (tensor-parallel placement): under a limit (auto/preflight.py)
+    with user_code_limit(in_process_limit(trial, budget, started), "listing the plans"):
+        built, example = build_space(workload, env, space)
+        enumeration = built.enumerate()
+    loop = _Loop(built, enumeration, example, trial, budget, space, study, runner, progress, predictor, started)
     result = loop.run()
     result.preflight = checked
     return result
@@ -127,31 +129,30 @@ def search(
 
 class _Loop(Recorders):
     """The ask/tell loop: each proposal is decided here, its outcome (invalid, duplicate, skipped,
-    slower, failed, measured) recorded by :class:`~.tell.Recorders`."""
+    slower, failed, measured) recorded by :class:`~.records.Recorders`."""
 
     def __init__(
         self,
-        workload,
+        built,
+        enumeration,
+        example,
         trial: TrialSettings,
         budget: Budget,
         space: SpaceOptions,
         study: StudyOptions,
-        env: Environment,
         runner,
         progress: bool,
-        predictor: Predictor | None = None,
-        started: float | None = None,
+        predictor: Predictor | None,
+        started: float,
     ):
+        """The study over ``built`` (a :class:`~.space.SearchSpace`, its ``enumeration``), read from the
+        ``example`` model."""
         import optuna
 
-        self.started = time.monotonic() if started is None else started
-        self.trial_settings, self.budget, self.runner, self.progress, self.env = trial, budget, runner, progress, env
+        self.space, self.enumeration, self.env, self.started = built, enumeration, built.env, started
+        self.trial_settings, self.budget, self.runner, self.progress = trial, budget, runner, progress
         self.limit = budget.memory_bytes
         start_from = space.start_from
-        # the user's model is built and run here (tensor-parallel placement): under a limit (auto/limits.py)
-        with user_code_limit(in_process_limit(trial, budget, self.started), "listing the plans"):
-            self.space, example = build_space(workload, env, space)
-            self.enumeration = self.space.enumerate()
         # the space's classes, held here: the best plan's JSON is read back against them (core.codec)
         self.trusted = tuple({type(m) for m in example.modules()}) + tuple(
             obj for p in self.enumeration.valid.values() for obj in p.plan.named_objects()

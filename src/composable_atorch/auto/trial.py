@@ -258,7 +258,7 @@ def run_trial(plan_json: str, workload: Workload, settings: TrialSettings, trust
     # rank 0's median step (under data parallelism each step waits for the slowest rank) resists
     # the pauses of a shared machine better than the mean
     step_time = statistics.median(head["step_times"])
-    split = sequence_split(plan_json)
+    split = head.get("sequence_split", 1)  # what the plan the ranks composed cuts each sequence into
     per_step = samples_per_step(results, workload.batch_size, split)
     samples = per_step / step_time
     tokens = samples * head["tokens_per_sample"] * split if head.get("tokens_per_sample") else None
@@ -287,7 +287,7 @@ def samples_per_step(results: list[dict], global_batch: int, split: int = 1) -> 
     add nothing; ranks on disjoint shards of the batch add theirs. Counted from what the ranks
     report they consumed (one digest per sample, per measured step); when a batch has no tensor to
     tell samples apart by, the global batch is assumed. ``split``: the parts each sequence is cut
-    into over the ranks (:func:`sequence_split`): every part has its own digest, so one sample shows
+    into over the ranks (:func:`~.space.sequence_split`): every part has its own digest, so one sample shows
     as ``split`` of them.
     """
     ids = [r.get("sample_ids") for r in results]
@@ -298,29 +298,6 @@ def samples_per_step(results: list[dict], global_batch: int, split: int = 1) -> 
         return float(global_batch)
     distinct = sum(len(set().union(*(rank[s] for rank in ids))) for s in range(steps))
     return distinct / steps / split
-
-
-#: the steps that cut every sequence over a mesh dimension (their ranks read parts of the same samples)
-SEQUENCE_SPLITS = {"context_parallel": "context", "sequence_parallel": "sequence"}
-
-
-def sequence_split(plan_json: str) -> int:
-    """Into how many parts a plan cuts each sequence over its ranks: the sizes of parallel_mode's
-    ``context`` / ``sequence`` dimensions whose split step is in the plan (2 where the step implied
-    its dimension); 1 without one."""
-    import json
-
-    data = json.loads(plan_json)
-    steps = set(data.get("steps") or ())
-    groups = {}
-    for t in data.get("transforms") or ():
-        if t.get("name") == "parallel_mode":
-            groups = {g[0]: int(g[1]) for g in (t.get("config") or {}).get("groups") or () if len(g) == 2}
-    out = 1
-    for step, dim in SEQUENCE_SPLITS.items():
-        if step in steps:
-            out *= groups.get(dim, 2)
-    return out
 
 
 def train_plan(

@@ -352,6 +352,7 @@ def _measure_more(spec: RankSpec, step_times: list[float], spent: float) -> bool
 def _run(rank: int, spec: RankSpec, device: str, progress) -> dict:
     import torch.distributed as dist
 
+    from composable_atorch.auto.space import sequence_split
     from composable_atorch.core.plan import Plan
 
     model, optim, loader = spec.workload.build()
@@ -415,6 +416,7 @@ def _run(rank: int, spec: RankSpec, device: str, progress) -> dict:
         "memory_method": method,
         "tokens_per_sample": tokens_per_sample(batch),
         "sample_ids": ids,
+        "sequence_split": sequence_split(plan),
         "samples_consumed": sum(_batch_len(b) for step in consumed for b in step),
         "applied": plan.explain(),
     }

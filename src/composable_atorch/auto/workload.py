@@ -1,5 +1,7 @@
 """What every trial trains: the :class:`Workload` (factories, dataset, loss) the search is given,
-and the built-in one (:class:`GPTTask`).
+the built-in one (:class:`GPTTask`), and what the search reads from its model and first batch
+(:func:`model_facts`: the :class:`~composable_atorch.core.context.ModelFacts` the axes' candidates
+decide their degrees on).
 
 It lives apart from the per-rank worker (:mod:`.worker`) because the search, the preflight, the
 predictor, the CLI and ATorch's facade all hold one without running a rank.
@@ -14,6 +16,7 @@ from typing import Any
 
 import torch
 
+from composable_atorch.core.context import ForwardProfile, ModelFacts
 from composable_atorch.data import TextDataset
 from composable_atorch.errors import ConfigError
 from composable_atorch.models import GPT, GPTConfig
@@ -127,3 +130,104 @@ def first_batch(workload: Workload):
     kwargs = {"drop_last": True, **workload.loader_kwargs, "shuffle": False}
     kwargs.pop("generator", None)
     return next(iter(DataLoader(workload.dataset, batch_size=workload.batch_size, **kwargs)))
+
+
+def sequence_length(batch: Any) -> int | None:
+    """The length of the batch's token sequences: dim 1 of its first tensor (``input_ids`` of a dict)."""
+    if isinstance(batch, dict):
+        batch = batch.get("input_ids", next(iter(batch.values()), None))
+    if isinstance(batch, list | tuple) and batch:
+        batch = batch[0]
+    return int(batch.size(1)) if isinstance(batch, torch.Tensor) and batch.dim() >= 2 else None
+
+
+def profile(model: torch.nn.Module, batch: Any, loss_fn: Callable | None, criterion: Callable | None) -> ForwardProfile:
+    """One forward (and loss) of ``model`` on the meta device over ``batch``: nothing is allocated."""
+    import torch.nn.functional as F
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._pytree import tree_map
+
+    class Attention(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.heads: list[int] = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is F.scaled_dot_product_attention and args and hasattr(args[0], "shape"):
+                self.heads.append(int(args[0].shape[1]) if args[0].dim() == 4 else 1)
+            return func(*args, **(kwargs or {}))
+
+    params = {id(p) for p in model.parameters()}
+    saved = [0]
+
+    def pack(t):
+        if id(t) not in params:
+            saved[0] += t.numel() * t.element_size()
+        return t
+
+    try:
+        meta = tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, batch)
+        mode = Attention()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), mode:
+            if loss_fn is not None:
+                loss_fn(model, meta)
+            elif criterion is not None and isinstance(meta, list | tuple) and len(meta) == 2:
+                criterion(model(meta[0]), meta[1])
+            else:
+                model(meta)
+    except Exception as exc:  # noqa: BLE001 - a forward that cannot run on meta: unknown, not an error
+        return ForwardProfile(error=f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200])
+    return ForwardProfile(saved[0], tuple(mode.heads))
+
+
+def model_facts(model: torch.nn.Module, workload: Workload) -> tuple[ModelFacts | None, list[str]]:
+    """What ``model`` (meta is fine) and the workload's first batch show, for the axes' candidates, and
+    notes on what could not be read: none when the batch cannot be read here (the preflight names a
+    broken dataset). The meta forward (:func:`profile`) runs only when an axis asks for it."""
+    try:
+        batch = first_batch(workload)
+    except Exception as exc:  # noqa: BLE001 - the workload's own error is the preflight's to report
+        return None, [f"parallel degrees not read: the first batch failed ({type(exc).__name__}: {exc})"]
+    return (
+        ModelFacts(
+            model,
+            sequence_length(batch),
+            sum(p.numel() * p.element_size() for p in model.parameters()),
+            lambda: profile(model, batch, workload.loss_fn, workload.criterion),
+        ),
+        [],
+    )
+
+
+def facts_notes(facts: ModelFacts | None) -> list[str]:
+    """What the candidates' reading of ``facts`` could not tell: a meta forward that did not run."""
+    seen = facts.profiled if facts is not None else None
+    if seen is None or seen.error is None:
+        return []
+    return [f"the meta forward could not run ({seen.error}): activation share not measured"]
+
+
+def block_classes(model: torch.nn.Module) -> tuple[type, ...]:
+    """The model's repeated building blocks: user classes (not torch.nn's own) found at least twice.
+
+    Outermost first, in the order the model holds them: GPT gives (Block, CausalSelfAttention, MLP).
+    These are what checkpoint / fsdp-wrap / compile candidates are made of.
+    """
+    counts: dict[type, int] = {}
+    for module in model.modules():
+        cls = type(module)
+        if cls.__module__.startswith("torch.") or module is model:
+            continue
+        if not any(True for _ in module.parameters()):
+            continue
+        counts[cls] = counts.get(cls, 0) + 1
+    return tuple(cls for cls, n in counts.items() if n >= 2)
+
+
+def example_model(model_fn):
+    """The model, built on the meta device when it can be (no memory), to find its blocks."""
+    try:
+        with torch.device("meta"):
+            return model_fn()
+    except Exception:  # noqa: BLE001 - some models cannot be built on meta; build them for real
+        return model_fn()

@@ -400,23 +400,12 @@ def _dry_run(req: Request, plan: Plan) -> str | None:
 
 def _search(req: Request, loaded: Plan | None, env: Environment) -> tuple[str | None, str | None]:
     from composable_atorch.auto import report
-    from composable_atorch.auto.policy import Budget, SpaceOptions, StudyOptions, TrialSettings
     from composable_atorch.auto.study import search
 
+    workload, trial, budget, space, study = req.search_policies(loaded, env.world_size)
     o = req.opts
-    if not req.can_train:
-        raise ConfigError(
-            "optim_func", req.optim_func, "given, with loss_func and a dataset (or sample_batch=): the search trains"
-        )
-    n_trials = o["n_trials"] if o["n_trials"] is not None or o["time_limit"] is not None else 12
     result = search(
-        req.workload(),
-        trial=TrialSettings(world_size=env.world_size, timeout=o["trial_timeout"], measure_steps=5),
-        budget=Budget(n_trials=n_trials, time_limit=o["time_limit"], memory_limit=o["memory_limit"]),
-        space=SpaceOptions(excluded=req.excluded, included=req.included, start_from=loaded, customize=req.settings),
-        study=StudyOptions(storage=o["storage"], study_name=o["study_name"], seed=o["seed"]),
-        env=env,
-        progress=bool(o["verbose"]),
+        workload, trial=trial, budget=budget, space=space, study=study, env=env, progress=bool(o["verbose"])
     )
     if o["verbose"]:
         print(report.text_table(result))

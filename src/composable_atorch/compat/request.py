@@ -320,6 +320,25 @@ class Request:
             loader_kwargs,
         )
 
+    def search_policies(self, loaded: Plan | None, world_size: int) -> tuple:
+        """What the fully automatic mode's search takes, checked: ``(workload, trial, budget, space,
+        study)`` from ATorch's keywords and this library's search keywords (``n_trials`` defaults to 12
+        without a ``time_limit``); ``loaded`` (a strategy to fine-tune) is measured first."""
+        from composable_atorch.auto.policy import Budget, SpaceOptions, StudyOptions, TrialSettings
+
+        o = self.opts
+        if not self.can_train:
+            why = "given, with loss_func and a dataset (or sample_batch=): the search trains"
+            raise ConfigError("optim_func", self.optim_func, why)
+        n_trials = o["n_trials"] if o["n_trials"] is not None or o["time_limit"] is not None else 12
+        policies = (
+            TrialSettings(world_size=world_size, timeout=o["trial_timeout"], measure_steps=5),
+            Budget(n_trials=n_trials, time_limit=o["time_limit"], memory_limit=o["memory_limit"]),
+            SpaceOptions(excluded=self.excluded, included=self.included, start_from=loaded, customize=self.settings),
+            StudyOptions(storage=o["storage"], study_name=o["study_name"], seed=o["seed"]),
+        )
+        return (self.workload(), *policies)
+
     def notes(self) -> tuple[str, ...]:
         """What explain() adds for keywords accepted with no effect, or with an effect worth saying."""
         o, out = self.opts, []

@@ -1,6 +1,7 @@
 """What a transform sees and maps: the :class:`TrainState` flowing through a plan, the read-only
 :class:`ApplyContext` of the plan being applied, and the :class:`SearchContext` the auto search
-asks candidates with.
+asks candidates with (with :class:`ModelFacts`, and the :class:`LayoutOption` / :class:`NotOffered`
+an axis answers with).
 
 Plain data, below the Transform base class and the plan, so both can use it without importing
 each other.
@@ -9,6 +10,7 @@ each other.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -45,6 +47,80 @@ class TrainState:
 
 
 @dataclass(frozen=True)
+class ForwardProfile:
+    """What one forward (and loss) of the model on the meta device over the first batch shows: the bytes
+    saved for the backward (activations; not the parameters) and the heads of every
+    ``scaled_dot_product_attention`` call; ``error`` when it could not run (a data-dependent forward,
+    e.g. a mixture of experts routing tokens)."""
+
+    activation_bytes: int | None = None
+    heads: tuple[int, ...] = ()
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the search read from the model and the workload's first batch, once, for the candidates that
+    depend on them: a sequence split on attention and long sequences, expert degrees on MoE layers.
+
+    ``model`` is the example model (on the meta device where it builds there): an axis that must look
+    at its layers (its experts) does. ``sequence_length`` is dim 1 of the batch's first tensor (None
+    when it has no ``(batch, sequence)`` tensor). :meth:`profile` runs ``measure`` — one forward of the
+    user's model on the meta device — on first use and keeps it: it runs the user's code, so only for
+    an axis that asks, and once for all of them.
+    """
+
+    model: Any = None
+    sequence_length: int | None = None
+    parameter_bytes: int = 0
+    measure: Callable[[], ForwardProfile] | None = field(default=None, repr=False, compare=False)
+    _measured: list = field(default_factory=list, repr=False, compare=False)
+
+    def profile(self) -> ForwardProfile:
+        if not self._measured:
+            self._measured.append(self.measure() if self.measure is not None else ForwardProfile(error="not measured"))
+        return self._measured[0]
+
+    @property
+    def profiled(self) -> ForwardProfile | None:
+        """The profile when an axis asked for it, else None (the forward never ran)."""
+        return self._measured[0] if self._measured else None
+
+
+@dataclass(frozen=True)
+class LayoutOption:
+    """A degree an axis offers the search: its ``steps`` over ``dim`` of size ``degree``, with the
+    ``parallel_mode`` ``layout`` they run on, as one option of the search's ``parallel_mode`` knob
+    (the step's own config does not vary: its degree is the mesh's). ``label`` says in one line what
+    the option does. ``admit(plan) -> reason | None`` is a rule on every plan of the space while the
+    option is offered (hybrid sharding's layout refuses the plans that would list it twice)."""
+
+    label: str
+    layout: Any  # a parallel_mode Transform
+    steps: tuple[Any, ...] = ()
+    dim: str = ""
+    degree: int = 1
+    admit: Callable[[Any], str | None] | None = field(default=None, compare=False)
+
+    @property
+    def transforms(self) -> tuple[Any, ...]:
+        return (self.layout, *self.steps)
+
+
+@dataclass(frozen=True)
+class NotOffered:
+    """Why an axis offers no degree (or not this one) for this model, batch and world: the search
+    says it under its trials table (``"<subject> not proposed: <reason>"``)."""
+
+    subject: str
+    reason: str
+
+    @property
+    def note(self) -> str:
+        return f"{self.subject} not proposed: {self.reason}"
+
+
+@dataclass(frozen=True)
 class SearchContext:
     """What the auto search knows when it asks each transform for candidate configs.
 
@@ -52,12 +128,25 @@ class SearchContext:
     compile); ``batch_size`` is the global batch; ``env`` the target environment (its world size
     is the one the trial will run at). ``allow_compile`` lets compile offer candidates: a cold
     inductor compile costs minutes per trial on a small CPU, so the search opts in.
+
+    ``model`` (:class:`ModelFacts`) is what the model and its first batch show, for an axis whose
+    degrees depend on them: it answers with :class:`LayoutOption` (and :class:`NotOffered`) among its
+    candidates; None offers no such degree. ``included`` are the kinds the user pinned: an axis
+    included there offers every degree it can train, not only those it judges worth measuring.
     """
 
     env: Environment
     block_classes: tuple[type, ...] = ()
     batch_size: int = 1
     allow_compile: bool = False
+    model: ModelFacts | None = None
+    included: frozenset[str] = frozenset()
+
+    @property
+    def degrees(self) -> tuple[int, ...]:
+        """The sizes a mesh dimension may take in this world: its divisors from 2."""
+        world = self.env.world_size
+        return tuple(n for n in range(2, world + 1) if world % n == 0)
 
 
 class PlanView(Protocol):

@@ -49,6 +49,7 @@ from composable_atorch.transforms.parallel.data.common import (
     sharded_optimizer,
     zero_options,
 )
+from composable_atorch.transforms.parallel.data.meshes import hybrid_option
 from composable_atorch.transforms.parallel.data.probe import Probe, probe_unused
 
 # ---------------------------------------------------------------------------------------------
@@ -404,7 +405,8 @@ class Zero1(HasBackends, Transform):
 
     @classmethod
     def candidates(cls, search):
-        return (cls(),) if search.env.world_size >= 2 else ()
+        """Sharded over the data ranks; on several nodes also the ``zero x data`` layout (sharded per node)."""
+        return ((cls(),) + hybrid_option(search)) if search.env.world_size >= 2 else ()
 
     def describe(self):
         impl = {"torch": "ZeroRedundancyOptimizer", "fairscale": "fairscale OSS"}[self.backend]

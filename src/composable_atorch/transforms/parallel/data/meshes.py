@@ -1,11 +1,16 @@
 """Which mesh fsdp / zero2 shard over: flat over the data ranks, hybrid (HSDP) over parallel_mode's
 ``zero`` dimension or over the nodes (ATorch's ``HYBRID_SHARD``), and the experts of expert parallelism
 over their replicas (ATorch's ``expert_fsdp``). Split from :mod:`.sharding`, which applies FSDP2.
+
+The search's layouts: :func:`layout_option` (a step over one dimension of ``parallel_mode``, the data
+dimension the rest: how every axis offers its degrees) and :func:`hybrid_option` (the ``zero x data``
+layout fsdp, zero2 and zero1 offer on several nodes).
 """
 
 from __future__ import annotations
 
-from composable_atorch.core.transform import ApplyContext, TrainState
+from composable_atorch.core.context import LayoutOption, NotOffered, SearchContext
+from composable_atorch.core.transform import ApplyContext, TrainState, lookup
 from composable_atorch.errors import ConfigError
 from composable_atorch.transforms.parallel.data.common import EXPERT_REPLICA_MESH
 
@@ -91,3 +96,50 @@ def shard_experts(experts: list, pc, kwargs: dict, state: TrainState, who: str) 
         f"{len(experts)} experts module(s) sharded over the data dim of {replicas.size()} (expert_fsdp); the rest "
         f"over expert x data ({pc.data_size} ranks)",
     )
+
+
+# -- the search's layouts ------------------------------------------------------------------------------
+
+
+def layout_option(dim: str, n: int, world: int, label: str, *steps, admit=None) -> LayoutOption:
+    """The search's option of ``steps`` over ``dim`` of ``n``, the data dimension the rest of ``world``."""
+    layout = lookup("parallel_mode")(groups=((dim, n), ("data", world // n)))
+    return LayoutOption(label, layout, tuple(steps), dim, n, admit)
+
+
+def hybrid_option(search: SearchContext) -> tuple:
+    """On several nodes, ``zero <per node> x data <nodes>``: with fsdp / zero2 that is hybrid sharding
+    (HSDP: shard inside a node, replicate across nodes), with zero1 optimizer state sharded inside a
+    node. Its rule (:func:`hybrid_admit`) refuses the plans it would list twice."""
+    env = search.env
+    per = env.processes_per_node
+    if env.nodes < 2 or per < 2:
+        return ()
+    if search.batch_size % env.world_size:
+        why = f"the global batch {search.batch_size} does not split over {env.world_size}"
+        return (NotOffered("hybrid sharding", why),)
+    label = (
+        f"zero {per} x data {env.nodes}: with fsdp / zero2, hybrid sharding (HSDP) inside each node of {per}, "
+        f"replicated across {env.nodes} nodes"
+    )
+    return (layout_option("zero", per, env.world_size, label, admit=hybrid_admit),)
+
+
+def hybrid_admit(plan) -> str | None:
+    """While the ``zero x data`` layout is offered: a ``zero`` dimension without fsdp / zero2 / zero1 shards
+    nothing (ddp over data x zero is the plan without it), and ``fsdp(hybrid=True)`` is the same hybrid
+    sharding, listed once by the explicit layout (a trial's processes run on one machine, where the
+    world's nodes are not there to take the groups from)."""
+    names = set(plan.names)
+    layout = next((t for t in plan.transforms if t.name == "parallel_mode"), None)
+    if layout is not None and dict(layout.groups).get("zero", 1) > 1 and not names & {"fsdp", "zero2", "zero1"}:
+        return (
+            "invalid for the search: the 'zero' dimension shards nothing without fsdp / zero2 / zero1 "
+            "(ddp over data x zero is the plan without it)"
+        )
+    if any(t.name == "fsdp" and getattr(t, "hybrid", False) for t in plan.transforms):
+        return (
+            "invalid for the search: fsdp(hybrid=True) is the hybrid sharding the zero x data layout of the "
+            "parallel_mode knob gives; listed once, by that layout"
+        )
+    return None

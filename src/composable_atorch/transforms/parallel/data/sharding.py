@@ -54,7 +54,7 @@ from composable_atorch.transforms.parallel.data.common import (
     sharded_optimizer,
     zero_options,
 )
-from composable_atorch.transforms.parallel.data.meshes import shard_experts, shard_mesh
+from composable_atorch.transforms.parallel.data.meshes import hybrid_option, shard_experts, shard_mesh
 from composable_atorch.transforms.parallel.data.wrap import (
     FSDP1_OPTIONS,
     FSDP1_REFUSED,
@@ -310,12 +310,13 @@ class Fsdp(HasBackends, Transform):
 
     @classmethod
     def candidates(cls, search):
-        """One per block class; with several nodes also hybrid (shard inside a node, replicate across)."""
+        """One per block class; with several nodes also hybrid (shard inside a node, replicate across),
+        and the ``zero x data`` layout that names those groups (:func:`~.meshes.hybrid_option`)."""
         if search.env.world_size < 2:
             return ()
         flat = tuple(cls(wrap=(b,)) for b in search.block_classes)
         if search.env.nodes > 1 and search.env.processes_per_node > 1:
-            return flat + tuple(cls(wrap=(b,), hybrid=True) for b in search.block_classes)
+            return flat + tuple(cls(wrap=(b,), hybrid=True) for b in search.block_classes) + hybrid_option(search)
         return flat
 
     def describe(self):
@@ -447,7 +448,8 @@ class Zero2(HasBackends, Transform):
 
     @classmethod
     def candidates(cls, search):
-        return (cls(),) if search.env.world_size >= 2 else ()
+        """Sharded over the data ranks; on several nodes also the ``zero x data`` layout (hybrid sharding)."""
+        return ((cls(),) + hybrid_option(search)) if search.env.world_size >= 2 else ()
 
     def describe(self):
         if self.backend == "fairscale":

@@ -29,14 +29,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from composable_atorch.core.context import NotOffered
 from composable_atorch.core.contract import Conflict, Contract, MinWorldSize, Stage
 from composable_atorch.core.transform import ApplyContext, TrainState, Transform
+from composable_atorch.errors import CompositionError
 from composable_atorch.transforms.parallel.data.common import (
     EXPERT_MODULES,
     EXPERT_REPLICA_MESH,
     implies_mesh_dim,
     parallel_context,
 )
+from composable_atorch.transforms.parallel.data.meshes import layout_option
 from composable_atorch.transforms.parallel.expert.dispatch import dispatch_forward
 from composable_atorch.transforms.parallel.expert.families import family, find_experts
 
@@ -131,6 +134,37 @@ class ExpertParallel(Transform):
             ),
         ),
     )
+
+    @classmethod
+    def candidates(cls, search):
+        """One option per expert degree n that every MoE layer's expert count divides (:meth:`check` on the
+        search's model), where the global batch splits over the world (the expert dimension is a batch
+        dimension); why not, when no MoE layer splits in two."""
+        if search.model is None or search.env.world_size < 2:
+            return ()
+        step, world, fitting = cls(), search.env.world_size, []
+        for n in search.degrees:
+            try:
+                step.check(search.model.model, n)
+            except CompositionError as exc:
+                if n == 2:
+                    return (NotOffered("expert parallelism", f"{getattr(exc, 'problem', exc)}"),)
+                continue
+            fitting.append(n)
+        if search.batch_size % world:
+            why = f"the global batch {search.batch_size} does not split over {world}"
+            return tuple(NotOffered(f"expert {n}", why) for n in fitting)
+        return tuple(
+            layout_option(
+                "expert",
+                n,
+                world,
+                f"expert {n} x data {world // n}: each rank holds 1/{n} of every MoE layer's experts, tokens sent "
+                "to their experts by all-to-all",
+                step,
+            )
+            for n in fitting
+        )
 
     def describe(self):
         return "expert_parallel(experts split over the expert dim, all-to-all token dispatch, no capacity drop)"

@@ -14,6 +14,10 @@ whose probe forwards run with the split inert
 (:func:`composable_atorch.runtime.sequence.probing`) and whose own loss report averages over the
 split's group; transformers models get their global positions at the base model, which a
 pipeline stage still calls with keywords.
+
+The search's options for both (:func:`split_options`): a split is proposed where it can train the
+model (attention, global positions) and where it pays (long sequences, activations outweighing the
+state a split leaves whole: :func:`split_refused`).
 """
 
 from __future__ import annotations
@@ -22,13 +26,15 @@ import functools
 import math
 from typing import Any
 
+from composable_atorch.core.context import NotOffered, SearchContext
 from composable_atorch.core.contract import Conflict, Order
-from composable_atorch.core.transform import ApplyContext, TrainState
+from composable_atorch.core.transform import ApplyContext, TrainState, Transform
 from composable_atorch.errors import ConfigError
 from composable_atorch.runtime.layout import BATCH_DIMS
 from composable_atorch.runtime.loader import first_length, rebuild_loader
 from composable_atorch.runtime.sequence import mark_sequence_split
 from composable_atorch.transforms.parallel.data.common import DataGradSync, broadcast_local, parallel_context
+from composable_atorch.transforms.parallel.data.meshes import layout_option
 from composable_atorch.transforms.parallel.sequence import check as split_check
 from composable_atorch.transforms.parallel.sequence.attention import (
     Attend,
@@ -225,3 +231,73 @@ def group_note(n: int, dim: str) -> str:
 def seed_size(value: Any, field: str) -> None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
         raise ConfigError(field, value, "an integer >= 1, or None to read it from parallel_mode")
+
+
+# -- the search's options ------------------------------------------------------------------------------
+
+#: sequences shorter than this are not split by the search: each rank's chunk would be a handful of
+#: tokens, the exchange of keys / values costs more than it saves (torchtitan splits 8k-256k tokens)
+LONG_SEQUENCE = 64
+#: bytes of model state per parameter byte that a sequence split leaves whole on every rank: the
+#: parameter, its gradient and an Adam optimizer's two moments
+STATE_PER_PARAMETER = 4
+
+
+def sliding_window(model) -> int | None:
+    config = getattr(model, "config", None)
+    window = getattr(config, "sliding_window", None)
+    return window if window is not None and getattr(config, "use_sliding_window", True) else None
+
+
+def split_refused(search: SearchContext, forced: bool) -> str | None:
+    """Why the search proposes no sequence split of ``search.model``, or None.
+
+    It needs a ``(batch, sequence)`` tensor, a forward taking ``position_ids`` (each rank holds part of
+    the sequence and needs its global positions), no sliding window, and attention (transformers'
+    attention interface or ``scaled_dot_product_attention`` calls in the meta forward). Unless the
+    user included the kind (``forced``), it must also pay: sequences of :data:`LONG_SEQUENCE` tokens or
+    more, and activations per rank (data-parallel) at least the model state a split leaves whole.
+    """
+    facts = search.model
+    length, model = facts.sequence_length, facts.model
+    if length is None:
+        return "the batch has no (batch, sequence) tensor"
+    if not forced and length < LONG_SEQUENCE:
+        return f"sequences of {length} tokens (split from {LONG_SEQUENCE} on)"
+    if not forward_takes(model, "position_ids"):
+        return (
+            f"{type(model).__name__}.forward takes no position_ids (each rank holds part of the sequence and needs "
+            "its global positions)"
+        )
+    window = sliding_window(model)
+    if window is not None:
+        return f"sliding-window attention ({window}) is not split over ranks"
+    seen = facts.profile()
+    if not uses_attention_interface(model) and not seen.heads:
+        return f"no attention found ({seen.error or 'no scaled_dot_product_attention call in its forward'})"
+    state = STATE_PER_PARAMETER * facts.parameter_bytes
+    if not forced and seen.activation_bytes is not None and seen.activation_bytes // search.env.world_size < state:
+        return (
+            f"activations {seen.activation_bytes // search.env.world_size / 2**20:.1f} MiB per rank (data-parallel) "
+            f"< model state {state / 2**20:.1f} MiB (a sequence split divides activations only)"
+        )
+    return None
+
+
+def split_options(step: Transform, dim: str, search: SearchContext, fits, describe) -> tuple:
+    """The search's options of ``step`` (splitting over ``dim``): one per degree ``n`` whose data size
+    divides the global batch and where ``fits(n, length, heads)``, labelled ``describe(n, data)``; or
+    why none (:func:`split_refused`)."""
+    if search.model is None or search.env.world_size < 2:
+        return ()
+    refused = split_refused(search, step.name in search.included)
+    if refused is not None:
+        return (NotOffered(step.name, refused),)
+    facts, world = search.model, search.env.world_size
+    seen = facts.profile()
+    heads = seen.heads[0] if seen.heads else getattr(getattr(facts.model, "config", None), "num_attention_heads", None)
+    return tuple(
+        layout_option(dim, n, world, describe(n, world // n), step)
+        for n in search.degrees
+        if not search.batch_size % (world // n) and fits(n, facts.sequence_length, heads)
+    )

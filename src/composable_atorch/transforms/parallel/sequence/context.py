@@ -28,6 +28,7 @@ from composable_atorch.transforms.parallel.sequence.common import (
     apply_split,
     group_note,
     model_parallel_conflicts,
+    split_options,
 )
 
 ROTATIONS = ("allgather", "ring")
@@ -76,6 +77,21 @@ class ContextParallel(Transform):
             raise ConfigError("context_parallel.positions", self.positions, "True or False")
         if self.rotation not in ROTATIONS:
             raise ConfigError("context_parallel.rotation", self.rotation, " or ".join(map(repr, ROTATIONS)))
+
+    @classmethod
+    def candidates(cls, search):
+        """One option per context degree n the model and its first batch admit
+        (:func:`~.common.split_options`): sequences in 2n load-balanced chunks."""
+        return split_options(
+            cls(),
+            "context",
+            search,
+            lambda n, length, _heads: length % (2 * n) == 0,
+            lambda n, data: (
+                f"context {n} x data {data}: each rank holds 1/{n} of every sequence (load-balanced chunks), "
+                "keys and values all-gathered for attention"
+            ),
+        )
 
     def describe(self):
         how = "passed around a ring" if self.rotation == "ring" else "all-gathered"

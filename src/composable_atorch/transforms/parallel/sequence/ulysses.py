@@ -26,6 +26,7 @@ from composable_atorch.transforms.parallel.sequence.common import (
     group_note,
     model_parallel_conflicts,
     seed_size,
+    split_options,
 )
 
 
@@ -94,6 +95,21 @@ class Ulysses(Transform):
         if bad:
             raise ConfigError("sequence_parallel.inert", bad[0], f"a list of names from {list(SET_SP_KEYS)}")
         object.__setattr__(self, "inert", inert)
+
+    @classmethod
+    def candidates(cls, search):
+        """One option per sequence degree n the model and its first batch admit
+        (:func:`~.common.split_options`): sequences and heads both divisible by n."""
+        return split_options(
+            cls(),
+            "sequence",
+            search,
+            lambda n, length, heads: length % n == 0 and bool(heads) and heads % n == 0,
+            lambda n, data: (
+                f"sequence {n} x data {data} (Ulysses): each rank holds 1/{n} of every sequence, all-to-all "
+                f"to 1/{n} of the heads for attention"
+            ),
+        )
 
     @classmethod
     def from_seed(cls, config=None):

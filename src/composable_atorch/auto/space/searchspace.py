@@ -1,129 +1,38 @@
-"""The search space, generated from the registry: for each kind, "absent" or one of its candidates.
+"""The search space, generated from the registry: for each knob, "absent" or one of its options.
 
-Nothing here names a transform. Each registered class offers configs through its
-``candidates(SearchContext)`` classmethod; a kind with no candidates is never proposed. A point of
-the space is an *assignment* ``{kind: label}``; compose() is the constraint that turns it into a
-Plan or rejects it (conflict, unmet requirement) before it costs a dry run. Two assignments whose
-composed plans have the same steps are the same plan, measured once (``plan_key``).
+Each registered class offers configs through its ``candidates(SearchContext)`` classmethod; a kind
+with no candidates is never proposed. An axis whose degree is a mesh dimension (context, Ulysses,
+expert, hybrid sharding's zero groups) answers with :class:`~composable_atorch.core.context.LayoutOption`
+s, read from the model and its first batch (:class:`~composable_atorch.core.context.ModelFacts`):
+together they form one more knob, ``parallel_mode`` (:class:`~.knobs.Degrees`). A point of the space
+is an *assignment* ``{knob: label}``; compose() is the constraint that turns it into a Plan or rejects
+it (conflict, unmet requirement) before it costs a dry run. Two assignments whose composed plans have
+the same steps are the same plan, measured once (``plan_key``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
-import json
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from composable_atorch.auto.degrees import KNOB as DEGREES_KNOB
-from composable_atorch.auto.degrees import Degrees, read_degrees
-from composable_atorch.auto.degrees import admit_rule as degrees_admit
-from composable_atorch.core import codec
+from composable_atorch.auto.space.knobs import ABSENT, KNOB, Degrees, canonical_kind, dimensions
+from composable_atorch.auto.space.plans import label_of, plan_key, plan_needs_criterion, planning_admit
+from composable_atorch.auto.workload import block_classes, example_model, facts_notes, model_facts
 from composable_atorch.core.compose import compose
+from composable_atorch.core.context import LayoutOption, NotOffered
 from composable_atorch.core.plan import Plan
-from composable_atorch.core.transform import _PLANNED, SearchContext, Transform, lookup, registry
+from composable_atorch.core.transform import SearchContext, Transform, registry
 from composable_atorch.environment import Environment
-from composable_atorch.errors import CompositionError, ConfigError, UnknownTransformError
+from composable_atorch.errors import CompositionError, ConfigError
 
 if TYPE_CHECKING:
     from composable_atorch.auto.policy import SpaceOptions
     from composable_atorch.auto.workload import Workload
-
-ABSENT = "absent"
-
-
-def plan_key(plan: Plan) -> str:
-    """What makes two plans the same plan: their ordered steps and configs (not how they were asked for)."""
-    steps = [{"name": t.name, "config": codec.encode(t.config())} for t in plan.transforms]
-    return json.dumps(steps, sort_keys=True, separators=(",", ":"))
-
-
-def label_of(transform: Transform) -> str:
-    """A short, stable label for one candidate config (what optuna stores as the categorical value)."""
-    return transform.describe()
-
-
-def block_classes(model: torch.nn.Module) -> tuple[type, ...]:
-    """The model's repeated building blocks: user classes (not torch.nn's own) found at least twice.
-
-    Outermost first, in the order the model holds them: GPT gives (Block, CausalSelfAttention, MLP).
-    These are what checkpoint / fsdp-wrap / compile candidates are made of.
-    """
-    counts: dict[type, int] = {}
-    for module in model.modules():
-        cls = type(module)
-        if cls.__module__.startswith("torch.") or module is model:
-            continue
-        if not any(True for _ in module.parameters()):
-            continue
-        counts[cls] = counts.get(cls, 0) + 1
-    return tuple(cls for cls, n in counts.items() if n >= 2)
-
-
-def canonical_kind(name: str) -> str | None:
-    """The registry name for a name or alias; None for a seed name that is planned but not built."""
-    try:
-        return lookup(name).name
-    except UnknownTransformError:
-        if name in _PLANNED:
-            return None
-        raise
-
-
-def parallel_degree(plan: Plan, dim: str) -> int:
-    """The size of ``dim`` ("tensor", "pipeline") a plan asks for, read from its steps' configs (a
-    ``dim`` degree, as mixed_parallel's, or a ``(dim, n)`` group of the layout); 1 when none asks."""
-    for t in plan.transforms:
-        config = t.config()
-        degree = config.get(dim)
-        if isinstance(degree, int) and degree > 1:
-            return degree
-        for group in config.get("groups") or ():
-            if isinstance(group, list | tuple) and len(group) == 2 and group[0] == dim and group[1] > 1:
-                return int(group[1])
-    return 1
-
-
-def pipeline_degree(plan: Plan) -> int:
-    """The pipeline size a plan asks for (:func:`parallel_degree`). A pipeline needs the loss in
-    the ``(output, targets)`` shape of ``train_step`` (see :class:`~composable_atorch.auto.Workload`)."""
-    return parallel_degree(plan, "pipeline")
-
-
-def checked_dim(transform: Transform) -> str:
-    """The mesh dimension whose degree a step's ``check(model, degree)`` takes: the one its contract
-    implies a ``parallel_mode`` for (expert_parallel: "expert"), else "tensor" (tensor planning)."""
-    for implication in transform.contract.implies:
-        groups = (implication.config or {}).get("groups") if implication.name == "parallel_mode" else None
-        if groups:
-            return groups[0][0]
-    return "tensor"
-
-
-def planning_admit(model: torch.nn.Module, then: Callable[[Plan], str | None] | None = None):
-    """``admit(plan)`` for :class:`SearchSpace`: a plan with a step whose ``check(model, degree)``
-    (model-parallel planning, e.g. tensor_parallel's) refuses ``model`` is invalid at no trial cost;
-    ``then`` is the next rule. Checks are cached per (step, degree)."""
-    seen: dict = {}
-
-    def admit(plan: Plan) -> str | None:
-        for t in plan.transforms:
-            if not callable(getattr(t, "check", None)):
-                continue
-            key = (repr(t), parallel_degree(plan, checked_dim(t)))
-            if key not in seen:
-                try:
-                    t.check(model, key[1])
-                    seen[key] = None
-                except ConfigError as exc:
-                    seen[key] = f"{type(exc).__name__}: {exc}"
-            if seen[key]:
-                return seen[key]
-        return then(plan) if then is not None else None
-
-    return admit
 
 
 @dataclass(frozen=True)
@@ -171,38 +80,6 @@ class Enumeration:
         return dict(rng.choice([p for p in left if distance(p) == nearest]).assignment)
 
 
-def _contenders(a: type[Transform], b: type[Transform]) -> bool:
-    """Two kinds contend when they own a common role or either declares a conflict with the other."""
-    ca, cb = a.contract, b.contract
-    if set(ca.owns) & set(cb.owns):
-        return True
-    tags_a, tags_b = {a.name, *ca.owns, *ca.roles}, {b.name, *cb.owns, *cb.roles}
-    return any(c.other in tags_b for c in ca.conflicts) or any(c.other in tags_a for c in cb.conflicts)
-
-
-def dimensions(kinds: dict[str, type[Transform]]) -> list[tuple[str, ...]]:
-    """Kinds grouped into knobs: contending kinds (see :func:`_contenders`) share one knob.
-
-    ddp, zero1, zero2 and fsdp own gradient sync / optimizer-state sharding, so they form one knob,
-    "the data-parallel engine", whose options are their valid sub-combinations. Read from the
-    contracts: a new engine joins the knob by declaring what it owns.
-    """
-    parent = {k: k for k in kinds}
-
-    def root(k):
-        while parent[k] != k:
-            k = parent[k]
-        return k
-
-    for a, b in itertools.combinations(sorted(kinds), 2):
-        if _contenders(kinds[a], kinds[b]):
-            parent[root(b)] = root(a)
-    groups: dict[str, list[str]] = {}
-    for k in sorted(kinds):
-        groups.setdefault(root(k), []).append(k)
-    return [tuple(g) for g in groups.values()]
-
-
 class SearchSpace:
     """``{knob: {label: transforms}}`` built from the registry, with compose() as the constraint.
 
@@ -212,10 +89,9 @@ class SearchSpace:
     candidates); ``extra`` adds given configs as options of their kind (e.g. a loaded strategy
     to fine-tune from); ``customize(plan) -> plan`` adjusts every composed plan (settings that are
     not searched, such as ``find_unused_parameters``); ``admit(plan) -> reason | None`` rejects
-    composed plans the workload cannot train (a pipeline without a criterion), like compose() does.
-    ``degrees`` (:func:`composable_atorch.auto.degrees.propose`) are the parallel degrees read from the
-    model and its batch (sequence splits, experts, hybrid sharding): one more knob, ``parallel_mode``,
-    whose options each lay out a mesh with the step that uses it.
+    composed plans the workload cannot train (a pipeline without a criterion), like compose() does,
+    after the rules of the ``parallel_mode`` knob's options (:class:`Degrees`: the axes' degrees, read
+    from ``search.model``). ``notes`` join the knob's (what the model's facts could not tell).
     """
 
     def __init__(
@@ -227,16 +103,12 @@ class SearchSpace:
         extra: Iterable[Transform] = (),
         customize: Callable[[Plan], Plan] | None = None,
         admit: Callable[[Plan], str | None] | None = None,
-        degrees: Degrees | None = None,
+        notes: Iterable[str] = (),
     ):
-        self.search = search
         self.customize = customize
-        self.admit = admit
         self.env = search.env
         excluded_kinds = {k for k in (canonical_kind(n) for n in excluded) if k is not None}
         included_kinds = set()
-        self.degrees = degrees or Degrees()
-        by_degrees = {t.name for combo in self.degrees.options.values() for t in combo}
         for name in included:
             kind = canonical_kind(name)
             if kind is None:
@@ -244,25 +116,24 @@ class SearchSpace:
             if kind in excluded_kinds:
                 raise ConfigError("included", name, "a transform that is not also in excluded")
             included_kinds.add(kind)
-        per_kind: dict[str, list[Transform | None]] = {}
-        classes = {}
-        for kind, cls in sorted(registry().items()):
-            if kind in excluded_kinds:
-                continue
-            found = list(cls.candidates(search))
-            found += [t for t in extra if t.name == kind and t not in found]
-            if not found:
-                if kind in included_kinds and kind not in by_degrees:
-                    why = "; ".join(self.degrees.notes)
-                    raise ConfigError(
-                        "included",
-                        kind,
-                        f"transforms that offer search candidates here ({kind} offers none for {self.env.describe()}"
-                        f"{': ' + why if why else ''}); pass it in load_strategy instead",
-                    )
-                continue
-            per_kind[kind] = ([] if kind in included_kinds else [None]) + list(dict.fromkeys(found))
-            classes[kind] = cls
+        if KNOB in excluded_kinds:  # no layout knob: no model facts, no axis reads the model for its degrees
+            search = dataclasses.replace(search, model=None)
+        self.search = search = dataclasses.replace(search, included=frozenset(included_kinds))
+        per_kind, classes, answers, forced = self._ask(search, excluded_kinds, included_kinds, extra)
+        if KNOB in excluded_kinds:
+            answers = []
+        known = [*notes, *facts_notes(search.model)]
+        self.degrees = Degrees.of(answers, forced, KNOB in included_kinds, known)
+        by_degrees = {t.name for combo in self.degrees.options.values() for t in combo}
+        for kind in sorted(included_kinds - set(per_kind) - by_degrees):
+            why = "; ".join(self.degrees.notes)
+            raise ConfigError(
+                "included",
+                kind,
+                f"transforms that offer search candidates here ({kind} offers none for {self.env.describe()}"
+                f"{': ' + why if why else ''}); pass it in load_strategy instead",
+            )
+        self.admit = self.degrees.admit(admit)
         #: sub-combinations of a knob that compose() rejected while the space was built
         self.rejected: list[tuple[str, str]] = []
         self.options: dict[str, dict[str, tuple[Transform, ...]]] = {}
@@ -270,7 +141,29 @@ class SearchSpace:
             self.options["+".join(group)] = self._knob(group, per_kind)
         if self.degrees.options:
             absent = {} if self.degrees.pinned else {ABSENT: ()}
-            self.options[DEGREES_KNOB] = {**absent, **self.degrees.options}
+            self.options[KNOB] = {**absent, **self.degrees.options}
+
+    @staticmethod
+    def _ask(search, excluded: set[str], included: set[str], extra) -> tuple:
+        """Each kind's candidates: ``(options per kind, their classes, layout answers, forced kinds)``.
+        A forced kind is an included one that offers nothing but layouts (its degrees)."""
+        per_kind: dict[str, list[Transform | None]] = {}
+        classes, answers, forced = {}, [], set()
+        for kind, cls in sorted(registry().items()):
+            if kind in excluded:
+                continue
+            found = list(cls.candidates(search))
+            layouts = [(kind, c) for c in found if isinstance(c, LayoutOption | NotOffered)]
+            answers += layouts
+            found = [c for c in found if isinstance(c, Transform)]
+            found += [t for t in extra if t.name == kind and t not in found]
+            if not found:
+                if layouts and kind in included:
+                    forced.add(kind)
+                continue
+            per_kind[kind] = ([] if kind in included else [None]) + list(dict.fromkeys(found))
+            classes[kind] = cls
+        return per_kind, classes, answers, forced
 
     def _knob(self, group: tuple[str, ...], per_kind: dict) -> dict[str, tuple[Transform, ...]]:
         if len(group) == 1:
@@ -428,46 +321,23 @@ class SearchSpace:
         return "\n".join(lines)
 
 
-def plan_needs_criterion(plan: Plan) -> str | None:
-    """Why a workload without ``criterion`` cannot train ``plan`` (a pipeline runs the loss inside its
-    schedule, on the last stage's output: ``loss_fn(model, batch)`` has no place there)."""
-    if pipeline_degree(plan) > 1:
-        return (
-            "RequirementError: a pipeline plan needs Workload.criterion(output, targets) and batches of "
-            "(inputs, targets); this workload gives loss_fn(model, batch) only"
-        )
-    return None
-
-
-def example_model(model_fn):
-    """The model, built on the meta device when it can be (no memory), to find its blocks."""
-    try:
-        with torch.device("meta"):
-            return model_fn()
-    except Exception:  # noqa: BLE001 - some models cannot be built on meta; build them for real
-        return model_fn()
-
-
 def build_space(workload: Workload, env: Environment, space: SpaceOptions) -> tuple[SearchSpace, Any]:
     """The search's space for ``workload`` at ``env`` and the example model it was read from (built on
-    the meta device where it can be): the registry's candidates, the parallel degrees the model and
-    its first batch call for (:mod:`.degrees`), and the rules that rule plans out before any trial.
-    Runs the user's model code: call it under a limit (the study does)."""
-
-    def kinds(names):
-        return {k for k in (canonical_kind(n) for n in names) if k is not None}
-
+    the meta device where it can be): the registry's candidates, the axes' degrees for what the model
+    and its first batch show (:func:`~.workload.model_facts`), and the rules that rule plans out before
+    any trial (the model-parallel planning checks first). Runs the user's model code: call it under a
+    limit (the study does)."""
     example = example_model(workload.model_fn)
-    context = SearchContext(env, block_classes(example), workload.batch_size, space.allow_compile)
-    degrees = read_degrees(example, workload, env, kinds(space.excluded), kinds(space.included))
-    needs = None if workload.criterion is not None else plan_needs_criterion
+    facts, notes = model_facts(example, workload)
+    context = SearchContext(env, block_classes(example), workload.batch_size, space.allow_compile, facts)
     built = SearchSpace(
         context,
         excluded=space.excluded,
         included=space.included,
         extra=space.start_from.requested if space.start_from else (),
         customize=space.customize,
-        admit=planning_admit(example, degrees_admit(example, degrees, needs)),
-        degrees=degrees,
+        notes=notes,
     )
+    needs = None if workload.criterion is not None else plan_needs_criterion
+    built.admit = planning_admit(example, built.degrees.admit(needs))
     return built, example
