@@ -140,6 +140,7 @@ def estimate(
     # a plan handed over as an object names its own classes: read back against them (core.codec)
     own = () if not isinstance(plan, Plan | Transform) else (plan if isinstance(plan, Plan) else compose(plan))
     own = own.named_objects() if own else ()
+    notes: list[str] = []
     on_paper = step_time is True and device == "cuda"
     hw = target_hardware(hardware) if on_paper or hardware is not None else None
     nodes = check_nodes(nodes, world_size, hw)
@@ -154,9 +155,17 @@ def estimate(
         )
     )
     target_plan = compose_for(data, target, own)
-    sim_plan = compose_for(data, here.with_(device="cpu", compute_capability=None), own)
+    # on paper compile is priced by its fusion rule over the eager step (paper/fusion.py): the
+    # simulation runs the blocks eagerly (torch.compile does not run under the fake process group)
+    eager = on_paper and "compile" in target_plan.names
+    sim_data = {**data, "transforms": [t for t in data.get("transforms", []) if t.get("name") != "compile"]}
+    sim_plan = compose_for(sim_data if eager else data, here.with_(device="cpu", compute_capability=None), own)
+    if eager:
+        notes.append(
+            "compile priced by its fusion rule on the eager step (estimate/paper/fusion.py); memory is the eager "
+            "step's (inductor's fusion frees some intermediates: the peak may be lower)"
+        )
     setting = paper.setting_for(target_plan, hw, world_size, nodes) if on_paper else None
-    notes = []
     if target_plan.names != sim_plan.names:
         notes.append(
             f"on {device} the plan has steps {list(target_plan.names)}; simulated on the CPU: {list(sim_plan.names)}"

@@ -6,7 +6,9 @@ and the mesh dimension it ran over (FSDP's all-gathers overlap compute, tensor-p
 block it). :class:`OrderedTrace` keeps OpTrace's counts (so everything that reads them still works)
 and adds one :class:`Event` per counted op:
 
-* compute: kind (mm / sdpa / sdpa_bwd / memory), dtype, FLOPs or bytes, the bytes a GEMM moves (the
+* compute: kind (mm / sdpa / sdpa_bwd / memory), dtype (a GEMM of a float8 Linear, forward or
+  backward, is "float8": on this CPU torchao emulates it in bf16, on the GPU it is a float8 GEMM; its
+  scales' amax reductions and casts are memory ops of their own), FLOPs or bytes, the bytes a GEMM moves (the
   roofline's memory side), whether autograd's backward ran it (a checkpoint's recompute is in the
   backward), an attention call's causal flag, key length and mask, and a memory op's tensors (for
   the compile fusion rule);
@@ -113,23 +115,33 @@ class OrderedTrace(OpTrace):
         self.events: list[Event] = []
         #: groups by mesh dimension that contain this rank (read when the trace closes)
         self.mesh_groups: dict[str, tuple[int, ...]] = {}
-        self._hook = None
+        self._hooks: list = []
         self._fake_on_entry = None
+        self._fp8_depth = 0  # inside a float8 Linear's forward (torchao's Float8Linear)
 
     def __enter__(self):
         from torch._guards import active_fake_mode
+        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-        self._hook = register_optimizer_step_pre_hook(lambda *_: self.events.append(Event("barrier")))
+        self._hooks = [
+            register_optimizer_step_pre_hook(lambda *_: self.events.append(Event("barrier"))),
+            register_module_forward_pre_hook(lambda m, *_: self._float8(m, 1)),
+            register_module_forward_hook(lambda m, *_: self._float8(m, -1)),
+        ]
         self._fake_on_entry = active_fake_mode()
         return super().__enter__()
 
     def __exit__(self, *exc):
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
         self.mesh_groups = mesh_groups()
         return super().__exit__(*exc)
+
+    def _float8(self, module, step: int) -> None:
+        if type(module).__name__ in FLOAT8_LINEARS:
+            self._fp8_depth += step
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         from torch._guards import active_fake_mode
@@ -161,7 +173,8 @@ class OrderedTrace(OpTrace):
             return Event(kind, "", size, backward=backward, ranks=ranks, dim=dim_of(group) if group else "")
         ins = _tensors((args, kwargs))
         if kind == "mm":
-            return Event(kind, _dtype(ins, dtype), size, _nbytes(ins + _tensors(out)), backward)
+            dtype = "float8" if self._fp8_depth > 0 or _float8_backward() else _dtype(ins, dtype)
+            return Event(kind, dtype, size, _nbytes(ins + _tensors(out)), backward)
         if kind in ("sdpa", "sdpa_bwd"):
             key_t, query = _arg(func, args, kwargs, "key"), _arg(func, args, kwargs, "query")
             causal = bool(_arg(func, args, kwargs, "is_causal", False))
@@ -195,6 +208,18 @@ def _square(mask, query, seq: int) -> bool:
         and mask.dim() >= 2
         and mask.shape[-1] == mask.shape[-2] == seq == query.shape[-2]
     )
+
+
+#: modules whose GEMMs run in float8 (torchao), and the autograd functions of their backward
+FLOAT8_LINEARS = ("Float8Linear",)
+FLOAT8_BACKWARD = ("matmul_with_hp_or_float8_args",)
+
+
+def _float8_backward() -> bool:
+    """Whether autograd is running a float8 Linear's backward (torchao's matmul function): its GEMMs
+    are float8 GEMMs on a GPU with float8 units, whatever the emulation on this CPU computes in."""
+    node = torch._C._current_autograd_node()
+    return node is not None and any(n in node.name() for n in FLOAT8_BACKWARD)
 
 
 def _in_backward() -> bool:
