@@ -192,3 +192,16 @@ def test_embedding_lookups_are_not_model_flops():
 def test_setting_nodes():
     s = Setting(get("h100-sxm"), world=64, nodes=8)
     assert s.per_node == 8 and math.isclose(Setting(get("l4"), world=4).per_node, 4)
+
+
+def test_a_barrier_with_nothing_in_flight():
+    assert timeline.run([C(1.0), Slot("barrier"), C(1.0)]).total == pytest.approx(2.0)
+
+
+def test_a_one_dimensional_mesh_on_the_default_group_keeps_its_dimension():
+    from composable_atorch.estimate.paper.price import slots_of
+
+    events = [Event("all_reduce", size=2.0**20, ranks=(0, 1)), Event("mm", "bfloat16", 1e9, 1e6)]
+    tensor = slots_of(events, Setting(get("h100-sxm"), world=2, world_dim="tensor"))[0]
+    data = slots_of(events, Setting(get("h100-sxm"), world=2))[0]
+    assert tensor[0].policy == "blocking" and data[0].policy == "async"

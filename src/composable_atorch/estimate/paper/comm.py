@@ -3,11 +3,12 @@
 Bytes each rank moves on a ring of ``n`` (nccl-tests' bus-bandwidth convention, ``S`` the full
 tensor): all-reduce ``2(n-1)/n S``, all-gather / reduce-scatter ``(n-1)/n S``, a send ``S``. The bus
 bandwidth is the link's rate times its collective efficiency (catalog). A group inside one node
-runs on the intra-node link. A group spanning nodes runs its rings through the NICs of the
-ranks it has on each node (NCCL's topology search builds one ring channel per NIC rail on
-rail-optimised HGX / DGX networks, one NIC per GPU), so its bus bandwidth is the smaller of the
-intra-node link and ``local ranks x NIC``; a group of one rank per node runs at one NIC.
-All-to-all's inter-node part crosses the NICs only (``(n - local)/n S``).
+runs on the intra-node link. A group spanning nodes runs at one NIC per rank (one NIC per GPU, as
+HGX / DGX nodes have) times the network's efficiency: torch's own NCCL model
+(``torch._inductor.comm_analysis``, calibrated on H100 RoCE clusters) prices a multi-node ring at
+the per-GPU NIC rate times 0.77-1.0, not at the sum of a node's NICs that a rail-optimised ring
+could reach in theory; never above the intra-node link. All-to-all's inter-node part crosses the
+NICs only (``(n - local)/n S``).
 
 Latency: NCCL's own tuning model (``src/graph/tuning.cc``: a base latency per algorithm and
 protocol plus one hop latency per ring step, NVLink / PCIe / network), read from the tables
@@ -84,7 +85,7 @@ def collective_s(hw: Hardware, kind: str, nbytes: float, ranks: tuple[int, ...],
         intra = (local - 1) / n * nbytes / intra_bw
         return _latency(hw, kind, n, nodes, "Simple") + max(inter, intra)
     else:
-        bus = min(intra_bw, local * net_bw)
+        bus = min(intra_bw, net_bw)
     best = float("inf")
     for proto, frac in PROTOCOLS.items():
         if proto == "LL128" and nodes > 1:

@@ -11,7 +11,7 @@ adds the schedule's bubble (:mod:`.schedules`).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 
 from composable_atorch.estimate.paper import comm, ops, schedules, timeline
 from composable_atorch.estimate.paper.fusion import fuse
@@ -33,6 +33,9 @@ class Setting:
     schedule: str = "1F1B"
     pipeline: int = 1
     stages_per_rank: int = 1
+    #: the one layout dimension spanning the whole world, if the layout has one (a 1-D DeviceMesh
+    #: runs on the default process group, which carries no mesh name): "data" without a layout
+    world_dim: str = "data"
 
     @property
     def per_node(self) -> int:
@@ -96,6 +99,8 @@ def slots_of(events, setting: Setting) -> tuple[list[Slot], float]:
             paired = ev.kind == "p2p_recv" and last_send == ev.size
             seconds = 0.0 if paired else comm.collective_s(hw, ev.kind, ev.size, ev.ranks, setting.per_node)
             last_send = ev.size if ev.kind == "p2p" else None
+            if not ev.dim and len(ev.ranks) == setting.world:
+                ev = replace(ev, dim=setting.world_dim)
             out.append(Slot("comm", seconds, policy=policy(ev, after_barrier)))
         else:
             seconds, work = ops.compute_op(hw, ev)
@@ -186,7 +191,7 @@ def step(ranks: list[RankStep], setting: Setting, microbatches: int) -> Step:
 
 def setting_for(plan, hardware: Hardware, world: int, nodes: int) -> Setting:
     """The pricing knobs a composed plan sets: compile, and a pipeline's schedule and degree."""
-    schedule, pp, per_rank = "1F1B", 1, 1
+    schedule, pp, per_rank, dims = "1F1B", 1, 1, {}
     for t in plan.transforms:
         config = t.config()
         if "schedule" in config and config.get("schedule") in schedules.SCHEDULES:
@@ -196,8 +201,10 @@ def setting_for(plan, hardware: Hardware, world: int, nodes: int) -> Setting:
             if isinstance(config.get(key), int) and config[key] > 1:
                 pp = config[key]
         for group in config.get("groups") or ():
-            if isinstance(group, list | tuple) and len(group) == 2 and group[0] == "pipeline" and group[1] > 1:
-                pp = int(group[1])
+            if isinstance(group, list | tuple) and len(group) == 2 and isinstance(group[1], int) and group[1] > 1:
+                dims[str(group[0])] = group[1]
+    pp = dims.get("pipeline", pp)
+    whole = [d for d, n in dims.items() if n == world]
     return Setting(
         hardware=hardware,
         world=world,
@@ -206,4 +213,5 @@ def setting_for(plan, hardware: Hardware, world: int, nodes: int) -> Setting:
         schedule=schedule,
         pipeline=pp,
         stages_per_rank=per_rank,
+        world_dim=whole[0] if whole else "data",
     )

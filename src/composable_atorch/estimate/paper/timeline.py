@@ -98,7 +98,7 @@ def run(slots: list[Slot]) -> Timeline:
                 wait = max(wait, end)
             new_segment = True
         else:  # the optimizer's barrier: every reduction in flight must be done
-            wait = max(wait, *pending, *deferred)
+            wait = max([wait, *pending, *deferred])
             pending, deferred, new_segment = [], [], True
     end = max(t, wait, *free.values(), *pending, *deferred)
     exposed += end - t
