@@ -9,8 +9,9 @@ JSON, once the budget cannot hold it):
 
 1. ``tests``: the suite's CUDA-marked tests (``pytest -m cuda tests/gpu``), their pass / fail counts.
 2. ``estimate``: ``composable_atorch.estimate`` on each library plan *before* it runs (per-rank peak
-   memory and, on CUDA, torch's RuntimeEstimator step time); then each plan trained alone for a few
-   steps: ``torch.cuda.max_memory_allocated`` and the median step, against the predictions.
+   memory, and the step priced on paper twice: with the catalog's figures for this card, and with
+   its curves calibrated here by ``calibration(device="cuda")``); then each plan trained alone for a
+   few steps: ``torch.cuda.max_memory_allocated`` and the median step: paper vs calibrated vs measured.
 3. ``throughput``: a transformers Llama of about 1B parameters (TinyLlama's shape), sequence 2048,
    AdamW: plain torch (fp32), HF Accelerate ``mixed_precision="bf16"`` and the library's plans
    (``amp``, ``amp | checkpoint``, ``+ compile``, ``+ fp8`` where torchao and sm89+ are there). Each
@@ -354,30 +355,58 @@ def junit_counts(xml: str) -> dict:
     return n
 
 
-def run_estimates(plans: dict, shape: LlamaShape, seq: int, batch: int, steps: int = 4) -> dict:
-    """Predicted (before running) vs measured peak memory and step time, each plan alone on the card."""
+def card_hardware(calibrate: bool) -> dict:
+    """The card's catalog entry (paper figures) and, with ``calibrate``, the same with its curves measured
+    here (``calibration(device="cuda")``: GEMM, attention, memory; NCCL where there are 2+ GPUs)."""
+    import torch
+
+    from composable_atorch.hardware import for_device_name
+
+    paper = for_device_name(torch.cuda.get_device_name())
+    out = {"paper": paper}
+    if calibrate and paper is not None:
+        from composable_atorch.estimate.calibrate import calibration
+        from composable_atorch.estimate.paper.calibrate import as_hardware
+
+        try:
+            out["calibrated"] = as_hardware(calibration(device="cuda"), paper)
+        except Exception as exc:  # noqa: BLE001 - a calibration that fails is a finding
+            out["calibration_error"] = f"{type(exc).__name__}: {exc}"[:400]
+    return out
+
+
+def run_estimates(plans: dict, shape: LlamaShape, seq: int, batch: int, steps: int = 4, calibrate: bool = True) -> dict:
+    """Predicted (before running) vs measured peak memory and step time, each plan alone on the card: the
+    step priced on paper with the catalog's figures for this card, with this card's calibrated curves,
+    and measured."""
     import torch
 
     from composable_atorch.estimate import estimate
 
-    out = {}
+    cards = card_hardware(calibrate)
+    out = {"calibration_error": cards["calibration_error"]} if "calibration_error" in cards else {}
     for name, plan in plans.items():
         if isinstance(plan, str):
             out[name] = {"skipped": plan}
             continue
         row: dict = {}
-        try:
-            est = estimate(
-                plan,
-                lambda: _meta_model(shape),
-                {"input_ids": torch.Size([batch, seq])},
-                world_size=1,
-                device="cuda",
-                loss_fn=_dict_loss,
-            )
-            row.update(predicted_peak=est.peak, predicted_step_s=est.step_time_s)
-        except Exception as exc:  # noqa: BLE001 - an estimate that fails is a finding, not a stop
-            row["estimate_error"] = f"{type(exc).__name__}: {exc}"[:400]
+        for mode in ("paper", "calibrated"):
+            if cards.get(mode) is None:
+                continue
+            try:
+                est = estimate(
+                    plan,
+                    lambda: _meta_model(shape),
+                    {"input_ids": torch.Size([batch, seq])},
+                    world_size=1,
+                    device="cuda",
+                    loss_fn=_dict_loss,
+                    hardware=cards[mode],
+                )
+                row.update(predicted_peak=est.peak)
+                row["predicted_step_s" if mode == "paper" else "calibrated_step_s"] = est.step_time_s
+            except Exception as exc:  # noqa: BLE001 - an estimate that fails is a finding, not a stop
+                row[f"estimate_error_{mode}"] = f"{type(exc).__name__}: {exc}"[:400]
         step, free = contender(name, plan, shape, seq, batch)
         try:
             timed_block(step, 2)
@@ -390,6 +419,9 @@ def run_estimates(plans: dict, shape: LlamaShape, seq: int, batch: int, steps: i
             p, m = row.get(f"predicted_{kind}"), row.get(f"measured_{kind}")
             if p and m:
                 row[f"{kind}_error"] = (p - m) / m
+        c, m = row.get("calibrated_step_s"), row.get("measured_step_s")
+        if c and m:
+            row["calibrated_step_s_error"] = (c - m) / m
         out[name] = row
     return out
 
@@ -488,10 +520,10 @@ def table(result: dict) -> str:
                 f"{r['vs_accelerate_bf16']:12.2f}x"
             )
     for name, r in result.get("estimate", {}).items():
-        if "measured_peak" in r:
-            pe, se = (r.get(k) for k in ("peak_error", "step_s_error"))
-            pe, se = ("-" if v is None else f"{v:+.0%}" for v in (pe, se))
-            lines.append(f"estimate {name:24} peak {pe}  step {se}")
+        if isinstance(r, dict) and "measured_peak" in r:
+            pe, se, ce = (r.get(k) for k in ("peak_error", "step_s_error", "calibrated_step_s_error"))
+            pe, se, ce = ("-" if v is None else f"{v:+.0%}" for v in (pe, se, ce))
+            lines.append(f"estimate {name:24} peak {pe}  step: paper {se}, calibrated {ce} (vs measured)")
     s = result.get("search")
     if isinstance(s, dict) and "pick" in s:
         ratio = s.get("ab", {}).get("vs_accelerate_bf16")

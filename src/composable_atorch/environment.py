@@ -14,6 +14,7 @@ import importlib.util
 import logging
 import os
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 #: Optional packages whose presence changes what a plan can do.
 OPTIONAL_PACKAGES = (
@@ -97,6 +98,12 @@ class Environment:
     ``nodes``: how many machines the world spans (``processes_per_node = world_size / nodes``, read
     from torchrun's ``LOCAL_WORLD_SIZE`` by :meth:`detect`). Hybrid sharding shards inside a node and
     replicates across nodes, so plans and costs read it: ``Environment(world_size=64, nodes=8, device="cuda")``.
+
+    ``hardware``: the accelerator the plan is meant for, a catalog name (``"h100-sxm"``), a
+    declaration file or a :class:`~composable_atorch.hardware.Hardware` (kept as the Hardware; an
+    unknown name is a HardwareError naming the nearest). Its compute capability becomes the
+    environment's when none is given, so ``Environment(device="cuda", hardware="h100-sxm")`` checks
+    fp8 plans as an sm90 card would.
     """
 
     world_size: int = 1
@@ -104,9 +111,11 @@ class Environment:
     compute_capability: tuple[int, int] | None = None
     packages: frozenset[str] = field(default_factory=frozenset)
     nodes: int = 1
+    hardware: Any = None
 
     def __post_init__(self):
         from composable_atorch.errors import ConfigError
+        from composable_atorch.hardware import resolve
 
         if not isinstance(self.world_size, int) or self.world_size < 1:
             raise ConfigError("Environment.world_size", self.world_size, "an integer >= 1")
@@ -120,6 +129,10 @@ class Environment:
             )
         if self.device not in ("cpu", "cuda"):
             raise ConfigError("Environment.device", self.device, "'cpu' or 'cuda'")
+        if self.hardware is not None:
+            object.__setattr__(self, "hardware", resolve(self.hardware))
+            if self.compute_capability is None and self.device == "cuda":
+                object.__setattr__(self, "compute_capability", self.hardware.compute_capability)
         if self.compute_capability is not None:
             object.__setattr__(self, "compute_capability", tuple(self.compute_capability))
         object.__setattr__(self, "packages", frozenset(self.packages))
@@ -145,7 +158,8 @@ class Environment:
         cc = "" if self.compute_capability is None else f" sm{self.compute_capability[0]}{self.compute_capability[1]}"
         pkgs = ", ".join(sorted(self.packages)) or "none"
         nodes = f" ({self.nodes} nodes x {self.processes_per_node} processes)" if self.nodes > 1 else ""
-        return f"world {self.world_size}{nodes}, {self.device}{cc}, optional packages: {pkgs}"
+        hw = f" ({self.hardware.name})" if self.hardware is not None else ""
+        return f"world {self.world_size}{nodes}, {self.device}{hw}{cc}, optional packages: {pkgs}"
 
     @staticmethod
     def detect() -> Environment:

@@ -113,4 +113,4 @@ def test_junit_counts_and_table():
     text = gpu.table(result)
     assert "2 passed, 1 failed, 1 skipped" in text
     assert "41.0%" in text and "1.03x" in text and "torchao is not installed" in text
-    assert "peak +5%  step -" in text and "1.10x Accelerate bf16" in text
+    assert "peak +5%  step: paper -, calibrated -" in text and "1.10x Accelerate bf16" in text

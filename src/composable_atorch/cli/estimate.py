@@ -1,8 +1,12 @@
 """``python -m composable_atorch estimate PLAN.json --model gpt|llama-7b|llama3-8b|hf:<config.json> ...``
 
 Prints each rank's predicted memory (parameters, gradients, optimizer state, activations,
-temporary buffers, peak) and whether it fits ``--device-memory``. Nothing real is allocated: the
-model is built on the meta device and simulated (see ``composable_atorch.estimate``).
+temporary buffers, peak) and whether it fits ``--device-memory`` (default: the ``--gpu``'s memory),
+and on CUDA the step priced on paper for ``--gpu`` (a catalog name such as h100-sxm, or a .json /
+.toml declaration) over ``--nodes`` machines: seconds per step, tokens/s, model TFLOP/s, MFU and HFU
+per device. Nothing real is allocated: the model is built on the meta device and simulated (see
+``composable_atorch.estimate``). ``--json`` carries ``step_time_s``, ``tokens_per_s_per_device``,
+``tflops_per_device``, ``mfu``, ``hfu``, ``peak_bytes`` and ``fits``.
 
 ``--batch`` is the batch *per data-parallel rank* (as in published tables); the global batch the
 plan's loader sees is ``batch x world_size / (tensor x pipeline degree)``, computed by the estimate
@@ -91,6 +95,7 @@ def lm_criterion(output, targets):
 def main(argv: list[str]) -> int:
     from composable_atorch.estimate import estimate
     from composable_atorch.estimate.core import as_plan_dict
+    from composable_atorch.estimate.result import human
     from composable_atorch.units import parse_bytes
 
     parser = argparse.ArgumentParser(
@@ -104,7 +109,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seq", type=int, default=1024, help="sequence length (tokens per sample)")
     parser.add_argument("--world-size", type=int, default=1)
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    parser.add_argument("--device-memory", default=None, help="bytes per device, e.g. 80GiB")
+    parser.add_argument("--gpu", default=None, help="accelerator to price on: a catalog name or a .json/.toml file")
+    parser.add_argument("--nodes", type=int, default=None, help="machines the world spans (default: world / 8)")
+    parser.add_argument("--device-memory", default=None, help="bytes per device, e.g. 80GiB (default: the --gpu's)")
     parser.add_argument("--margin", type=float, default=0.1, help="safety margin on the peak (fraction)")
     parser.add_argument("--json", action="store_true", help="print the estimate as JSON")
     args = parser.parse_args(argv)
@@ -123,20 +130,23 @@ def main(argv: list[str]) -> int:
             world_size=args.world_size,
             device=args.device,
             criterion=lm_criterion if pipeline else None,
+            hardware=args.gpu,
+            nodes=args.nodes,
         )
-        limit = parse_bytes(args.device_memory, "--device-memory") if args.device_memory else None
+        limit = parse_bytes(args.device_memory, "--device-memory") if args.device_memory else est.device_memory
     except CompositionError as exc:
         print(f"error: {exc}")
         return 2
     if args.json:
         print(json.dumps({**est.to_dict(), "fits": None if limit is None else est.fits(limit, args.margin)}, indent=2))
+        return 0 if limit is None or est.fits(limit, args.margin) else 1
     else:
         print(f"{args.model}, {args.batch} x {args.seq} tokens per rank, world {args.world_size}")
         print(est.table())
         if limit is not None:
             ok = est.fits(limit, args.margin)
             print(
-                f"{'fits' if ok else 'does NOT fit'} in {args.device_memory} per device (peak + {args.margin:.0%} "
-                "margin)"
+                f"{'fits' if ok else 'does NOT fit'} in {args.device_memory or human(limit)} per device "
+                f"(peak + {args.margin:.0%} margin)"
             )
     return 0 if limit is None or est.fits(limit, args.margin) else 1

@@ -181,9 +181,28 @@ def save(cal: Calibration, path: str | os.PathLike) -> None:
 _MEMO: dict[str, Calibration] = {}
 
 
-def calibration(*, recalibrate: bool = False, threads: int = 1, path: str | os.PathLike | None = None) -> Calibration:
+def calibration(
+    *, recalibrate: bool = False, threads: int = 1, path: str | os.PathLike | None = None, device: str = "cpu"
+) -> Calibration:
     """The cached calibration of this machine, measured (and cached) when there is none, when the
-    file cannot be used, or when ``recalibrate``."""
+    file cannot be used, or when ``recalibrate``. ``device="cuda"``: the GPU's curves (GEMM,
+    attention, memory, NCCL over its GPUs; ``estimate/paper/calibrate.py``), which estimates on
+    this machine then price with (``paper.calibrate.as_hardware``)."""
+    if device not in ("cpu", "cuda"):
+        from composable_atorch.errors import ConfigError
+
+        raise ConfigError("calibration device", device, "'cpu' or 'cuda'")
+    measure_now = lambda: measure(threads=threads)  # noqa: E731
+    if device == "cuda":
+        from composable_atorch.estimate.paper import calibrate as gpu
+
+        if path is None:
+            import torch
+
+            if not torch.cuda.is_available():
+                gpu.measure()  # raises the EstimateError naming the fix
+            path = gpu.gpu_cache_path(torch.cuda.get_device_name())
+        measure_now = lambda: Calibration.from_dict(gpu.measure(), "GPU measurement")  # noqa: E731
     path = Path(path) if path is not None else cache_path(threads)
     if not recalibrate:
         if str(path) in _MEMO:
@@ -194,7 +213,7 @@ def calibration(*, recalibrate: bool = False, threads: int = 1, path: str | os.P
                 return _MEMO[str(path)]
             except CalibrationError:
                 pass  # measured again below
-    cal = measure(threads=threads)
+    cal = measure_now()
     save(cal, path)
     _MEMO[str(path)] = cal
     return cal

@@ -22,7 +22,9 @@ from composable_atorch.core.plan import Plan
 from composable_atorch.core.transform import Transform
 from composable_atorch.environment import Environment
 from composable_atorch.errors import CompositionError, ConfigError
+from composable_atorch.estimate import paper
 from composable_atorch.estimate.inputs import EstimateError, check_batch, check_world_size, meta_model
+from composable_atorch.estimate.paper.setup import check_nodes, paper_step, target_hardware
 from composable_atorch.estimate.pipeline import Mailbox
 from composable_atorch.estimate.result import Estimate, RankCost
 from composable_atorch.estimate.simulate import simulate_rank
@@ -89,6 +91,8 @@ def estimate(
     criterion=None,
     calibration=None,
     dedup: bool | None = None,
+    hardware=None,
+    nodes: int | None = None,
 ) -> Estimate:
     """Predict each rank's memory (and, where torch can, the step time) of ``plan`` on ``world_size`` ranks.
 
@@ -108,8 +112,13 @@ def estimate(
     :func:`composable_atorch.train_step`). ``device`` is the target the plan is checked against; the
     simulation itself runs on fake CPU tensors (see :mod:`.simulate`).
 
-    Step time: on CUDA torch's RuntimeEstimator (where a GPU is present); on the CPU the simulated
-    step's ops priced with this machine's calibration (:mod:`.steptime`; ``calibration``: a
+    Step time: on CUDA the simulated step's ordered ops priced on paper for ``hardware`` (a catalog
+    name such as ``"h100-sxm"``, a declaration file or a :class:`~composable_atorch.hardware.Hardware`;
+    default the GPU here if the catalog knows it, else ``"h100-sxm"``) over ``nodes`` machines
+    (default: the world over the hardware's devices per node), with a GPU's overlap (:mod:`.paper`);
+    the result gains tokens/s, TFLOP/s, MFU and HFU per device. ``step_time="runtime-estimator"``
+    asks torch's RuntimeEstimator instead (it needs a real GPU). On the CPU the simulated step's ops
+    are priced with this machine's calibration (:mod:`.steptime`; ``calibration``: a
     :class:`~.calibrate.Calibration`, default the cached one, measured once per machine).
 
     ``dedup``: simulate the model's repeated blocks at two small depths and extrapolate
@@ -123,22 +132,33 @@ def estimate(
         raise ConfigError("device", device, " or ".join(DEVICES))
     if criterion is not None and not callable(criterion):
         raise ConfigError("criterion", type(criterion).__name__, "None or a function (output, targets) -> loss")
+    if step_time not in (True, False, RUNTIME_ESTIMATOR):
+        raise ConfigError("step_time", step_time, f"True (priced on paper on CUDA), False, or {RUNTIME_ESTIMATOR!r}")
     global_batch = check_batch(batch)
     model = meta_model(model)
     data = as_plan_dict(plan)
     # a plan handed over as an object names its own classes: read back against them (core.codec)
     own = () if not isinstance(plan, Plan | Transform) else (plan if isinstance(plan, Plan) else compose(plan))
     own = own.named_objects() if own else ()
-    here = Environment.detect().with_(world_size=world_size)
+    notes: list[str] = []
+    on_paper = step_time is True and device == "cuda"
+    hw = target_hardware(hardware) if on_paper or hardware is not None else None
+    nodes = check_nodes(nodes, world_size, hw)
+    here = Environment.detect().with_(world_size=world_size, nodes=nodes)
     target = (
-        here
+        here.with_(hardware=hw)
         if here.device == device
-        else here.with_(device=device, compute_capability=(8, 0) if device == "cuda" else None)
+        else here.with_(
+            device=device,
+            compute_capability=(hw.compute_capability if hw else (8, 0)) if device == "cuda" else None,
+            hardware=hw,
+        )
     )
     target_plan = compose_for(data, target, own)
+    # compile is never run on fake tensors: the step is simulated eagerly and priced by the fusion rule
     sim_plan = compose_for(data, here.with_(device="cpu", compute_capability=None), own)
     refuse_undeclared(sim_plan)
-    notes = []
+    setting = paper.setting_for(target_plan, hw, world_size, nodes) if on_paper else None
     if target_plan.names != sim_plan.names:
         notes.append(
             f"on {device} the plan has steps {list(target_plan.names)}; simulated on the CPU: {list(sim_plan.names)}"
@@ -161,7 +181,7 @@ def estimate(
         calibration = cached()
 
     def simulate(rank: int, model=model):
-        return simulate_rank(
+        run = simulate_rank(
             sim_plan,
             model,
             batch,
@@ -170,12 +190,15 @@ def estimate(
             loss_fn=loss_fn,
             optimizer=optimizer,
             steps=steps,
-            step_time=step_time and device == "cuda",
+            step_time=step_time == RUNTIME_ESTIMATOR and device == "cuda",
             buckets_in_backward=not whole_step,
             criterion=criterion,
             mailbox=mailbox,
-            trace_ops=modelled,
+            trace_ops=paper.OrderedTrace if on_paper else modelled,
         )
+        if on_paper:
+            run.paper = paper.price_run(run, setting)
+        return run
 
     run = shallow_run(simulate, model, dedup, notes)
     deduped = run is not None
@@ -190,7 +213,7 @@ def estimate(
         )
     for name in run.skipped:
         notes.append(f"{name} cannot run in the fake world: left out, its cost added from its contract")
-    notes += compile_notes(run, modelled)
+    notes += compile_notes(run, modelled, on_paper)
     costs = [to_rank_cost(r.by_kind, r.extra_temporary if whole_step else 0, stage=r.stage) for r in runs]
     ranks = [costs[s] for s in run.stage_of_rank] if run.stage_of_rank is not None else [costs[0]] * world_size
     if run.extra_temporary:
@@ -210,7 +233,10 @@ def estimate(
     if len(runs) > 1:
         extra["memtracker_by_stage"] = [r.by_kind for r in runs]
     timing = modelled_step_time(runs, calibration, world_size) if modelled else None
-    if timing is not None:
+    usage = None
+    if on_paper:
+        timing, usage = paper_step(runs, setting, model, batch, global_batch, notes, extra)
+    elif timing is not None:
         notes.append(
             f"step time: the simulated step's ops priced with this machine's calibration "
             f"(compute {timing.compute:.4f} s, comm {timing.comm:.4f} s, overhead {timing.overhead:.4f} s"
@@ -226,7 +252,9 @@ def estimate(
             extra["sequence_traffic"] = line
     elif run.step_time_s is None:
         extra["step_time_reason"] = (
-            "torch's RuntimeEstimator needs a CUDA device (none here)"
+            "step_time=False"
+            if step_time is False
+            else "torch's RuntimeEstimator needs a CUDA device (none here)"
             if device == "cuda"
             else "torch's RuntimeEstimator models CUDA devices only"
         )
@@ -237,12 +265,16 @@ def estimate(
         steps=tuple(sim_plan.names),
         notes=tuple(notes),
         step_time_s=timing.seconds if timing is not None else max_or_none(r.step_time_s for r in runs),
-        step_time_mode=MODELLED if timing is not None else run.step_time_mode,
+        step_time_mode=(PAPER if on_paper else MODELLED) if timing is not None else run.step_time_mode,
         step_time=timing,
         flops=max_or_none(r.flops for r in runs),
         micro_batch=run.micro_batch,
         micro_batches=run.micro_batches,
         extra=extra,
+        hardware=None if hw is None else hw.name,
+        nodes=nodes,
+        device_memory=None if hw is None else int(hw.memory_bytes),
+        utilization=usage,
     )
 
 
@@ -260,11 +292,17 @@ def refuse_undeclared(plan: Plan) -> None:
         )
 
 
-def compile_notes(run, modelled: bool) -> list[str]:
-    """What the estimate assumed of the plan's compile steps (simulated eagerly, see ``steptime.Fusion``)."""
+def compile_notes(run, modelled: bool, on_paper: bool = False) -> list[str]:
+    """What the estimate assumed of the plan's compile steps (simulated eagerly, see ``steptime.Fusion``;
+    on paper ``paper/fusion.py``)."""
     notes = []
     for regions in run.compiled:
-        if not modelled:
+        if on_paper:
+            priced = (
+                "priced on paper by its fusion rule (estimate/paper/fusion.py: each run of memory-bound ops between "
+                "matmuls, attention and collectives one kernel)"
+            )
+        elif not modelled:
             eager = run.step_time_s is not None
             priced = "the step time is the eager step's" if eager else "the step time is not modelled here"
         elif not regions.fuses:
@@ -315,6 +353,8 @@ def shallow_run(simulate, model, dedup: bool | None, notes: list[str]):
 
 
 MODELLED = "calibrated op trace (composable_atorch.estimate.steptime)"
+PAPER = "op trace priced on paper (composable_atorch.estimate.paper)"
+RUNTIME_ESTIMATOR = "runtime-estimator"
 
 
 def modelled_step_time(runs, cal, world_size: int):

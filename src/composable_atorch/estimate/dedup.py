@@ -114,6 +114,7 @@ def extrapolate(small: RankRun, large: RankRun, k1: int, k2: int, n: int) -> Ran
         extra_temporary=_int_line(small.extra_temporary, large.extra_temporary, k1, k2, n),
         trace=trace,
         allreduce_buckets=buckets,
+        paper=None if small.paper is None or large.paper is None else small.paper.extrapolate(large.paper, k1, k2, n),
         step_time_s=None
         if small.step_time_s is None or large.step_time_s is None
         else max(0.0, _line(small.step_time_s, large.step_time_s, k1, k2, n)),

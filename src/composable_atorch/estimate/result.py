@@ -69,17 +69,44 @@ class Estimate:
     step_time: Any = None
     method: str = "torch MemTracker peak over one simulated step (FakeTensorMode, fake process group)"
     extra: dict = field(default_factory=dict)
+    #: the device the step was priced on (a catalog or declared name), the nodes the world spans, and
+    #: that device's memory (what ``fits`` checks against when no limit is given)
+    hardware: str | None = None
+    nodes: int = 1
+    device_memory: int | None = None
+    #: throughput of the priced step (``estimate.paper.Utilization``: tokens/s, TFLOP/s, MFU, HFU per device)
+    utilization: Any = None
+
+    @property
+    def tokens_per_s_per_device(self) -> float | None:
+        return None if self.utilization is None else self.utilization.tokens_per_s_per_device
+
+    @property
+    def tflops_per_device(self) -> float | None:
+        return None if self.utilization is None else self.utilization.tflops_per_device
+
+    @property
+    def mfu(self) -> float | None:
+        return None if self.utilization is None else self.utilization.mfu
+
+    @property
+    def hfu(self) -> float | None:
+        return None if self.utilization is None else self.utilization.hfu
 
     @property
     def peak(self) -> int:
         """The largest peak over ranks (what must fit on every device)."""
         return max(r.peak for r in self.ranks)
 
-    def fits(self, limit_bytes: int | float | str, margin: float = 0.1) -> bool:
+    def fits(self, limit_bytes: int | float | str | None = None, margin: float = 0.1) -> bool | None:
         """True when the peak plus ``margin`` (a fraction, default 10%) stays within ``limit_bytes``
-        (a number or a string such as "80GiB")."""
+        (a number or a string such as "80GiB"; default the priced device's memory, None when there is none)."""
         from composable_atorch.units import parse_bytes
 
+        if limit_bytes is None:
+            if self.device_memory is None:
+                return None
+            limit_bytes = self.device_memory
         return self.peak * (1.0 + margin) <= parse_bytes(limit_bytes, "limit_bytes", required=True)
 
     def distinct_ranks(self) -> list[tuple[list[int], RankCost]]:
@@ -120,6 +147,15 @@ class Estimate:
             else f"not estimated ({self.extra.get('step_time_reason', 'no estimator for this device')})"
         )
         lines.append(f"peak per rank (max): {human(self.peak)}; world {self.world_size}, device {self.device}; {step}")
+        if self.utilization is not None:
+            u = self.utilization
+            on = f"{self.hardware} x {self.world_size}" + (f" ({self.nodes} nodes)" if self.nodes > 1 else "")
+            lines.append(
+                f"on {on}: {u.tokens_per_s_per_device:,.0f} tokens/s per device, {u.tflops_per_device:.1f} model "
+                f"TFLOP/s per device, MFU {u.mfu:.1%}, HFU {u.hfu:.1%} (of the {u.peak_dtype} peak "
+                f"{u.peak_flops / 1e12:.0f} TFLOP/s); fits in {human(self.device_memory)}: "
+                f"{'yes' if self.fits() else 'NO'}"
+            )
         if self.flops is not None:
             lines.append(
                 f"flops per step per rank: {self.flops:.3e}; micro-batch {self.micro_batch} x {self.micro_batches}"
@@ -142,5 +178,13 @@ class Estimate:
             "micro_batch": self.micro_batch,
             "micro_batches": self.micro_batches,
             "method": self.method,
+            "hardware": self.hardware,
+            "nodes": self.nodes,
+            "tokens_per_s_per_device": self.tokens_per_s_per_device,
+            "tflops_per_device": self.tflops_per_device,
+            "mfu": self.mfu,
+            "hfu": self.hfu,
+            "peak_bytes": self.peak,
+            "fits": self.fits(),
             **({"extra": self.extra} if self.extra else {}),
         }

@@ -61,6 +61,8 @@ class RankRun:
     sequence: Any = None
     #: the plan's compile steps (``transforms.compile.CompiledRegions``), simulated eagerly
     compiled: list = field(default_factory=list)
+    #: the step priced on paper (``estimate.paper.RankStep``), where the estimate prices one
+    paper: Any = None
 
 
 @contextlib.contextmanager
@@ -215,7 +217,7 @@ def simulate_rank(
     buckets_in_backward: bool = True,
     criterion=None,
     mailbox: Mailbox | None = None,
-    trace_ops: bool = False,
+    trace_ops: bool | type = False,
 ) -> RankRun:
     """Simulate ``rank`` of ``plan`` (composed for the fake world's size) on a fresh copy of the
     model's shapes; the model passed in is not changed. ``steps``: training steps tracked after the
@@ -225,7 +227,8 @@ def simulate_rank(
     them, :func:`buckets_from_backward`); False leaves them to the caller (``extra_temporary``).
     A pipeline stage trains through its schedule with ``criterion(output, targets)``; ``mailbox``
     carries the stage metadata from the stages simulated before (:mod:`.pipeline`). ``trace_ops``: the
-    FLOP-counted step also records its ops for the step-time model (:mod:`.steptime`)."""
+    FLOP-counted step also records its ops for the step-time model (:mod:`.steptime`); a trace class
+    (``paper.OrderedTrace``) records them with it."""
     import copy
 
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -309,7 +312,8 @@ def simulate_rank(
                     by_kind[key] = by_kind.get(key, 0) + int(n)
             counter = FlopCounterMode(display=False)
             fused = [m for r in applied.compiled if r.fuses for m in r.modules]
-            trace = OpTrace(fused) if trace_ops else contextlib.nullcontext()
+            # the paper's ordered trace (a class given as trace_ops) fuses by its own rule (paper/fusion.py)
+            trace = (trace_ops() if callable(trace_ops) else OpTrace(fused)) if trace_ops else contextlib.nullcontext()
             attends = recorded_attention(model) if trace_ops else contextlib.nullcontext()
             with counter, trace, attends as sequence:
                 step()

@@ -10,10 +10,11 @@ Backends, chosen in ``resolve(env)``:
 * ``transformer_engine`` on CUDA with compute capability >= 8.9 where it imports: ``te.Linear``
   with the weights copied, and ``fp8_autocast`` with ATorch's ``DelayedScaling`` recipe around
   the outer forward;
-* ``torchao`` otherwise: ``convert_to_float8_training`` (dynamic per-tensor scaling). It runs on
-  the CPU too (emulated: fp8 numerics, no speed-up), so the fp8 path trains in tests here. The
-  DelayedScaling fields other than ``fp8_format`` have no torchao counterpart and are reported
-  as unused.
+* ``torchao`` otherwise: ``convert_to_float8_training`` (dynamic per-tensor scaling, or the
+  scaling ``recipe`` names: torchao's ``Float8LinearConfig.from_recipe_name``, "tensorwise",
+  "rowwise" or "rowwise_with_gw_hp"). It runs on the CPU too (emulated: fp8 numerics, no
+  speed-up), so the fp8 path trains in tests here. The DelayedScaling fields other than
+  ``fp8_format`` have no torchao counterpart and are reported as unused.
 
 Where neither can run the step is skipped with the reason (``strict=True``: RequirementError).
 torchao's import takes seconds, so it is imported only when the step is applied.
@@ -44,6 +45,8 @@ from composable_atorch.environment import Environment, quiet_imports
 from composable_atorch.errors import ConfigError
 
 BACKENDS = ("auto", "transformer_engine", "torchao")
+#: torchao's scaling recipes (``Float8LinearConfig.from_recipe_name``); None: its default (tensorwise)
+RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 FORMATS = ("HYBRID", "E4M3")
 AMAX_ALGOS = ("max", "most_recent")
 #: ATorch's recipe.DelayedScaling fields and their defaults.
@@ -165,6 +168,7 @@ class Fp8(Transform):
     amax_history_len: int = 1024
     amax_compute_algo: str = "max"
     reduce_amax: bool = True
+    recipe: str | None = None
 
     def __post_init__(self):
         set_ = functools.partial(object.__setattr__, self)
@@ -183,6 +187,17 @@ class Fp8(Transform):
             raise ConfigError("fp8.amax_compute_algo", self.amax_compute_algo, "'max' or 'most_recent'")
         if not isinstance(self.reduce_amax, bool):
             raise ConfigError("fp8.reduce_amax", self.reduce_amax, "True or False")
+        if self.recipe is not None:
+            if self.recipe not in RECIPES:
+                raise ConfigError("fp8.recipe", self.recipe, "None or one of " + ", ".join(map(repr, RECIPES)))
+            if self.backend == "transformer_engine":
+                raise ConfigError(
+                    "fp8.recipe", self.recipe, "None with backend='transformer_engine' (torchao's recipes need torchao)"
+                )
+            if fmt != "HYBRID":
+                raise ConfigError(
+                    "fp8.fp8_format", self.fp8_format, "'HYBRID' with a recipe (the recipe sets the casts)"
+                )
 
     # -- search / ATorch ------------------------------------------------------------------------
     @classmethod
@@ -210,6 +225,12 @@ class Fp8(Transform):
     # -- environment --------------------------------------------------------------------------
     def resolve(self, env: Environment):
         te_missing = te_usable(env)
+        if self.recipe is not None:  # a torchao recipe: torchao, and one whose torchao has it
+            missing = _recipe_missing(self.recipe) if TORCHAO.unmet(env, self) is None else None
+            if missing is not None:
+                return None, missing
+            if self.backend == "auto":
+                return dataclasses.replace(self, backend="torchao").resolve(env)
         if self.backend in ("auto", "transformer_engine") and te_missing is None:
             return dataclasses.replace(self, backend="transformer_engine"), "backend transformer_engine (CUDA sm89+)"
         if self.backend == "transformer_engine":
@@ -230,6 +251,9 @@ class Fp8(Transform):
         return dataclasses.replace(self, backend="torchao"), note
 
     def describe(self):
+        if self.recipe is not None:
+            rules = "".join(f"; {k}={list(v)}" for k, v in (("include", self.include), ("exclude", self.exclude)) if v)
+            return f"fp8({self.backend}, {self.recipe}{rules})"
         rules = "".join(f"; {k}={list(v)}" for k, v in (("include", self.include), ("exclude", self.exclude)) if v)
         changed = {k: getattr(self, k) for k, d in RECIPE_DEFAULTS.items() if getattr(self, k) != d}
         recipe = "".join(f", {k}={v!r}" for k, v in changed.items())
@@ -267,6 +291,8 @@ class Fp8(Transform):
         wanted = set(chosen)
         if wanted:
             config = Float8LinearConfig(**kwargs)
+            if self.recipe is not None:
+                config = dataclasses.replace(Float8LinearConfig.from_recipe_name(self.recipe), emulate=emulate)
             state.model = convert_to_float8_training(
                 state.model, module_filter_fn=lambda m, fqn: fqn in wanted, config=config
             )
@@ -277,7 +303,7 @@ class Fp8(Transform):
         state.note(
             self.name, f"torchao scales each tensor dynamically; DelayedScaling fields not used: {', '.join(unused)}"
         )
-        return "torchao Float8Linear (same parameters)"
+        return "torchao Float8Linear (same parameters" + (f", {self.recipe} scaling)" if self.recipe else ")")
 
     def recipe_kwargs(self, accepted: set[str], formats) -> dict:
         """ATorch's recipe as ``recipe.DelayedScaling`` keywords, limited to those it accepts.
@@ -332,11 +358,25 @@ class Fp8(Transform):
         return f"transformer_engine te.Linear (weights copied) under fp8_autocast(DelayedScaling {kwargs})"
 
 
-def fp8(include=None, exclude=None, backend: str = "auto", **recipe) -> Fp8:
-    """Float8 Linear training: ``fp8(exclude=("lm_head",))``; recipe fields as in ATorch (margin...)."""
-    unknown = sorted(set(recipe) - set(RECIPE_DEFAULTS))
+def _recipe_missing(name: str) -> str | None:
+    """Why the installed torchao cannot build ``name``'s config, or None."""
+    from torchao.float8 import Float8LinearConfig
+
+    if not hasattr(Float8LinearConfig, "from_recipe_name"):
+        return "this torchao has no scaling recipes (Float8LinearConfig.from_recipe_name): upgrade torchao"
+    try:
+        Float8LinearConfig.from_recipe_name(name)
+    except (ValueError, KeyError, AssertionError) as exc:
+        return f"this torchao has no {name!r} recipe ({exc})"
+    return None
+
+
+def fp8(include=None, exclude=None, backend: str = "auto", recipe: str | None = None, **fields) -> Fp8:
+    """Float8 Linear training: ``fp8(exclude=("lm_head",))``; ATorch's DelayedScaling fields (margin...),
+    or torchao's scaling ``recipe`` ("tensorwise", "rowwise", "rowwise_with_gw_hp")."""
+    unknown = sorted(set(fields) - set(RECIPE_DEFAULTS))
     if unknown:
         raise ConfigError(
-            f"fp8 recipe field {unknown[0]!r}", recipe[unknown[0]], f"one of {', '.join(RECIPE_DEFAULTS)}"
+            f"fp8 recipe field {unknown[0]!r}", fields[unknown[0]], f"one of {', '.join(RECIPE_DEFAULTS)}"
         )
-    return Fp8(include=include, exclude=exclude, backend=backend, **recipe)
+    return Fp8(include=include, exclude=exclude, backend=backend, recipe=recipe, **fields)

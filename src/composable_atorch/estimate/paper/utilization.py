@@ -1,0 +1,101 @@
+"""Throughput per device, model FLOPs, MFU and HFU, counted as PaLM and Megatron count them.
+
+* Model FLOPs per step: ``6 N T`` (forward and backward of every weight once; ``N`` the parameters
+  without embedding lookups, which multiply nothing, ``T`` the step's tokens) plus attention,
+  ``12 L H Q T`` per token in PaLM's appendix B (Chowdhery et al., arXiv 2204.02311): the scores and
+  their product with the values, forward (4 ``s d`` per token and layer) and backward (twice that).
+  Attention is counted whole, not halved for a causal mask (PaLM, Megatron-LM, torchtitan do the
+  same). Here it is read from the simulated step itself: 1.2 x the FLOPs of its attention backward
+  calls (torch's flop counter gives a backward 2.5 forwards: the scores recomputed), so a tensor- or
+  sequence-parallel rank counts its own share, and a checkpoint's recomputed forward is not counted.
+* MFU: model FLOPs per second per device over the dense peak of the dtype the matmuls run in
+  (bf16 for an fp8 plan: torchao's fp8 runs part of the step in bf16 and MFU counts bf16's peak, as
+  torchtitan notes).
+* HFU: the FLOPs the device really executes (torch's flop counter over the simulated step: a
+  checkpoint's recompute included) over the same peak, as seed 002's table counts it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+MATMUL_DTYPES = ("float32", "bfloat16", "float16", "float8")
+
+
+def lookup_free_params(model: torch.nn.Module) -> int:
+    """Parameters without embedding lookups (an embedding tied to an output Linear is counted once)."""
+    linear = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    lookups = {
+        id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding) and id(m.weight) not in linear
+    }
+    seen, n = set(), 0
+    for p in model.parameters():
+        if id(p) not in seen and id(p) not in lookups:
+            n += p.numel()
+        seen.add(id(p))
+    return n
+
+
+def attention_flops(ops) -> float:
+    """Model attention FLOPs of one rank's step from its op counts (``OpTrace.ops``)."""
+    return 3.0 / 2.5 * sum(size * n for (kind, _, size), n in ops.items() if kind == "sdpa_bwd")
+
+
+def matmul_dtype(ops) -> str:
+    """The dtype most matmul FLOPs run in (fp8 read as bf16 for the peak)."""
+    totals = dict.fromkeys(MATMUL_DTYPES, 0.0)
+    for (kind, dtype, size), n in ops.items():
+        if kind in ("mm", "sdpa", "sdpa_bwd"):
+            key = "float8" if dtype.startswith("float8") else dtype
+            if key in totals:
+                totals[key] += size * n
+    best = max(totals, key=totals.get)
+    return "bfloat16" if best == "float8" or totals[best] == 0 else best
+
+
+@dataclass(frozen=True)
+class Utilization:
+    """What one step does per device (the JSON of ``estimate --json`` carries these names)."""
+
+    tokens_per_s_per_device: float
+    tflops_per_device: float
+    mfu: float
+    hfu: float
+    model_flops: float  # per step, all devices
+    hardware_flops_per_device: float  # per step
+    peak_flops: float
+    peak_dtype: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def utilization(
+    *,
+    seconds: float,
+    world: int,
+    tokens: float,
+    params: int,
+    attention_per_stage: list[float],
+    flops_per_stage: list[float],
+    peak: float,
+    peak_dtype: str,
+) -> Utilization:
+    """``tokens`` of the global step; per-stage lists hold one simulated rank of each pipeline stage
+    (one entry without a pipeline; every stage has ``world / stages`` ranks)."""
+    stages = max(1, len(flops_per_stage))
+    model = 6.0 * params * tokens + sum(attention_per_stage) * world / stages
+    hardware = sum(flops_per_stage) / stages
+    tflops = model / world / seconds
+    return Utilization(
+        tokens_per_s_per_device=tokens / world / seconds,
+        tflops_per_device=tflops / 1e12,
+        mfu=tflops / peak,
+        hfu=hardware / seconds / peak,
+        model_flops=model,
+        hardware_flops_per_device=hardware,
+        peak_flops=peak,
+        peak_dtype=peak_dtype,
+    )
