@@ -23,18 +23,21 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from composable_atorch.core.contract import Conflict, Contract, Order, Stage
+from composable_atorch.core.registry import axis_owners
 from composable_atorch.core.transform import ApplyContext, TrainState, Transform
 from composable_atorch.errors import ConfigError, RequirementError
-from composable_atorch.runtime.layout import ParallelContext, make_context, plan_layout, refit_hint
+from composable_atorch.runtime.axes import DATA, PIPELINE, TENSOR
+from composable_atorch.runtime.layout import plan_layout, refit_hint
 from composable_atorch.runtime.loader import check_global_batch, split_over_data
+from composable_atorch.runtime.mesh import ParallelContext, make_context
 from composable_atorch.runtime.optim import rebuild_optimizer
-from composable_atorch.runtime.train_step import mark_loss_group
-from composable_atorch.transforms.parallel.data.common import GRAD_SYNC, DataGradSync, broadcast_local, parallel_context
+from composable_atorch.transforms.parallel import sequence  # noqa: F401 - registers the sequence splits
 from composable_atorch.transforms.parallel.pipeline.transform import ACCUMULATE_CONFLICT, PipelineParallel
+from composable_atorch.transforms.parallel.shared.sync import GRAD_SYNC, DataGradSync, broadcast_local, parallel_context
 from composable_atorch.transforms.parallel.tensor.transform import TensorParallel, normalize_plan
 
 #: the sequence splits this step applies between its tensor and pipeline steps: transform name -> mesh dimension
-SPLITS = {"context_parallel": "context", "sequence_parallel": "sequence"}
+SPLITS = axis_owners(split=True)
 
 MIXED_APPLIES = "mixed_parallel applies it itself over parallel_mode's dimensions"
 
@@ -76,6 +79,7 @@ class MixedParallel(Transform):
         stage=Stage.TENSOR_PARALLEL,
         owns=(GRAD_SYNC,),
         roles=("model_parallel", "process_groups"),
+        uses=(TENSOR, PIPELINE, DATA),
         reads=(*SPLITS, "pipeline_parallel", "checkpoint"),
         orders=tuple(
             Order(split, "mixed_parallel applies the sequence split between its tensor and pipeline steps", after=False)
@@ -239,7 +243,6 @@ class MixedParallel(Transform):
             group = pc.data_group()
             broadcast_local(state.model, group)
             state.hooks.append(DataGradSync(state.model, group, pc.data_size))
-            mark_loss_group(state.model, group, pc.data_size)  # before the split, which widens it to data x split
             state.note(self.name, f"gradients averaged over the data dim of {pc.data_size} before each step")
         if split is not None:  # on the tensor-sharded model, before the stages are cut (as composed separately)
             state = split.apply(state, ctx)

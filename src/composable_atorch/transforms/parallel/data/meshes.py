@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from composable_atorch.core.transform import ApplyContext, TrainState
 from composable_atorch.errors import ConfigError
-from composable_atorch.transforms.parallel.data.common import EXPERT_REPLICA_MESH
 
 
 def shard_mesh(pc, spec, ctx: ApplyContext, state: TrainState, who: str):
@@ -78,7 +77,7 @@ def shard_experts(experts: list, pc, kwargs: dict, state: TrainState, who: str) 
 
     if not experts:
         return
-    replicas = pc.extras.get(EXPERT_REPLICA_MESH)
+    replicas = pc.experts.replica_mesh
     if replicas is None:
         params = {p for m in experts for p in m.parameters()}
         kwargs["ignored_params"] = (kwargs.get("ignored_params") or set()) | params

@@ -37,18 +37,12 @@ import zlib
 from dataclasses import dataclass
 from typing import Any
 
-from composable_atorch.core.contract import Conflict, Contract, Package, Stage
+from composable_atorch.core.contract import Conflict, Contract, Package, Stage, mesh_dim_implication
 from composable_atorch.core.transform import ApplyContext, TrainState, Transform
 from composable_atorch.errors import ConfigError, RequirementError
+from composable_atorch.runtime.axes import DATA, PIPELINE, TENSOR
 from composable_atorch.runtime.optim import NAME_PREFIX_ATTR, named_parameters
-from composable_atorch.runtime.train_step import PIPELINE_ATTR
 from composable_atorch.transforms._util import is_function as _is_function
-from composable_atorch.transforms.parallel.data.common import (
-    GRAD_SYNC,
-    OPTIMIZER_STATE_SHARDING,
-    implies_mesh_dim,
-    parallel_context,
-)
 from composable_atorch.transforms.parallel.data.deepspeed import check_half_supported
 from composable_atorch.transforms.parallel.ds3d.build import (
     StageBuilder,
@@ -73,6 +67,7 @@ from composable_atorch.transforms.parallel.ds3d.engine import (
     topology,
 )
 from composable_atorch.transforms.parallel.ds3d.tp import RandomStream
+from composable_atorch.transforms.parallel.shared.sync import GRAD_SYNC, OPTIMIZER_STATE_SHARDING, parallel_context
 from composable_atorch.transforms.parallel.tensor.planner import TPInfo, name_matches, normalize_plan
 from composable_atorch.transforms.policy import PRECISION_READS, PrecisionPolicy
 
@@ -163,7 +158,8 @@ class DeepSpeed3DParallel(Transform):
         reads=("clip_grad", "module_replace", *PRECISION_READS),
         renames=True,  # a stage holds its layers only, named by DeepSpeed's layer index
         requires=(Package(name="deepspeed", extra="deepspeed"),),
-        implies=(implies_mesh_dim("pipeline", "the pipeline, tensor and data degrees are parallel_mode's groups"),),
+        implies=(mesh_dim_implication(PIPELINE, "the pipeline, tensor and data degrees are parallel_mode's groups"),),
+        uses=(PIPELINE, TENSOR, DATA),
         conflicts=(
             Conflict("ddp", f"{_ENGINE}; DDP would all-reduce a second time", "drop ddp"),
             Conflict("fsdp", f"{_ENGINE}; FSDP would shard and reduce the same parameters again", "drop fsdp"),
@@ -423,7 +419,7 @@ class DeepSpeed3DParallel(Transform):
         exact_clipping(engine, tp_rank)
         setattr(engine, NAME_PREFIX_ATTR, "module.")
         runner = Ds3dRunner(engine, config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"])
-        object.__setattr__(engine, PIPELINE_ATTR, runner)
+        state.runner = runner  # train_step drives it (it travels on the plan's optimizer)
         state.hooks.append(Ds3dHook(clips=bool(config.get("gradient_clipping"))))
         state.model, state.optim = engine, ds_optim
         state.param_names = {id(p): n for n, p in named_parameters(engine).items()}

@@ -44,30 +44,25 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from composable_atorch.core.contract import Conflict, Contract, MinWorldSize, Stage
+from composable_atorch.core.contract import Conflict, Contract, Stage
 from composable_atorch.core.transform import ApplyContext, TrainState, Transform
 from composable_atorch.errors import ConfigError, ParameterMappingError
+from composable_atorch.runtime.axes import DATA, PIPELINE
 from composable_atorch.runtime.loader import first_length
-from composable_atorch.runtime.sequence import probing, sequence_split
-from composable_atorch.runtime.train_step import PIPELINE_ATTR, mark_loss_group
-from composable_atorch.transforms.parallel.data.common import (
-    GRAD_SYNC,
-    DataGradSync,
-    broadcast_local,
-    implies_mesh_dim,
-    parallel_context,
-)
+from composable_atorch.runtime.sequence import probing
 from composable_atorch.transforms.parallel.pipeline.check import check_stages, references
 from composable_atorch.transforms.parallel.pipeline.cutter import call_whole, inputs_of, shared_sync, tied_sync
 from composable_atorch.transforms.parallel.pipeline.stages import (  # noqa: F401 - re-exported
     KNOWN_MODELS,
     PipelineLoopError,
+    StageGuard,
     anatomy,
     anatomy_full,
     balanced_cuts,
     numel,
     rank_modules,
 )
+from composable_atorch.transforms.parallel.shared.sync import GRAD_SYNC, DataGradSync, broadcast_local, parallel_context
 
 #: schedule name -> (torch class name, stage placement: "single" | "loop" | "v")
 SCHEDULES = {
@@ -103,11 +98,11 @@ class PipelineRunner:
         microbatches: int,
         schedule: str,
         pp_group,
-        data_group,
-        data_size: int,
+        loss_group: tuple,
         shared: list | None = None,
         an=None,
         main: str = "",
+        guard: StageGuard | None = None,
     ):
         self.stages, self.n_stages, self.local, self.last_rank = stages, n_stages, local, last_rank
         #: parameters two of this rank's stages both use (a tied weight on a V's first and last stage):
@@ -116,11 +111,17 @@ class PipelineRunner:
         #: the cut's Anatomy (its ``carry``: the batch's inputs besides ``main`` the stages hand on)
         self.an, self.main = an, main
         self.microbatches, self.schedule_name = microbatches, schedule
-        self.pp_group, self.data_group, self.data_size = pp_group, data_group, data_size
-        #: ``(group, size)`` of a sequence split installed before the cut: its ranks' losses are parts of one
-        self.split: tuple | None = None
-        self.running = False
+        #: ``(group, size)`` the reported loss is averaged over: the parallel context's loss group (the data
+        #: replicas and a sequence split installed before the cut: their ranks' losses are parts of one)
+        self.pp_group, self.loss_group = pp_group, loss_group
+        #: the stage's forward refuses outside the schedule once armed (the plain loop would run one stage)
+        self.guard = guard or StageGuard()
+        self.guard.armed = True
         self._schedules: dict[int, Any] = {}
+
+    @property
+    def running(self) -> bool:
+        return self.guard.running
 
     def _schedule(self, loss_fn):
         from torch.distributed.pipelining import schedules
@@ -167,27 +168,21 @@ class PipelineRunner:
         first, last = 0 in self.local, self.n_stages - 1 in self.local
         args = tensors if first else ()
         kwargs = {"target": targets, "losses": losses} if last else {}
-        self.running = True
+        self.guard.running = True
         try:
             schedule.step(*args, return_outputs=False, **kwargs)
         finally:
-            self.running = False
+            self.guard.running = False
         for p in self.shared or ():
             if p.grad is not None:
                 p.grad.div_(self.microbatches)
         mean = torch.stack([v.detach().float() for v in losses]).mean() if losses else torch.zeros(())
         dist.broadcast(mean, group=self.pp_group, group_src=self.last_rank)
-        if self.data_size > 1:
-            dist.all_reduce(mean, group=self.data_group)
-            mean /= self.data_size
-        if self.split is not None:  # each rank of a sequence split reports its part's mean
-            dist.all_reduce(mean, group=self.split[0])
-            mean /= self.split[1]
+        group, size = self.loss_group
+        if size > 1:
+            dist.all_reduce(mean, group=group)
+            mean /= size
         return float(mean)
-
-
-def _no_pipeline_dim(_mine, pm) -> bool:
-    return not any(n == "pipeline" for n, _ in pm.groups)
 
 
 def _zero_bubble(mine, _compile) -> bool:
@@ -218,23 +213,12 @@ class PipelineParallel(Transform):
     contract = Contract(
         stage=Stage.PIPELINE_SPLIT,
         owns=(GRAD_SYNC,),
-        # ATorch drops distributed methods in one process (remove_distributed_method): skipped, with the reason
-        requires=(MinWorldSize(minimum=2, on_unmet="skip"),),
         roles=("pipeline", "model_parallel"),
         renames=True,  # each rank keeps the parameters of its stage only (names unchanged)
-        implies=(
-            implies_mesh_dim(
-                "pipeline", "pipeline stages live on the 'pipeline' dimension of parallel_mode's device mesh"
-            ),
-        ),
+        axis=PIPELINE,
+        uses=(DATA,),
         conflicts=(
             ACCUMULATE_CONFLICT,
-            Conflict(
-                "parallel_mode",
-                "parallel_mode has no 'pipeline' dimension to cut stages over",
-                "add ('pipeline', n) to parallel_mode's groups, e.g. parallel_mode([('pipeline', 2), ('data', 1)])",
-                when=_no_pipeline_dim,
-            ),
             Conflict(
                 "compile",
                 "torch's zero-bubble schedules split each backward into input and weight passes, "
@@ -380,7 +364,6 @@ class PipelineParallel(Transform):
                 group = pc.data_group()
                 broadcast_local(model, group)
                 state.hooks.append(DataGradSync(model, group, pc.data_size))
-                mark_loss_group(model, group, pc.data_size)
                 state.note(self.name, f"gradients averaged over the data dim of {pc.data_size} before each step")
             return state
         index = pc.layout.coordinate(pc.rank, "pipeline")
@@ -390,7 +373,8 @@ class PipelineParallel(Transform):
         blocks = anatomy(model)[0] if an is None else an.blocks
         bounds = (0, *cuts, len(blocks))
         sizes = [sum(numel(blocks[i]) for i in range(lo, hi)) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
-        kept, stage_mods = rank_modules(model, bounds, local, an)
+        guard = StageGuard()
+        kept, stage_mods = rank_modules(model, bounds, local, an, guard)
         pp_group = pc.mesh["pipeline"].get_group()
         with probing():  # every rank of the pipeline refuses when one stage does (none waits on it in training)
             checked = check_stages(an, stage_mods, local, bounds, pp_group)
@@ -418,15 +402,13 @@ class PipelineParallel(Transform):
             self.microbatches,
             self.schedule,
             pp_group,
-            data_group,
-            pc.data_size,
+            pc.loss_group(),
             _shared(kept, stage_mods),
             an,
             inputs_of(model, an)[0] if an is not None else "",
+            guard,
         )
-        runner.split = sequence_split(model)
-        object.__setattr__(kept, PIPELINE_ATTR, runner)  # a plain attribute, not a submodule
-        mark_loss_group(kept, data_group, pc.data_size)
+        state.runner = runner  # train_step drives it (it travels on the plan's optimizer)
         if state.optim is not None:
             state.optim = _stage_optimizer(state.optim, state.param_names, kept)
         state.model = kept

@@ -26,7 +26,7 @@ Megatron-style sequence parallelism is this transform with ``sequence_parallel=T
 name ``sequence_parallel`` is Ulysses (``transforms/parallel/sequence``).
 Dropout streams follow the plan's ``replic_drop`` / ``parallel_drop``
 (see :mod:`.dropout`); fused (strided) layers are checkpointed in the user's unpermuted layout
-(see :mod:`.layout`). ``train_step`` averages the loss over the plan's data dimension.
+(see :mod:`.layout`). ``train_step`` averages the loss over the plan's loss group (its data dimension).
 Before the probe and the sharding every rank takes the first rank's whole weights (a model built
 without a common seed trains as rank 0's, as under ddp / fsdp).
 """
@@ -39,11 +39,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from composable_atorch.core.contract import Conflict, Contract, MinWorldSize, Stage
+from composable_atorch.core.contract import Contract, Stage
 from composable_atorch.core.transform import ApplyContext, TrainState, Transform
 from composable_atorch.errors import ConfigError
-from composable_atorch.runtime.train_step import mark_loss_group
-from composable_atorch.transforms.parallel.data.common import broadcast_local, implies_mesh_dim, parallel_context
+from composable_atorch.runtime.axes import TENSOR
+from composable_atorch.transforms.parallel.shared.sync import broadcast_local, parallel_context
 from composable_atorch.transforms.parallel.tensor import check, lora
 from composable_atorch.transforms.parallel.tensor.dropout import sequence_sliced
 from composable_atorch.transforms.parallel.tensor.planner import (
@@ -74,10 +74,6 @@ from composable_atorch.transforms.parallel.tensor.styles import (
 # ---------------------------------------------------------------------------------------------
 
 
-def _no_tensor_dim(_mine, pm) -> bool:
-    return not any(n == "tensor" for n, _ in pm.groups)
-
-
 @dataclass(frozen=True)
 class TensorParallel(Transform):
     """Shard Linear layers over the mesh's ``tensor`` dimension (DTensor ``parallelize_module``).
@@ -94,21 +90,7 @@ class TensorParallel(Transform):
     contract = Contract(
         stage=Stage.TENSOR_PARALLEL,
         roles=("tensor_parallel", "model_parallel"),
-        # ATorch drops distributed methods in one process (remove_distributed_method): skipped, with the reason
-        requires=(MinWorldSize(minimum=2, on_unmet="skip"),),
-        implies=(
-            implies_mesh_dim(
-                "tensor", "tensor parallelism shards over the 'tensor' dimension of parallel_mode's device mesh"
-            ),
-        ),
-        conflicts=(
-            Conflict(
-                "parallel_mode",
-                "parallel_mode has no 'tensor' dimension to shard over",
-                "add ('tensor', n) to parallel_mode's groups, e.g. parallel_mode([('tensor', 2), ('data', 1)])",
-                when=_no_tensor_dim,
-            ),
-        ),
+        axis=TENSOR,
     )
 
     plan: Any = "auto"
@@ -181,6 +163,7 @@ class TensorParallel(Transform):
         )
 
         mesh = pc.mesh["tensor"]
+        pc.applied.record(self.name, model)
         state.note(self.name, _from_first_rank(model, pc, mesh))
         reference, why = check.probe(model)  # the whole model's output, before any weight moves
         modules = dict(model.named_modules())
@@ -264,7 +247,6 @@ class TensorParallel(Transform):
             + (", LayerNorms sequence-parallel" if sp else ""),
         )
         dropout_streams(model, drops, mesh, degree, sp, sequence)
-        mark_loss_group(model, pc.data_group() if pc.data_size > 1 else None, pc.data_size)
         state.note(
             self.name,
             "CPU RNG state synchronized over the tensor dim (replicated dropouts draw one process's "
