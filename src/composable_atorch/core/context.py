@@ -19,8 +19,7 @@ if TYPE_CHECKING:
     import torch
 
     from composable_atorch.runtime.mesh import ParallelContext
-    from composable_atorch.runtime.optim import OptimizerHook
-    from composable_atorch.runtime.train_step import StepRunner
+    from composable_atorch.runtime.optim import OptimizerHook, StepRunner
 
 
 @dataclass

@@ -2,6 +2,7 @@
 
 As Composer's ``passes.py`` orders algorithms by running a list of passes, :func:`run` is compose():
 
+0. :func:`expand` — a transform that stands for several (mixed_parallel) replaced by its parts;
 1. :func:`requirements` — each requested transform resolved against the environment, its
    requirements checked (skipped with a note, or refused);
 2. :func:`default_owners` and 3. :func:`implications`, grown to a fixpoint by :func:`grow` — the
@@ -133,6 +134,49 @@ def admit(t, env: Environment, strict: bool) -> tuple[Any, tuple[str, ...]]:
 # -- the passes -------------------------------------------------------------------------------
 
 
+def _refused(a, b) -> None:
+    """ConflictError when ``a`` declares a conflict with ``b`` (or with one of its tags), or both own a role."""
+    for c in a.contract.conflicts:
+        if c.other in _tags(b) and (c.when is None or c.when(a, b)):
+            raise ConflictError(a.describe(), b.describe(), c.reason, c.fix)
+    shared = set(a.contract.owns) & set(b.contract.owns)
+    if shared:
+        role = sorted(shared)[0]
+        raise ConflictError(
+            a.describe(),
+            b.describe(),
+            f"both own {role!r} and only one transform may",
+            f"keep either {a.name} or {b.name}",
+        )
+
+
+def expand(draft: Draft, requested: tuple) -> tuple[Draft, tuple]:
+    """``(draft with notes, the request with every expanding transform replaced by its parts)``.
+
+    A transform that is several (mixed_parallel: parallel_mode | tensor_parallel | pipeline_parallel
+    ...) says so in ``expand()``; its own conflicts and owned roles are checked against the rest of the
+    request first (what it stood for is refused as it was), then each part is checked and ordered
+    by its own contract like any requested step. Parts it did not take from the request are shown as
+    implied by it.
+    """
+    out, notes, implied = [], list(draft.notes), list(draft.implied_by)
+    for t in requested:
+        if not getattr(t, "expands", False):
+            out.append(t)
+            continue
+        others = tuple(o for o in requested if o is not t)
+        for o in others:
+            _refused(t, o)
+            _refused(o, t)
+        parts = t.expand(draft.env, others)
+        out.extend(parts)
+        implied.extend((p.name, t.name) for p in parts if all(p is not o for o in others))
+        notes.append(f"{t.describe()} = {' | '.join(p.describe() for p in parts)}")
+    if len(out) == len(requested) and all(a is b for a, b in zip(out, requested, strict=True)):
+        return draft, requested
+    return dataclasses.replace(draft, notes=tuple(notes), implied_by=tuple(implied)), unique(out)
+
+
 def requirements(draft: Draft, requested: Iterable) -> Draft:
     """Admit every requested transform (:func:`admit`): what the environment cannot run never
     reaches the order, and the reason is in the notes."""
@@ -231,15 +275,7 @@ def conflicts(draft: Draft) -> Draft:
             if c.other in _tags(b) and (c.when is None or c.when(a, b)):
                 raise ConflictError(a.describe(), b.describe(), c.reason, c.fix)
     for a, b in itertools.combinations(draft.active, 2):
-        shared = set(a.contract.owns) & set(b.contract.owns)
-        if shared:
-            role = sorted(shared)[0]
-            raise ConflictError(
-                a.describe(),
-                b.describe(),
-                f"both own {role!r} and only one transform may",
-                f"keep either {a.name} or {b.name}",
-            )
+        _refused(a, b)
     return draft
 
 
@@ -293,7 +329,9 @@ def axes_note(active) -> str | None:
     dims = _unbatched(active)
     if not dims:
         return None
-    said = [f"{n} {s} by {', '.join(users.get(n, ())) or 'no step (see the notes)'}" for n, s in dims]
+    said = [
+        f"{n} {s} by {', '.join(users[n])}" if users.get(n) else f"{n} {s} by no step (see the notes)" for n, s in dims
+    ]
     return "model-parallel dimensions: " + "; ".join(said)
 
 
@@ -350,5 +388,6 @@ def order(draft: Draft) -> tuple[StepData, ...]:
 def run(items, *, strict: bool, env: Environment) -> tuple[tuple, tuple[StepData, ...], tuple[str, ...]]:
     """compose()'s pipeline: ``(requested, steps, notes)`` for ``items`` in ``env``."""
     requested = unique(flatten(items))
-    draft = unused_axes(conflicts(grow(requirements(Draft(env, strict), requested))))
+    draft, parts = expand(Draft(env, strict), requested)
+    draft = unused_axes(conflicts(grow(requirements(draft, parts))))
     return requested, order(draft), draft.notes

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from composable_atorch.errors import CompositionError, ConfigError
+from composable_atorch.errors import AlreadyAppliedError, ConfigError
 from composable_atorch.runtime.layout import BATCH_DIMS, INSTANCE_DIM, SPLIT_DIMS, Layout, plan_layout
 
 
@@ -38,16 +38,6 @@ class ExpertLayout:
     @property
     def replicas(self) -> int:
         return 1 if self.replica_mesh is None else self.replica_mesh.size()
-
-
-class AlreadyAppliedError(CompositionError):
-    """A second application of one kind to the same module (torch's composable ``contract`` refuses it too)."""
-
-    def __init__(self, kind: str, module: Any):
-        super().__init__(
-            f"{kind} was already applied to this {type(module).__name__}; applying it twice would wrap or split it "
-            f"twice. Fix: apply each plan to a fresh model (a plan holds one {kind} step)"
-        )
 
 
 @dataclass

@@ -17,8 +17,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -26,7 +26,14 @@ from composable_atorch.errors import ParameterMappingError, RequirementError
 
 if TYPE_CHECKING:
     from composable_atorch.runtime.mesh import ParallelContext
-    from composable_atorch.runtime.train_step import StepRunner
+
+
+class StepRunner(Protocol):
+    """What a pipeline transform returns for ``train_step`` to drive: one forward and backward of a batch
+    through its schedule, returning the step's mean loss."""
+
+    def step(self, inputs: Any, targets: Any, loss_fn: Callable) -> float: ...
+
 
 #: Prefixes wrappers insert into parameter names; stripped to compare names across wrappers.
 WRAPPER_PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_fpw_module.")

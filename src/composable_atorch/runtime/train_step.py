@@ -26,29 +26,20 @@ rank-local loss: no collective is issued, so a reference run on one rank never w
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
 
 import torch
 
-
-class StepRunner(Protocol):
-    """What a pipeline transform returns for train_step to drive: one forward and backward of a batch."""
-
-    def step(self, inputs: Any, targets: Any, loss_fn: Callable) -> float: ...
+from composable_atorch.runtime.optim import PlanOptimizer, StepRunner
 
 
 def runner_of(optim) -> StepRunner | None:
     """The pipeline runner the plan's optimizer carries, or None (no plan, or no pipeline)."""
-    from composable_atorch.runtime.optim import PlanOptimizer
-
     return optim.runner if isinstance(optim, PlanOptimizer) else None
 
 
 def _loss_group(optim) -> tuple | None:
     """``(group, size)`` the loss is averaged over (see the module docstring), or None for a rank-local loss."""
     import torch.distributed as dist
-
-    from composable_atorch.runtime.optim import PlanOptimizer
 
     if not (dist.is_available() and dist.is_initialized()) or not isinstance(optim, PlanOptimizer):
         return None
@@ -85,8 +76,6 @@ def _start_data_mean(optim, loss: torch.Tensor):
 
 def _check_loss(optim, loss_fn: Callable, output, inputs, targets) -> None:
     """The sequence split's check of ``loss_fn`` (a typed error where it would not train the split as one process)."""
-    from composable_atorch.runtime.optim import PlanOptimizer
-
     check = optim.parallel.loss_check if isinstance(optim, PlanOptimizer) and optim.parallel is not None else None
     if check is not None:
         check(loss_fn, output, inputs, targets)

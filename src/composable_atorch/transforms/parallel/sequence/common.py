@@ -8,8 +8,8 @@ process computes). That mean is taken before the optimizer step by an all-reduce
 (:class:`DataGradSync`); the data dimension is synchronized by ddp / fsdp as without the split.
 
 With model parallelism: the split is applied after ``tensor_parallel`` (it routes each rank's
-heads; the reported loss is averaged over data x the split's group), and before
-``pipeline_parallel`` (``mixed_parallel``, doing both in one step, applies the split between them),
+heads; the reported loss is averaged over data x the split's group: the parallel context's loss
+group), and before ``pipeline_parallel`` (``mixed_parallel`` expands into both, the split between them),
 whose probe forwards run with the split inert
 (:func:`composable_atorch.runtime.sequence.probing`) and whose own loss report averages over the
 split's group; transformers models get their global positions at the base model, which a
@@ -91,9 +91,6 @@ def apply_split(
         why = "no process group" if not pc.distributed else f"a {dim} dimension of 1 ({pc.layout.describe()})"
         state.note(who, f"{why}: every rank holds whole sequences, model left as it is")
         return state
-    if pc.applied.modules(SPLIT_KIND):  # mixed_parallel applied it between its tensor and pipeline steps
-        state.note(who, "applied by mixed_parallel between its tensor and pipeline steps")
-        return state
     model, balanced = state.model, kind == "context"
     # -- every check before any change --
     interface = uses_attention_interface(model)
@@ -106,7 +103,7 @@ def apply_split(
             "a forward(tokens, position_ids=None) that uses the positions it is given (each rank holds a part of "
             f"the sequence), or {who}(positions=False) for a model without positions",
         )
-    pipelined = ctx.find("pipeline_parallel") is not None or pc.layout.size("pipeline") > 1  # or mixed_parallel's
+    pipelined = ctx.find("pipeline_parallel") is not None or pc.layout.size("pipeline") > 1
     if positions and pipelined and positions_module(model) is model:
         raise ConfigError(
             f"{who} with pipeline_parallel",
