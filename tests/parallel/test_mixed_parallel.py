@@ -212,9 +212,10 @@ def test_degrees_are_search_candidates():
         (2, 2, 4),
     }
     assert MixedParallel.candidates(SearchContext(env=env, batch_size=1)) == (MixedParallel(tensor=4, pipeline=1),)
-    for c in found:  # every candidate composes on its own (it lays out its own mesh)
+    for c in found:  # every candidate composes on its own: it expands into its own parallel_mode and engines
         plan = ca.compose(c, env=env)
-        assert "parallel_mode" not in plan.names and "ddp" not in plan.names
+        assert plan.names[0] == "parallel_mode" and "mixed_parallel" not in plan.names
+        assert ("pipeline_parallel" in plan.names) == (c.pipeline > 1) and ("ddp" in plan.names) == (c.pipeline == 1)
 
 
 def test_mixed_degrees_and_parallel_mode_must_agree():

@@ -17,7 +17,7 @@ from torch import nn
 import composable_atorch as ca
 import zoo
 from composable_atorch.transforms import example_input
-from composable_atorch.transforms.parallel.data import probe
+from composable_atorch.transforms.parallel.shared import probe
 from composable_atorch.transforms.parallel.tensor import graph
 
 from _dist import run_world

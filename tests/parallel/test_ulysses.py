@@ -38,8 +38,8 @@ def test_atorch_name_is_ulysses_and_megatron_stays_in_tensor_parallel():
             [("parallel_mode", ([("sequence", 2), ("data", 2)], None)), ("sequence_parallel", {"sp_size": 4})],
             env=env4,
         )
-    mixed = ca.compose(ca.sequence_parallel(), ca.mixed_parallel(), env=env4)  # it applies the split between its steps
-    assert mixed.names.index("mixed_parallel") < mixed.names.index("sequence_parallel")
+    mixed = ca.compose(ca.sequence_parallel(), ca.mixed_parallel(), env=env4)  # it expands around the split
+    assert mixed.names == ("parallel_mode", "sequence_parallel", "ddp") and mixed.requested[0].name == "mixed_parallel"
     assert "sequence_parallel" not in ca.strategy.load([SP], env=ca.Environment(world_size=1)).names
 
 

@@ -21,7 +21,7 @@ import zoo
 from composable_atorch.errors import ConfigError
 from composable_atorch.models import Block
 from composable_atorch.models.gpt import lm_loss
-from composable_atorch.runtime import recompute
+from composable_atorch.transforms.memory import recompute
 
 from helpers import gpt
 
