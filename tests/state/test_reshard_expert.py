@@ -24,10 +24,10 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 import composable_atorch as ca
-import moe_models as mm
 from _resharding import global_batches, one_process_loader, run_all, train_phase
 from composable_atorch.errors import ConfigError
 from composable_atorch.state.hf import save_pretrained
+from zoo import moe as mm
 
 SAMPLES, BATCH, TOTAL = 16, 4, 6  # 4 steps per epoch: the run crosses into epoch 1
 OPTIMIZERS = {
@@ -180,7 +180,7 @@ def test_a_parameter_the_new_model_lacks_is_named_before_anything_changes(runs):
     directory, _ = runs
 
     def one_layer_mixtral():
-        config = mm._config("mixtral")
+        config = mm.CONFIGS["mixtral"]()
         config.num_hidden_layers = 1
         return transformers.AutoModelForCausalLM.from_config(config)
 
