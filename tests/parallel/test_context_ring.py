@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 import _seq
 import composable_atorch as ca
+import equivalence as eq
 from composable_atorch.errors import ConfigError
 from composable_atorch.transforms.parallel.sequence.attention import Attend
 from composable_atorch.transforms.parallel.sequence.shard import chunk_positions
@@ -90,7 +91,7 @@ def test_ring_kernel_at_world_3():  # the next and previous ranks differ
 @pytest.mark.parametrize("model_name,optim_name", CASES)
 def test_ring_context_2_equals_one_process(world2, model_name, optim_name):
     runs = [world2[rank][(model_name, optim_name)] for rank in (0, 1)]
-    _seq.assert_equals_one_process(runs, _seq.reference(model_name, optim_name), ATOL, shape=HALF)
+    eq.assert_equal_to_one_process(runs, _seq.reference(model_name, optim_name), ATOL, shape=HALF)
     got = runs[-1]
     assert "passed around a ring" in got["explain"]
 
@@ -98,7 +99,7 @@ def test_ring_context_2_equals_one_process(world2, model_name, optim_name):
 @pytest.mark.dist
 def test_ring_with_checkpoint(world2):
     ref = _seq.reference("llama", "adamw")
-    _seq.assert_equals_one_process([world2[rank]["llama_checkpoint"] for rank in (0, 1)], ref, ATOL)
+    eq.assert_equal_to_one_process([world2[rank]["llama_checkpoint"] for rank in (0, 1)], ref, ATOL)
 
 
 def test_ring_refusals():

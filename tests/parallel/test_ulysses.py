@@ -10,6 +10,7 @@ import torch
 
 import _seq
 import composable_atorch as ca
+import equivalence as eq
 from composable_atorch.core.transform import lookup
 from composable_atorch.errors import ConfigError
 from composable_atorch.transforms.parallel.sequence import Ulysses
@@ -83,7 +84,7 @@ def _auto_accelerate():
         result.optim.step()
         result.optim.zero_grad()
         losses.append(loss.item())
-    params = {k: v.numpy() for k, v in _seq.full_params(result.model).items()}
+    params = {k: v.numpy() for k, v in eq.full_params(result.model).items()}
     return {"status": status, "params": params, "losses": losses, "shapes": shapes, "explain": best.explain()}
 
 
@@ -99,7 +100,7 @@ def test_ulysses_2_equals_one_process(world2, model_name, optim_name):
     for rank in (0, 1):
         got = world2[rank][(model_name, optim_name)]
         assert got["shapes"][0] == (_seq.BATCH, _seq.SEQ // 2)  # half of each sequence per rank
-        dp, dl = _seq.close(got, ref)
+        dp, dl = eq.gaps(got, ref)
         assert dp < ATOL and dl < ATOL, (dp, dl)
     assert "1/2 of the heads" in got["explain"]
 
@@ -112,6 +113,6 @@ def test_atorch_load_strategy_runs_ulysses(world2, how):
         got = world2[rank][how]
         assert got["shapes"][0] == (_seq.BATCH, _seq.SEQ // 2)
         # auto_accelerate's loss is the rank's own (its part of each sequence), the parameters the whole model's
-        dp, dl = _seq.close(got, ref)
+        dp, dl = eq.gaps(got, ref)
         assert dp < ATOL and (dl < ATOL or how == "auto_accelerate"), (dp, dl)
         assert "parallel_mode(sequence 2 x data 1)" in got["explain"]
