@@ -14,10 +14,11 @@ import functools
 
 import pytest
 import torch
-from torch.nn import functional as F
 
 import composable_atorch as ca
+import equivalence as eq
 from composable_atorch.errors import CompositionError
+from zoo import configs
 
 from _dist import run_world
 
@@ -26,23 +27,11 @@ pytestmark = [pytest.mark.dist, pytest.mark.slow]
 VOCAB, SEQ, STEPS = 64, 16, 3
 
 
-def lm_loss(logits, labels):
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), labels.reshape(-1))
+lm_loss = eq.token_ce
 
 
 def llama_config(tied: bool):
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=tied,
-    )
+    return configs.llama_config(layers=4, vocab=VOCAB, max_position_embeddings=64, tie_word_embeddings=tied)
 
 
 def llama_tpinfo():
@@ -73,17 +62,8 @@ def reference_losses(meta, model, data, base_seed=1234, optim=torch.optim.SGD, l
     with torch.no_grad():
         for i, (name, m) in enumerate(entries):
             model.get_submodule(name).load_state_dict(builder.build(name, m, i).state_dict())
-    optim = optim(model.parameters(), lr=lr)
-    losses = []
-    for x, y in data:
-        loss = lm_loss(model(input_ids=x).logits, y)
-        loss.backward()
-        if clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        optim.step()
-        optim.zero_grad()
-        losses.append(float(loss))
-    return losses
+    clip_fn = (lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), clip)) if clip else None
+    return eq.reference(model, optim(model.parameters(), lr=lr), data, lm_loss, on_grads=clip_fn)[1]
 
 
 def _slices(data, layout, rank, micro, steps):
@@ -178,18 +158,9 @@ def gpt2_batch_fn(batch):
 
 
 def _gpt2_case(rank, world):
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import GPT2LMHeadModel
 
-    cfg = GPT2Config(
-        n_embd=32,
-        n_layer=4,
-        n_head=4,
-        vocab_size=VOCAB,
-        n_positions=64,
-        resid_pdrop=0.1,
-        embd_pdrop=0.1,
-        attn_pdrop=0.1,
-    )
+    cfg = configs.gpt2_config(layers=4, vocab=VOCAB, resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
     with ca.record_module_init():
         meta = GPT2LMHeadModel(cfg)
     info = ca.TPInfo()
