@@ -54,8 +54,10 @@ PRELOAD = [
 ]
 
 
-def _context():
-    """The forkserver context, its server started (once) with the preloads and DeepSpeed on CPU."""
+def context():
+    """The forkserver context, its server started (once) with the preloads and DeepSpeed on CPU: a process
+    started from it begins with torch, transformers and composable_atorch imported (a spawned one
+    spends seconds importing them)."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
     from multiprocessing import forkserver
@@ -115,7 +117,7 @@ def _exit_reason(code: int) -> str:
 
 def run_world(fn, world: int = 2, *args, timeout: float = 300.0) -> list:
     """``[fn(rank, world, *args) for rank in range(world)]``, each in its own process."""
-    ctx = _context()
+    ctx = context()
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "pg_init")
