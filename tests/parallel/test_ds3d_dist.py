@@ -325,9 +325,10 @@ def test_bad_input_is_a_typed_error_before_any_work(world4):
     assert bad["ds_config"].startswith("ConfigError") and "zero_optimization" in bad["ds_config"], bad["ds_config"]
 
 
-@pytest.mark.parametrize("model_parallel", ["1", "2"])
+@pytest.mark.parametrize("model_parallel", ["2"])
 def test_example_ds_3d_llama2_through_the_launcher(model_parallel):
-    """Seed 002's DS 3D example at world 4 (pp2 x dp2, then tp2 x pp2): it prints the loss falling."""
+    """Seed 002's DS 3D example at world 4 (tp2 x pp2) through the launcher: it prints the loss falling.
+    (Its pp2 x dp2 layout is test_losses_match_one_process[pp2_dp2]'s, equal to one process there.)"""
     import os
     import subprocess
     import sys
