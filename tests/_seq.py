@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader
 import composable_atorch as ca
 import equivalence as eq
 from composable_atorch.data import TextDataset
+from composable_atorch.errors import ConfigError
 from zoo.sequence import SEQ, block_lm, heads_from_width, llama, llama4, llama_mqa, user_lm
 
 __all__ = ["llama", "user_lm"]
@@ -75,6 +76,23 @@ def run(model_name: str, optim_name: str, *transforms, steps: int = STEPS, strat
     loss_fn = ca.sequence_cross_entropy(m) if padded else seq_loss
     losses, shapes = eq.train(m, opt, data, loss_fn, steps)
     return {"params": eq.plain(eq.full_params(m)), "losses": losses, "shapes": shapes, "explain": plan.explain(applied)}
+
+
+def run_or_refusal(*args, **kwargs):
+    """:func:`run`, or the ConfigError's message when the plan is refused."""
+    try:
+        return run(*args, **kwargs)
+    except ConfigError as exc:
+        return str(exc)
+
+
+def check(results, key, model_name: str, optim_name: str, atol: float, shape=None, **reference_kw) -> dict:
+    """Every rank's run ``results[rank][key]`` equals one process training ``model_name`` with
+    ``optim_name`` (:func:`reference`); with ``shape``, each rank's first batch had it. Returns the last
+    rank's run (for its explain)."""
+    runs = [r[key] for r in results]
+    eq.assert_equal_to_one_process(runs, reference(model_name, optim_name, **reference_kw), atol, shape=shape)
+    return runs[-1]
 
 
 def measured_peak(plan_json: str, task) -> int:

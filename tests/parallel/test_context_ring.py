@@ -11,7 +11,6 @@ import torch.nn.functional as F
 
 import _seq
 import composable_atorch as ca
-import equivalence as eq
 from composable_atorch.errors import ConfigError
 from composable_atorch.transforms.parallel.sequence.attention import Attend
 from composable_atorch.transforms.parallel.sequence.shard import chunk_positions
@@ -90,16 +89,13 @@ def test_ring_kernel_at_world_3():  # the next and previous ranks differ
 @pytest.mark.dist
 @pytest.mark.parametrize("model_name,optim_name", CASES)
 def test_ring_context_2_equals_one_process(world2, model_name, optim_name):
-    runs = [world2[rank][(model_name, optim_name)] for rank in (0, 1)]
-    eq.assert_equal_to_one_process(runs, _seq.reference(model_name, optim_name), ATOL, shape=HALF)
-    got = runs[-1]
+    got = _seq.check(world2, (model_name, optim_name), model_name, optim_name, ATOL, shape=HALF)
     assert "passed around a ring" in got["explain"]
 
 
 @pytest.mark.dist
 def test_ring_with_checkpoint(world2):
-    ref = _seq.reference("llama", "adamw")
-    eq.assert_equal_to_one_process([world2[rank]["llama_checkpoint"] for rank in (0, 1)], ref, ATOL)
+    _seq.check(world2, "llama_checkpoint", "llama", "adamw", ATOL)
 
 
 def test_ring_refusals():

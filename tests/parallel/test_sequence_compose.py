@@ -12,7 +12,6 @@ import pytest
 import _seq
 import composable_atorch as ca
 import equivalence as eq
-from composable_atorch.errors import ConfigError
 
 from _dist import run_world
 
@@ -48,17 +47,8 @@ def _world4(rank, world):
         out[("pp", model_name, optim_name, kind)] = _seq.run(
             model_name, optim_name, ca.parallel_mode([(dim, 2), ("pipeline", 2)]), split, ca.pipeline_parallel()
         )
-    try:
-        _seq.run(
-            "user",
-            "sgd",
-            ca.parallel_mode([("context", 2), ("pipeline", 2)]),
-            _seq.split("context")[1],
-            ca.pipeline_parallel(),
-        )
-        out["pp_user"] = "trained"
-    except ConfigError as exc:
-        out["pp_user"] = str(exc)
+    groups = ca.parallel_mode([("context", 2), ("pipeline", 2)])
+    out["pp_user"] = _seq.run_or_refusal("user", "sgd", groups, _seq.split("context")[1], ca.pipeline_parallel())
     return out
 
 
@@ -70,9 +60,7 @@ def world4():
 @pytest.mark.dist
 @pytest.mark.parametrize("model_name,optim_name,kind", TP_CASES)
 def test_split_2_with_tensor_2_equals_one_process(world4, model_name, optim_name, kind):
-    runs = [world4[rank][("tp", model_name, optim_name, kind)] for rank in range(4)]
-    eq.assert_equal_to_one_process(runs, _seq.reference(model_name, optim_name), ATOL, shape=HALF)
-    got = runs[-1]
+    got = _seq.check(world4, ("tp", model_name, optim_name, kind), model_name, optim_name, ATOL, shape=HALF)
     assert "DTensor parallelize_module over the tensor dim of 2" in got["explain"]
     # the split applies to the tensor-sharded model, and its loss is reported over the ranks of other tokens
     assert got["explain"].index("tensor_parallel:") < got["explain"].index("_parallel:\n    - attention")
@@ -115,8 +103,7 @@ def _world2(rank, world):
 
 @pytest.mark.dist
 def test_ulysses_with_checkpoint():
-    runs = [got["ulysses_checkpoint"] for got in run_world(_world2, 2)]
-    eq.assert_equal_to_one_process(runs, _seq.reference("llama", "adamw"), ATOL)
+    _seq.check(run_world(_world2, 2), "ulysses_checkpoint", "llama", "adamw", ATOL)
 
 
 def test_split_ordered_after_tensor_parallel():

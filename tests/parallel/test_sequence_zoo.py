@@ -42,10 +42,7 @@ MODES = {
 def _world(rank, world, mode):
     out = {}
     for name, optim_name in CASES:
-        try:
-            out[(name, optim_name)] = _seq.run(f"zoo_{name}", optim_name, *MODES[mode]())
-        except ConfigError as e:
-            out[(name, optim_name)] = str(e)
+        out[(name, optim_name)] = _seq.run_or_refusal(f"zoo_{name}", optim_name, *MODES[mode]())
     return out
 
 

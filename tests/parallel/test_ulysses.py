@@ -96,12 +96,8 @@ def world2():
 @pytest.mark.dist
 @pytest.mark.parametrize("model_name,optim_name", CASES)
 def test_ulysses_2_equals_one_process(world2, model_name, optim_name):
-    ref = _seq.reference(model_name, optim_name)
-    for rank in (0, 1):
-        got = world2[rank][(model_name, optim_name)]
-        assert got["shapes"][0] == (_seq.BATCH, _seq.SEQ // 2)  # half of each sequence per rank
-        dp, dl = eq.gaps(got, ref)
-        assert dp < ATOL and dl < ATOL, (dp, dl)
+    half = (_seq.BATCH, _seq.SEQ // 2)  # half of each sequence per rank
+    got = _seq.check(world2, (model_name, optim_name), model_name, optim_name, ATOL, shape=half)
     assert "1/2 of the heads" in got["explain"]
 
 
