@@ -167,3 +167,15 @@ def run_world(fn, world: int = 2, *args, timeout: float = 300.0) -> list:
     if errors:
         raise AssertionError("\n".join(errors))
     return [out[r] for r in range(world)]
+
+
+def module_world(fn, world: int = 2, *args, timeout: float = 300.0):
+    """A module-scoped pytest fixture (bind it to the fixture's name) whose value is
+    ``run_world(fn, world, *args)``: one group for every test of a file that reads its results."""
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def results():
+        return run_world(fn, world, *args, timeout=timeout)
+
+    return results

@@ -20,7 +20,7 @@ import composable_atorch as ca
 import equivalence as eq
 from composable_atorch.errors import CheckpointError, CompositionError, ConfigError, UnknownTransformError
 
-from _dist import run_world
+from _dist import module_world, run_world
 
 ENV2 = ca.Environment(world_size=2)
 
@@ -253,9 +253,7 @@ def _world2_cases(rank, world, _):
     return out
 
 
-@pytest.fixture(scope="module")
-def world2():
-    return run_world(_world2_cases, 2, None, timeout=400)
+world2 = module_world(_world2_cases, 2, None, timeout=400)
 
 
 @pytest.mark.dist

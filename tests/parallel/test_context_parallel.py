@@ -12,7 +12,7 @@ import composable_atorch as ca
 from composable_atorch.errors import CompositionError, ConfigError
 from composable_atorch.transforms.parallel.sequence.shard import chunk_positions, shard_batch
 
-from _dist import run_world
+from _dist import module_world, run_world
 
 ATOL = 1e-4
 HALF = (_seq.BATCH, _seq.SEQ // 2)  # half of each sequence per rank
@@ -58,9 +58,7 @@ def _world2(rank, world):  # one spawned group for the four cases
     return out
 
 
-@pytest.fixture(scope="module")
-def world2():
-    return run_world(_world2, 2)
+world2 = module_world(_world2, 2)
 
 
 @pytest.mark.dist

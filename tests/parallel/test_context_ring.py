@@ -15,7 +15,7 @@ from composable_atorch.errors import ConfigError
 from composable_atorch.transforms.parallel.sequence.attention import Attend
 from composable_atorch.transforms.parallel.sequence.shard import chunk_positions
 
-from _dist import run_world
+from _dist import module_world, run_world
 
 ATOL = 1e-4
 HALF = (_seq.BATCH, _seq.SEQ // 2)  # half of each sequence per rank
@@ -67,9 +67,7 @@ def _world2(rank, world):
     return out
 
 
-@pytest.fixture(scope="module")
-def world2():
-    return run_world(_world2, 2)
+world2 = module_world(_world2, 2)
 
 
 @pytest.mark.dist

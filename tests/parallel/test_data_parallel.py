@@ -19,7 +19,7 @@ from composable_atorch.models import Block
 from composable_atorch.transforms.loop import ClipHook
 from equivalence import bitwise, full_params, max_diff, plain
 
-from _dist import run_world
+from _dist import module_world
 from _dp import BATCH, STEPS, loader, model, reference, run_plan, train
 
 pytestmark = pytest.mark.dist
@@ -159,9 +159,7 @@ def world2_cases(rank: int, world: int) -> dict:
     return plain(out)
 
 
-@pytest.fixture(scope="module")
-def world2():
-    return run_world(world2_cases, 2, timeout=600)
+world2 = module_world(world2_cases, 2, timeout=600)
 
 
 def test_ddp_matches_one_process_on_the_same_global_batches(world2):

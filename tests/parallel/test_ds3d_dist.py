@@ -20,7 +20,7 @@ import equivalence as eq
 from composable_atorch.errors import CompositionError
 from zoo import configs
 
-from _dist import run_world
+from _dist import module_world
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -270,9 +270,7 @@ def run_cases(rank, world):
     return results
 
 
-@pytest.fixture(scope="module")
-def world4():
-    return run_world(run_cases, 4, timeout=900)
+world4 = module_world(run_cases, 4, timeout=900)
 
 
 @pytest.mark.parametrize(

@@ -28,7 +28,7 @@ from composable_atorch.errors import ConfigError, ConflictError
 from zoo import UserBlock as _ZooBlock
 from zoo import UserModel, build
 
-from _dist import run_world
+from _dist import module_world, run_world
 
 pytestmark = pytest.mark.dist
 
@@ -202,9 +202,7 @@ def world2_scalar_cases(rank: int, world: int) -> dict:
     return out
 
 
-@pytest.fixture(scope="module")
-def world2():
-    return run_world(world2_scalar_cases, 2, timeout=600)
+world2 = module_world(world2_scalar_cases, 2, timeout=600)
 
 
 _close = eq.max_diff

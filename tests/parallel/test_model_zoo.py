@@ -24,7 +24,7 @@ import equivalence as eq
 import zoo
 from composable_atorch.errors import ConfigError
 
-from _dist import run_world
+from _dist import module_world
 
 STEPS = 3
 FP32_TOL, BF16_TOL = 1e-4, 5e-2
@@ -188,9 +188,7 @@ def _world(rank, world):
     return out
 
 
-@pytest.fixture(scope="module")
-def world():
-    return run_world(_world, 2, timeout=1800)
+world = module_world(_world, 2, timeout=1800)
 
 
 #: (family, transform) -> why it fails today: another part of issue 27 being fixed elsewhere. Such a

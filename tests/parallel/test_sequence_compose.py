@@ -13,7 +13,7 @@ import _seq
 import composable_atorch as ca
 import equivalence as eq
 
-from _dist import run_world
+from _dist import module_world, run_world
 
 ATOL = 1e-4
 HALF = (_seq.BATCH, _seq.SEQ // 2)  # half of each sequence per rank
@@ -52,9 +52,7 @@ def _world4(rank, world):
     return out
 
 
-@pytest.fixture(scope="module")
-def world4():
-    return run_world(_world4, 4)
+world4 = module_world(_world4, 4)
 
 
 @pytest.mark.dist

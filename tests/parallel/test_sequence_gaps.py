@@ -17,7 +17,7 @@ import composable_atorch as ca
 import equivalence as eq
 from zoo.sequence import Block
 
-from _dist import run_world
+from _dist import module_world
 
 ATOL = 1e-4
 
@@ -36,9 +36,7 @@ def _world2(rank, world):
     return out
 
 
-@pytest.fixture(scope="module")
-def world2():
-    return run_world(_world2, 2)
+world2 = module_world(_world2, 2)
 
 
 @pytest.mark.dist
@@ -83,9 +81,7 @@ def _world4(rank, world):
     return out
 
 
-@pytest.fixture(scope="module")
-def world4():
-    return run_world(_world4, 4)
+world4 = module_world(_world4, 4)
 
 
 @pytest.mark.dist
@@ -126,9 +122,7 @@ def _world8(rank, world):
     }
 
 
-@pytest.fixture(scope="module")
-def world8():
-    return run_world(_world8, 8)
+world8 = module_world(_world8, 8)
 
 
 @pytest.mark.dist

@@ -17,7 +17,7 @@ from composable_atorch.transforms.parallel.sequence import Ulysses
 from composable_atorch.transforms.parallel.sequence.attention import Attend
 from composable_atorch.transforms.parallel.tensor import TensorParallel
 
-from _dist import run_world
+from _dist import module_world
 
 ATOL = 1e-4
 SP = ("sequence_parallel", {"sp_size": 2, "batch_sp_processing_fn": lambda batch: batch})
@@ -88,9 +88,7 @@ def _auto_accelerate():
     return {"status": status, "params": params, "losses": losses, "shapes": shapes, "explain": best.explain()}
 
 
-@pytest.fixture(scope="module")
-def world2():
-    return run_world(_world2, 2)
+world2 = module_world(_world2, 2)
 
 
 @pytest.mark.dist
