@@ -2,29 +2,31 @@
 
 A distributed plan is right when it trains the model one plain process trains on the same global
 batches: the same loss at every step and the same final parameters (gathered whole, under the
-user's names), to fp32 reduction order. Every such test is four moves, each here once:
+user's names), to fp32 reduction order. Every such test makes the same moves, each here once:
 
-    OPTIMS = optimizers(sgd=dict(lr=0.5), adamw=dict(lr=1e-3))   # SGD and AdamW, both
-    ref = reference(build(), OPTIMS["adamw"], batches, token_ce) # one process, plain torch
-    got = run_plan(build(), OPTIMS["adamw"], plan, loader, token_ce, steps)   # in each rank
-    assert_equal_to_one_process(per_rank, ref, atol=1e-4)
+    OPTIMS = optimizers(sgd=dict(lr=0.5), adamw=dict(lr=1e-3))           # SGD and AdamW, both
+    ref = reference(model, OPTIMS["adamw"](model.parameters()), batches, token_ce)  # plain torch
+    # in each rank, after plan(model, optim, loader):
+    losses, shapes = train(model, optim, loader, token_ce, steps)         # train_step, every plan
+    run = {"params": plain(full_params(model)), "losses": losses, "shapes": shapes}
+    assert_equal_to_one_process(runs, ref, atol=1e-4)                     # in the test, every rank
 
 SGD and AdamW both: AdamW normalises each gradient, so a gradient off by a constant factor (a
 missing 1/world) trains the same weights under it and only SGD shows the bug; SGD alone would
 miss a wrong optimizer state. Results cross the process boundary as numpy arrays (:func:`plain`):
 a torch tensor travels as a shared-memory handle of a rank that may already have exited.
 
-Spawned worlds (``_dist.run_world``) start in a fraction of a second from a preloaded forkserver; what
-costs is the work inside them. Two cores run the ranks, so a reference computed in the parent after
-the world ends runs on one core while the other idles: compute references inside the world, split
-over the ranks (:func:`mine`), or once per test session (:func:`functools.cache` on the caller).
+Spawned worlds (``_dist.run_world``) start in a fraction of a second from a preloaded forkserver;
+what costs is the plans' runs inside them. A reference is cheap next to them (2.5 s of
+test_model_zoo's 67 s world, 66 references), but the parent computing them after the world runs on
+one of the two cores: compute them in the world, split over the ranks (:func:`mine`), or once per
+session (``functools.cache`` on the suite's reference).
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
-import math
 from collections.abc import Callable, Iterable
 
 import torch
@@ -141,15 +143,6 @@ def loss_gap(a: Iterable[float], b: Iterable[float]) -> float:
     return max(abs(x - y) for x, y in zip(a, b, strict=True))
 
 
-def finite(values: Iterable[float]) -> bool:
-    return all(math.isfinite(v) for v in values)
-
-
-def moved(params: dict, start: dict) -> float:
-    """How far training moved the weights: a comparison with a reference that did not train cannot fail."""
-    return max_diff(params, {k: start[k] for k in params})
-
-
 # -- one process, and a plan in each rank ----------------------------------------------------------
 
 
@@ -178,21 +171,6 @@ def train(model, optim, batches, loss_fn, steps: int | None = None) -> tuple[lis
         shapes.append(tuple(x.shape) if hasattr(x, "shape") else None)
         losses.append(ca.train_step(model, optim, x, y, loss_fn))
     return losses, shapes
-
-
-def run_plan(model, optim, plan, loader, loss_fn, steps: int | None = None) -> dict:
-    """Apply ``plan`` (a Plan, or a tuple of transforms to compose) and train with ``train_step``:
-    what a rank sends back (numpy params under the user's names, losses, batch shapes, explain)."""
-    plan = plan if isinstance(plan, ca.Plan) else ca.compose(*plan)
-    applied = plan(model, optim, loader)
-    model, optim, data = applied
-    losses, shapes = train(model, optim, data, loss_fn, steps)
-    return {
-        "params": plain(full_params(model)),
-        "losses": losses,
-        "shapes": shapes,
-        "explain": plan.explain(applied=applied),
-    }
 
 
 # -- comparing -------------------------------------------------------------------------------------
