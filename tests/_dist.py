@@ -159,12 +159,22 @@ def run_world(fn, world: int = 2, *args, timeout: float = 300.0) -> list:
                 else:
                     errors.append(f"rank {rank} failed:\n{value}")
         finally:
-            for p in procs:
+            killed = set()
+            for r, p in enumerate(procs):
                 p.join(timeout=10 if not errors else 1)
                 if p.is_alive():
                     p.kill()
                     p.join()
+                    killed.add(r)
     if errors:
+        # a peer's error ("connection reset") can arrive before a rank's own death is seen: name the
+        # ranks a signal ended (not the ones ended here), whichever came first
+        said = "\n".join(errors)
+        errors += [
+            f"rank {r} died without a result: {_exit_reason(p.exitcode)}"
+            for r, p in enumerate(procs)
+            if r not in killed and r not in out and (p.exitcode or 0) < 0 and f"rank {r} died" not in said
+        ]
         raise AssertionError("\n".join(errors))
     return [out[r] for r in range(world)]
 
