@@ -6,6 +6,7 @@ TP2 x FSDP2 checkpoint reshards (one spawned group).
 from __future__ import annotations
 
 import copy
+import itertools
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 import composable_atorch as ca
+import equivalence as eq
 from composable_atorch.data import TextDataset
 from composable_atorch.models import GPT, Block, GPTConfig
 from composable_atorch.models.gpt import lm_loss
@@ -34,12 +36,9 @@ def loader():
 
 def _reference():
     model = gpt()
-    optim = torch.optim.SGD(model.parameters(), lr=LR)
-    losses = []
-    for i, (x, y) in enumerate(loader()):
-        if i >= STEPS:
-            break
-        losses.append(ca.train_step(model, optim, x, y, lm_loss))
+    _, losses = eq.reference(
+        model, torch.optim.SGD(model.parameters(), lr=LR), itertools.islice(loader(), STEPS), lm_loss
+    )
     return model, losses
 
 

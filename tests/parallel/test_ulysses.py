@@ -10,13 +10,14 @@ import torch
 
 import _seq
 import composable_atorch as ca
+import equivalence as eq
 from composable_atorch.core.transform import lookup
 from composable_atorch.errors import ConfigError
 from composable_atorch.transforms.parallel.sequence import Ulysses
 from composable_atorch.transforms.parallel.sequence.attention import Attend
 from composable_atorch.transforms.parallel.tensor import TensorParallel
 
-from _dist import run_world
+from _dist import module_world
 
 ATOL = 1e-4
 SP = ("sequence_parallel", {"sp_size": 2, "batch_sp_processing_fn": lambda batch: batch})
@@ -83,24 +84,18 @@ def _auto_accelerate():
         result.optim.step()
         result.optim.zero_grad()
         losses.append(loss.item())
-    params = {k: v.numpy() for k, v in _seq.full_params(result.model).items()}
+    params = {k: v.numpy() for k, v in eq.full_params(result.model).items()}
     return {"status": status, "params": params, "losses": losses, "shapes": shapes, "explain": best.explain()}
 
 
-@pytest.fixture(scope="module")
-def world2():
-    return run_world(_world2, 2)
+world2 = module_world(_world2, 2)
 
 
 @pytest.mark.dist
 @pytest.mark.parametrize("model_name,optim_name", CASES)
 def test_ulysses_2_equals_one_process(world2, model_name, optim_name):
-    ref = _seq.reference(model_name, optim_name)
-    for rank in (0, 1):
-        got = world2[rank][(model_name, optim_name)]
-        assert got["shapes"][0] == (_seq.BATCH, _seq.SEQ // 2)  # half of each sequence per rank
-        dp, dl = _seq.close(got, ref)
-        assert dp < ATOL and dl < ATOL, (dp, dl)
+    half = (_seq.BATCH, _seq.SEQ // 2)  # half of each sequence per rank
+    got = _seq.check(world2, (model_name, optim_name), model_name, optim_name, ATOL, shape=half)
     assert "1/2 of the heads" in got["explain"]
 
 
@@ -112,6 +107,6 @@ def test_atorch_load_strategy_runs_ulysses(world2, how):
         got = world2[rank][how]
         assert got["shapes"][0] == (_seq.BATCH, _seq.SEQ // 2)
         # auto_accelerate's loss is the rank's own (its part of each sequence), the parameters the whole model's
-        dp, dl = _seq.close(got, ref)
+        dp, dl = eq.gaps(got, ref)
         assert dp < ATOL and (dl < ATOL or how == "auto_accelerate"), (dp, dl)
         assert "parallel_mode(sequence 2 x data 1)" in got["explain"]
