@@ -654,28 +654,3 @@ def test_mixed_parallel_state_returns_to_a_module_it_left_at_most_20_times(which
     MixedParallel.apply ran the other steps inside itself; 7 and 10 with it expanded into them."""
     crossings = run_world(_follow_state, 4, which)[0]
     assert len(crossings) <= 20, crossings
-
-
-def test_the_atorch_facades_optim_func_returns_to_a_module_it_left_at_most_15_times():
-    """optim_func (or what holds it: the request, the optimizer factory) followed through auto_accelerate with a
-    load_strategy (0 with this tracer before and after this change)."""
-    from composable_atorch.compat.accelerate import auto_accelerate
-
-    class Opt(torch.optim.SGD):
-        pass
-
-    data = [torch.randn(4) for _ in range(8)]
-    crossings: list = []
-    status, result, _ = return_crossings(
-        lambda o: o is Opt or getattr(o, "optim_func", None) is Opt,
-        crossings,
-        auto_accelerate,
-        Tiny(),
-        Opt,
-        data,
-        lambda inputs, output: output.sum(),
-        optim_args={"lr": 0.1},
-        load_strategy=["parallel_mode", ("clip_grad", {"max_norm": 1.0})],
-    )
-    assert status and isinstance(result.optim.optimizer, Opt)
-    assert len(crossings) <= 15, crossings
