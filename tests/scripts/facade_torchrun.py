@@ -81,7 +81,6 @@ def main():
         excluded=sorted(set(ca.registry()) - keep),
         n_trials=2,
         trial_timeout=90,
-        predict_ahead_s=0,  # the plan both ranks agree on and its training are checked, not the prior
         save_strategy_to_file=os.path.join(out_dir, "auto.json"),
         **common,
     )
