@@ -285,8 +285,7 @@ def test_auto_accelerate_test_at_world_2(tmp_path):
 def test_func_fully_automatic_one_process():
     """test_func's success half. run_world's ranks are daemonic and cannot spawn the search's trial
     workers, so this runs in one process; test_facade's torchrun test covers world 2."""
-    # the returned strategy and its training are checked, not the predictions' prior: none predicted ahead
-    status, res, best = ca.auto_accelerate(**toy_call(20, 2), n_trials=1, trial_timeout=120, predict_ahead_s=0)
+    status, res, best = ca.auto_accelerate(**toy_call(20, 2), n_trials=1, trial_timeout=120)
     assert status and isinstance(best, AtorchStrategy)
     assert run_train(res.model, res.dataloader, res.optim, res.prepare_input, res.loss_func) == 20 // 2
     assert all(isinstance(e.requested, bool) for e in best)  # each entry marked requested or implied
