@@ -180,6 +180,10 @@ def _fsdp_runs() -> dict:
         for label, transforms in (
             ("fsdp", (ca.fsdp(wrap=Block),)),
             ("fsdp+selective", (ca.fsdp(wrap=Block), ca.checkpoint(Block, policy="selective"))),
+            # bf16: fsdp casts each block's inputs in a hook that the forward runs before the
+            # checkpoint and the recompute inside it (under a record_function)
+            ("fsdp+bf16", (ca.fsdp(wrap=Block), ca.amp("bf16"))),
+            ("fsdp+bf16+selective", (ca.fsdp(wrap=Block), ca.amp("bf16"), ca.checkpoint(Block, policy="selective"))),
         ):
             m = model()
             m, opt, data = ca.compose(*transforms)(m, make_opt(m.parameters()), loader())
@@ -245,6 +249,7 @@ def test_composed_with_fsdp_and_tensor_parallel_at_world_2():
             # FSDP2 reproduces itself bitwise; checkpointing must not change a bit of that
             assert bitwise(fsdp[f"{opt}/fsdp+selective"], fsdp[f"{opt}/fsdp"]), opt
             assert max_diff(fsdp[f"{opt}/fsdp+selective"], fsdp[f"{opt}/one process"]) < bound, opt
+            assert bitwise(fsdp[f"{opt}/fsdp+bf16+selective"], fsdp[f"{opt}/fsdp+bf16"]), opt
         tp = r["tp"]
         for sp in (False, True):
             for policy in ("full", "selective"):  # full: the sequence split of the first block replayed once
