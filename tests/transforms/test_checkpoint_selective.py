@@ -21,7 +21,7 @@ import zoo
 from composable_atorch.errors import ConfigError
 from composable_atorch.models import Block
 from composable_atorch.models.gpt import lm_loss
-from composable_atorch.runtime import recompute
+from composable_atorch.transforms.memory import recompute
 
 from helpers import gpt
 
@@ -164,7 +164,8 @@ def test_compiled_per_block_is_bitwise_equal(saved):
 
 
 def _fsdp_runs() -> dict:
-    from _dp import STEPS, full_params, loader, model, train
+    from _dp import STEPS, loader, model, train
+    from equivalence import full_params
 
     out = {}
     for opt_name, make_opt in (
@@ -225,7 +226,7 @@ def _tp_runs() -> dict:
 
 
 def _world2(rank, world):
-    from _dp import plain
+    from equivalence import plain
 
     return plain({"fsdp": _fsdp_runs(), "tp": _tp_runs()})
 
@@ -233,7 +234,7 @@ def _world2(rank, world):
 @pytest.mark.dist
 def test_composed_with_fsdp_and_tensor_parallel_at_world_2():
     from _dist import run_world
-    from _dp import bitwise, max_diff
+    from equivalence import bitwise, max_diff
 
     for r in run_world(_world2, 2):
         fsdp = r["fsdp"]
