@@ -164,8 +164,9 @@ def test_compiled_per_block_is_bitwise_equal(saved):
 
 
 def _fsdp_runs() -> dict:
-    from _dp import STEPS, loader, model, train
     from equivalence import full_params
+
+    from _dp import STEPS, loader, model, train
 
     out = {}
     for opt_name, make_opt in (
@@ -233,8 +234,9 @@ def _world2(rank, world):
 
 @pytest.mark.dist
 def test_composed_with_fsdp_and_tensor_parallel_at_world_2():
-    from _dist import run_world
     from equivalence import bitwise, max_diff
+
+    from _dist import run_world
 
     for r in run_world(_world2, 2):
         fsdp = r["fsdp"]

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from composable_atorch.auto.onpaper import PaperResult, plan_on_paper, printer
 from composable_atorch.auto.policy import (
     Budget,
     SpaceOptions,
@@ -39,7 +40,6 @@ from composable_atorch.auto.predict import (
     first_to_measure,
     predictions_note,
 )
-from composable_atorch.auto.onpaper import PaperResult, plan_on_paper, printer
 from composable_atorch.auto.preflight import in_process_limit, preflight, preflight_in_child, user_code_limit
 from composable_atorch.auto.records import Recorders, SearchResult, TrialRecord, best_record
 from composable_atorch.auto.space import build_space
@@ -92,9 +92,11 @@ def search(
     """
     if on_paper:
         if not isinstance(workload, Workload) or args or legacy or trial is not None or study is not None:
-            raise TypeError("search(workload, on_paper=True, env=Environment(...), budget=, space=): a Workload, no trial=/study=")
-        return plan_on_paper(workload, env, budget=budget, space=space, progress=printer() if progress else None,
-                             estimator=estimator)
+            raise TypeError(
+                "search(workload, on_paper=True, env=Environment(...), budget=, space=): a Workload, no trial=/study="
+            )
+        show = printer() if progress else None
+        return plan_on_paper(workload, env, budget=budget, space=space, progress=show, estimator=estimator)
     if not isinstance(workload, Workload):
         if len(args) != 3 or any(p is not None for p in (trial, budget, space, study)):
             raise TypeError(

@@ -29,16 +29,15 @@ from composable_atorch.errors import CompositionError, ConfigError
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m composable_atorch plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    raw = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(prog="python -m composable_atorch plan", description=__doc__, formatter_class=raw)
     parser.add_argument("--model", required=True, help="gpt | llama-7b | llama3-8b | hf:<config.json>")
-    parser.add_argument("--gpu", default="h100-sxm", help="a catalog name (h100-sxm, a100-80gb-sxm, ...) or a .json/.toml")
+    parser.add_argument("--gpu", default="h100-sxm", help="catalog name (h100-sxm, a100-80gb-sxm, ...) or .json/.toml")
     parser.add_argument("--world-size", type=int, required=True, help="GPUs in the cluster")
-    parser.add_argument("--nodes", type=int, default=None, help="machines they span (default: world / the GPU's per node)")
+    parser.add_argument("--nodes", type=int, default=None, help="machines (default: world / GPUs per node)")
     parser.add_argument("--seq", type=int, required=True, help="tokens per sample")
-    parser.add_argument("--global-batch", type=int, required=True, help="samples per optimizer step, all GPUs together")
-    parser.add_argument("--device-memory", default=None, help="bytes per GPU to fit in, e.g. 70GiB (default: the GPU's)")
+    parser.add_argument("--global-batch", type=int, required=True, help="samples per step, all GPUs")
+    parser.add_argument("--device-memory", default=None, help="bytes per GPU, e.g. 70GiB (default: the GPU's)")
     parser.add_argument("--margin", type=float, default=0.1, help="safety margin on predicted memory (fraction)")
     parser.add_argument("--time-limit", type=float, default=90.0, help="seconds of pricing at most")
     parser.add_argument("--top", type=int, default=10, help="rows of the ranking printed")

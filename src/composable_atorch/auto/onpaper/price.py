@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from composable_atorch.auto.preflight import PredictionTimeout, time_limit
-from composable_atorch.auto.space import plan_key, pipeline_degree
+from composable_atorch.auto.space import pipeline_degree, plan_key
 from composable_atorch.auto.workload import Workload, first_batch
 from composable_atorch.core.plan import Plan
 from composable_atorch.environment import Environment

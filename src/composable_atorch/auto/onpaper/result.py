@@ -58,9 +58,8 @@ class PaperResult:
         from rich.table import Table
 
         hw = self.env.hardware.name if self.env.hardware is not None else "?"
-        table = Table(
-            title=f"plans for {self.env.world_size} x {hw} ({self.env.nodes} nodes), ranked by predicted tokens/s per device"
-        )
+        where = f"{self.env.world_size} x {hw} ({self.env.nodes} nodes)"
+        table = Table(title=f"plans for {where}, ranked by predicted tokens/s per device")
         for name, justify in (
             ("#", "right"),
             ("plan", "left"),

@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import fields
 
-from composable_atorch.auto.onpaper.axes import ABSENT, Space
+from composable_atorch.auto.onpaper.axes import Space
 from composable_atorch.auto.onpaper.price import FAILED, FITS, OVER, Priced, Pricer
 from composable_atorch.auto.space import plan_key
 
@@ -122,7 +122,7 @@ class Walk:
         for _ in range(MAX_PASSES):
             before = dict(current)
             current = self.memory_step(current)
-            for name, axis in self.space.axes.items():
+            for name in self.space.axes:
                 if name in MEMORY or name in LAST or self.spent:
                     continue
                 current = self.axis_step(name, current)

@@ -130,7 +130,7 @@ class TensorParallel(Transform):
         offered: every tensor-parallel all-reduce blocks the compute after it, and across nodes it
         would run at the network's speed, not the node's link."""
         from composable_atorch.core.context import NotOffered
-        from composable_atorch.transforms.parallel.data.meshes import layout_option
+        from composable_atorch.transforms.parallel.shared.options import layout_option
 
         env = search.env
         if not search.on_paper or env.world_size < 2:
