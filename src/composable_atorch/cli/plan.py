@@ -40,6 +40,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--device-memory", default=None, help="bytes per GPU, e.g. 70GiB (default: the GPU's)")
     parser.add_argument("--margin", type=float, default=0.1, help="safety margin on predicted memory (fraction)")
     parser.add_argument("--time-limit", type=float, default=90.0, help="seconds of pricing at most")
+    parser.add_argument("--max-plans", type=int, default=None, help="plans priced at most (default: no limit)")
     parser.add_argument("--top", type=int, default=10, help="rows of the ranking printed")
     parser.add_argument("--out", default="best_plan.json", help="where the pick is written ('' : not written)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -54,9 +55,9 @@ def check(args: argparse.Namespace):
     from composable_atorch.environment import Environment
     from composable_atorch.hardware import resolve
 
-    for name in ("world_size", "seq", "global_batch", "top"):
+    for name in ("world_size", "seq", "global_batch", "top", "max_plans"):
         value = getattr(args, name)
-        if value < 1:
+        if value is not None and value < 1:
             raise ConfigError(f"--{name.replace('_', '-')}", value, "an integer >= 1")
     if args.nodes is not None and (args.nodes < 1 or args.world_size % args.nodes):
         raise ConfigError("--nodes", args.nodes, f"a divisor of --world-size {args.world_size} (equal nodes)")
@@ -79,7 +80,9 @@ def check(args: argparse.Namespace):
         raise ConfigError("--margin", args.margin, "a fraction >= 0 and < 1, e.g. 0.1")
     if args.time_limit <= 0:
         raise ConfigError("--time-limit", args.time_limit, "a positive number of seconds")
-    budget = Budget(time_limit=args.time_limit, memory_limit=args.device_memory, memory_margin=args.margin)
+    budget = Budget(
+        n_trials=args.max_plans, time_limit=args.time_limit, memory_limit=args.device_memory, memory_margin=args.margin
+    )
     workload = token_workload(build_model(args.model, args.seq), seq=args.seq, global_batch=args.global_batch)
     return env, workload, budget
 
