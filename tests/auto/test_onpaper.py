@@ -170,3 +170,17 @@ def test_search_on_paper_needs_a_gpu_environment():
         search(workload(), on_paper=True, env=Environment(world_size=4, device="cpu"))
     with pytest.raises(TypeError):
         search(workload(), on_paper=True, env=env(), trial=object())
+
+
+def test_a_model_too_large_to_probe_here_gets_no_tensor_parallel_plans(monkeypatch):
+    """tensor_parallel's planner traces a zero-weight copy of the model in this machine's memory: over the
+    threshold (0 here) it is not offered, said in a note, and the pipeline axis keeps no tensor degree."""
+    from composable_atorch.auto.onpaper import axes
+
+    monkeypatch.setattr(axes, "PROBE_BYTES", 0)
+    result = plan_on_paper(workload(), env(world=8), budget=Budget(n_trials=2), estimator=StandIn())
+    assert "tensor:" not in result.axes and "tensor 2" not in result.axes
+    assert any("tensor parallelism not offered" in n for n in result.notes)
+    monkeypatch.setattr(axes, "PROBE_BYTES", 2**40)
+    result = plan_on_paper(workload(), env(world=8), budget=Budget(n_trials=2), estimator=StandIn())
+    assert "tensor:" in result.axes

@@ -59,7 +59,7 @@ def plan_on_paper(
     seconds = budget.time_limit if budget is not None and budget.time_limit is not None else DEFAULT_SECONDS
     built = build(workload, env, space)
     notes += built.notes
-    pricer = Pricer(workload, env, limit, margin, start + seconds, estimator)
+    pricer = Pricer(workload, env, limit, margin, start + seconds, estimator, whole_cost(built.example))
     walk = Walk(built, pricer, budget.n_trials if budget is not None else None, progress)
     walk.run(reference(built))
     priced = list(walk.priced.values())
@@ -115,6 +115,16 @@ def target(env: Environment | None) -> tuple[Environment, list[str]]:
         notes.append(f"no hardware given: priced on {env.hardware.name}")
     env, assumed = with_packages(env)
     return env, notes + ([assumed] if assumed else [])
+
+
+def whole_cost(model) -> float:
+    """How much longer the estimate takes on the whole model than on the few blocks it extrapolates from."""
+    from composable_atorch.estimate import dedup
+
+    found = dedup.find_blocks(model)
+    if found is None or found[1] < dedup.AUTO_FROM:
+        return 1.0
+    return found[1] / sum(dedup.DEPTHS)
 
 
 def reference(space: Space) -> dict[str, str]:

@@ -10,6 +10,7 @@ batch. An estimate is interrupted at the search's deadline (``auto.preflight.tim
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 import warnings
 from collections.abc import Callable
@@ -24,6 +25,12 @@ from composable_atorch.environment import Environment
 
 #: what a priced plan is: fits the device, over its memory, or the estimate could not price it
 FITS, OVER, FAILED = "fits", "over memory", "estimate failed"
+#: address space an estimate may add to the process (Linux): the simulation runs on fake tensors, so a
+#: real allocation of a model's size (a planner's zero-weight probe of a 7B model: 27 GB) is a bug
+#: that should fail that plan's estimate, not take the machine's memory
+HEADROOM_BYTES = 8 * 2**30
+#: seconds past the deadline after which a running estimate is taken for a hang and interrupted
+HANG_S = 60.0
 
 
 @dataclass
@@ -60,7 +67,8 @@ class Pricer:
     """Prices plans of one workload at one environment, each plan once (by :func:`plan_key`).
 
     ``limit``: device bytes a plan's peak (times ``1 + margin``) must stay within; ``deadline``:
-    ``time.monotonic()`` after which no estimate runs and the running one is cut. ``estimator`` is
+    ``time.monotonic()`` after which no estimate starts; ``whole``: how much longer a plan the estimate
+    simulates whole (:func:`_whole`) takes than one it extrapolates from a few blocks. ``estimator`` is
     :func:`~composable_atorch.estimate.estimate` or a stand-in with its interface (tests)."""
 
     def __init__(
@@ -71,6 +79,7 @@ class Pricer:
         margin: float,
         deadline: float | None,
         estimator: Callable[..., Any] | None = None,
+        whole: float = 1.0,
     ):
         if estimator is None:
             from composable_atorch.estimate import estimate as estimator
@@ -79,7 +88,8 @@ class Pricer:
         self.cache: dict[str, Priced] = {}
         self.batch = first_batch(workload)
         self.spent = 0.0
-        self.durations: list[float] = []  # seconds of each estimate that priced its plan
+        self.whole = whole  # cost of a whole-model simulation over an extrapolated one
+        self.per_micro: list[float] = []  # seconds per simulated micro-batch of each estimate that priced
 
     def left(self) -> float | None:
         return None if self.deadline is None else self.deadline - time.monotonic()
@@ -90,11 +100,12 @@ class Pricer:
         if key in self.cache:
             return self.cache[key]
         left = self.left()
-        if left is not None and left <= min(self.durations, default=0.0):  # it would be cut before it ends
-            return None
+        expected = max(self.per_micro, default=0.0) * _micro_batches(plan) * (self.whole if _whole(plan) else 1.0)
+        if left is not None and left <= expected:
+            return None  # it would not end before the deadline
         start = time.monotonic()
         try:
-            with time_limit(left or 0), _quiet():
+            with time_limit(0 if left is None else left + HANG_S), _quiet(), _memory_guard():
                 est = self._estimate(plan)
         except PredictionTimeout:
             return None
@@ -105,7 +116,7 @@ class Pricer:
         priced.seconds = time.monotonic() - start
         self.spent += priced.seconds
         if priced.status != FAILED:
-            self.durations.append(priced.seconds)
+            self.per_micro.append(priced.seconds / max(1, priced.micro_batches or 1))
         self.cache[key] = priced
         return priced
 
@@ -146,12 +157,51 @@ class Pricer:
         )
 
 
+def _whole(plan: Plan) -> bool:
+    """The estimate simulates every block of this plan (DDP's gradient buckets span blocks; a pipeline's
+    stages are the model cut), not a few blocks extrapolated."""
+    return "ddp" in plan.names or pipeline_degree(plan) > 1
+
+
+def _micro_batches(plan: Plan) -> int:
+    """The micro-batches one step of ``plan`` runs (each is simulated): accumulate's or the pipeline's."""
+    steps = [getattr(t, "steps", None) or getattr(t, "microbatches", None) for t in plan.transforms
+             if t.name in ("accumulate", "mixed_parallel")]
+    return max([1, *(int(s) for s in steps if s)])
+
+
 def _split(est) -> dict[str, float]:
     """compute / exposed comm / bubble / overhead seconds of the step, where the estimate gives them."""
     timing = getattr(est, "step_time", None)
     if timing is None:
         return {}
     return {k: float(getattr(timing, k)) for k in ("compute", "comm", "bubble", "overhead") if hasattr(timing, k)}
+
+
+@contextlib.contextmanager
+def _memory_guard():
+    """The process's address space capped at its current size plus HEADROOM_BYTES while one estimate
+    runs (an allocation past it raises, and the plan is reported with that reason); nothing elsewhere."""
+    try:
+        import resource
+
+        with open("/proc/self/statm") as f:
+            size = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+        soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    except (ImportError, OSError, ValueError):
+        yield
+        return
+    cap = size + HEADROOM_BYTES
+    if hard != resource.RLIM_INFINITY:
+        cap = min(cap, hard)
+    if soft != resource.RLIM_INFINITY and soft <= cap:
+        yield
+        return
+    resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
 
 
 @contextlib.contextmanager

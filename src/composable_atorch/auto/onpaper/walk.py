@@ -11,6 +11,9 @@ so far:
   and at least as many micro-batches (less activation memory) is over. *Slower by rule*: a plan is not
   priced when one of the same layout with no more checkpointing and no more micro-batches fits (it
   recomputes and splits no less, and is predicted slower).
+  *Over by the line*: with two plans of the same layout and checkpointing priced at different
+  micro-batch sizes, a third whose peak on the line through them (activation memory grows with the
+  micro-batch's samples) is over the device by more than :data:`LINE_SLACK` is not priced.
 * an axis of degrees (tensor, context, ulysses, expert, pipeline): degrees in increasing order until
   one that fits is slower than the best lower degree (the rest are *past the peak*), or the estimate
   fails (the rest of that axis are not priced). A pipeline degree's variants (schedule, micro-batches,
@@ -37,6 +40,7 @@ from composable_atorch.auto.space import plan_key
 INVALID = "invalid: compose() or a planning rule refused it"
 DUPLICATE = "the same plan as another point"
 OVER_RULE = "over memory by rule: a plan of the same layout with less activation memory is over"
+OVER_LINE = "over memory by the line through two micro-batch sizes of the same plan priced"
 SLOWER_RULE = "slower by rule: a plan of the same layout with less recomputation and fewer micro-batches fits"
 PAST_PEAK = "past the peak: a lower degree of its axis fitted and was faster"
 FAILED_AXIS = "not priced: the estimate failed for a lower degree of its axis"
@@ -46,6 +50,8 @@ MEMORY, LAST = ("checkpoint", "micro_batches"), ("compile",)
 #: the axes a refused move is retried without, in this order
 COMPANIONS = ("engine", "micro_batches", "compile")
 MAX_PASSES = 3
+#: how far over the device a peak on the line must be for its plan to be dropped unpriced
+LINE_SLACK = 0.1
 
 
 class Walk:
@@ -196,9 +202,29 @@ class Walk:
                     self.skip(point, OVER_RULE)
                 elif self._relation(point, FITS, lighter=False):
                     self.skip(point, SLOWER_RULE)
+                elif self._over_line(point):
+                    self.skip(point, OVER_LINE)
                 else:
                     self.consider(point)
         return self._best_of(current)
+
+    def _over_line(self, assignment: dict[str, str]) -> bool:
+        """The peak of ``assignment`` on the line through two priced plans of its layout and checkpointing
+        (peak against samples per micro-batch) is over the device by more than LINE_SLACK."""
+        key = self._layout(assignment), assignment.get("checkpoint")
+        same = [p for f, p in self.seen.items() if p is not None and p.peak_bytes and p.micro_batch
+                and p.micro_batches and (self._layout(dict(f)), dict(f).get("checkpoint")) == key]
+        points = {p.micro_batch: p.peak_bytes for p in same}
+        if len(points) < 2 or "micro_batches" not in assignment:
+            return False
+        samples = same[0].micro_batch * same[0].micro_batches  # per rank, the same for every point of a layout
+        count = -self._weight("micro_batches", assignment["micro_batches"])
+        if samples % count:
+            return False
+        (m1, p1), (m2, p2) = sorted(points.items())[:2]
+        slope = (p2 - p1) / (m2 - m1)
+        peak = p1 + slope * (samples // count - m1)
+        return slope > 0 and peak * (1 + self.pricer.margin) > self.pricer.limit * (1 + LINE_SLACK)
 
     def _best_of(self, current: dict[str, str]) -> dict[str, str]:
         """The fastest fitting plan priced so far whose layout is ``current``'s, or ``current``."""
