@@ -231,7 +231,8 @@ def short(t: Transform) -> str:
     """A few words for one transform of a plan, for the ranking table (describe() says it in full)."""
     name = t.name
     if name == "parallel_mode":
-        groups = [f"{dim} {n}" for dim, n in t.groups if n > 1 and dim != "data"]
+        names = {"zero": "hybrid shard"}  # fsdp sharded over the zero dimension, replicated over data
+        groups = [f"{names.get(dim, dim)} {n}" for dim, n in t.groups if n > 1 and dim != "data"]
         return " x ".join(groups)
     if name in ("tensor_parallel", "context_parallel"):
         return ""  # said by its layout

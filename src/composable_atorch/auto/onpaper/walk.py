@@ -20,8 +20,9 @@ so far:
   tensor degree) are priced for the chosen degree, one field away from its first.
 * any other axis: every option.
 
-A move over the device at the current checkpointing is tried once more with the lightest memory
-(every block checkpointed, the most micro-batches): over there, no memory setting of it fits. A move
+A move over the device at the current memory setting is tried again with lighter ones (more
+micro-batches first, then more checkpointing), skipping those a rule or the line says are over, up to
+:data:`LIGHTER_TRIES` estimates. A move
 that compose() refuses beside the current engine, micro-batches or compile is tried with those left
 to compose() (a pipeline syncs its own gradients and runs its own micro-batches). Passes repeat until
 one changes nothing, or the time budget is spent. Every point considered is counted by what became of
@@ -50,6 +51,8 @@ MEMORY, LAST = ("checkpoint", "micro_batches"), ("compile",)
 #: the axes a refused move is retried without, in this order
 COMPANIONS = ("engine", "micro_batches", "compile")
 MAX_PASSES = 3
+#: lighter memory settings tried for a move that is over the device
+LIGHTER_TRIES = 3
 #: how far over the device a peak on the line must be for its plan to be dropped unpriced
 LINE_SLACK = 0.1
 
@@ -142,22 +145,38 @@ class Walk:
         return max(fits, key=lambda p: p.speed, default=None)
 
     def fitting(self, assignment: dict[str, str]) -> Priced | None:
-        """``assignment`` priced; if over, its lightest memory setting too; the one that fits, or None."""
+        """``assignment`` priced; while over, the next lighter memory setting (:meth:`lighter`), up to
+        :data:`LIGHTER_TRIES` of them; the one that fits, or None."""
         priced = self.consider(assignment)
-        if priced is not None and priced.status == OVER:
-            lightest = self.lightest(priced.assignment)
-            if lightest != priced.assignment:
-                priced = self.consider(lightest)
+        for _ in range(LIGHTER_TRIES):
+            if priced is None or priced.status != OVER:
+                break
+            nxt = self.lighter(priced.assignment)
+            if nxt is None:
+                break
+            priced = self.consider(nxt)
         return priced if priced is not None and priced.fits else None
 
-    # -- the memory axis ----------------------------------------------------------------------
-    def lightest(self, assignment: dict[str, str]) -> dict[str, str]:
-        out = dict(assignment)
-        for axis in MEMORY:
-            if axis in self.space.axes:
-                out[axis] = min(self.space.axes[axis].options, key=lambda label: self._weight(axis, label))
-        return out
+    def lighter(self, assignment: dict[str, str]) -> dict[str, str] | None:
+        """The next memory setting to try after ``assignment`` was over: lighter in one memory axis and no
+        heavier in the other, not known over by a rule or the line; the least recomputation first, then
+        the fewest micro-batches (each micro-batch more is an estimate's simulation more)."""
+        axes = [a for a in MEMORY if a in self.space.axes]
+        here = {a: self._weight(a, assignment[a]) for a in axes}
+        points = [dict(assignment)]
+        for a in axes:
+            points = [{**p, a: label} for p in points for label in self.space.axes[a].options
+                      if self._weight(a, label) <= here[a]]
+        order = sorted(points, key=lambda p: tuple(-self._weight(a, p[a]) for a in axes))
+        for point in order:
+            if point == assignment or frozenset(point.items()) in self.seen:
+                continue
+            if self._relation(point, OVER, lighter=True) or self._over_line(point):
+                continue
+            return point
+        return None
 
+    # -- the memory axis ----------------------------------------------------------------------
     def _weight(self, axis: str, label: str) -> int:
         """Activation memory order of a memory axis option, larger is heavier: no checkpointing over
         selective over full; one micro-batch over more."""
