@@ -184,3 +184,29 @@ def test_a_model_too_large_to_probe_here_gets_no_tensor_parallel_plans(monkeypat
     monkeypatch.setattr(axes, "PROBE_BYTES", 2**40)
     result = plan_on_paper(workload(), env(world=8), budget=Budget(n_trials=2), estimator=StandIn())
     assert "tensor:" in result.axes
+
+
+def test_on_paper_candidates_widen_only_on_paper():
+    """Priced, not run: accumulate offers every power-of-two micro-batch count, fp8 both torchao recipes,
+    tensor_parallel ``tensor x data`` layouts up to a node, mixed_parallel each schedule; a trial search's
+    candidates are unchanged (its space is pinned in test_space_pinned)."""
+    from composable_atorch.core.context import LayoutOption, NotOffered, SearchContext
+    from composable_atorch.transforms.fp8 import Fp8
+    from composable_atorch.transforms.loop import Accumulate
+    from composable_atorch.transforms.parallel.mixed import MixedParallel
+    from composable_atorch.transforms.parallel.tensor.transform import TensorParallel
+
+    cluster = Environment(world_size=16, nodes=2, device="cuda", hardware="h100-sxm", packages={"torchao"})
+    paper = SearchContext(env=cluster, batch_size=256, on_paper=True)
+    trial = SearchContext(env=cluster, batch_size=256)
+    assert [c.steps for c in Accumulate.candidates(paper)] == [2, 4, 8, 16]
+    assert [c.steps for c in Accumulate.candidates(trial)] == [2, 4]
+    assert sorted(c.recipe for c in Fp8.candidates(paper)) == ["rowwise", "tensorwise"]
+    assert len(Fp8.candidates(trial)) == 1
+    assert TensorParallel.candidates(trial) == ()
+    offered = TensorParallel.candidates(paper)
+    assert sorted(o.degree for o in offered if isinstance(o, LayoutOption)) == [2, 4, 8]
+    assert any(isinstance(o, NotOffered) for o in offered)  # 16: over the 8 devices of a node
+    pipelines = MixedParallel.candidates(paper)
+    assert len({c.schedule for c in pipelines}) > 1 and all(c.pipeline > 1 for c in pipelines)
+    assert all((c.tensor or 1) <= 8 for c in pipelines)
