@@ -39,7 +39,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--global-batch", type=int, required=True, help="samples per step, all GPUs")
     parser.add_argument("--device-memory", default=None, help="bytes per GPU, e.g. 70GiB (default: the GPU's)")
     parser.add_argument("--margin", type=float, default=0.1, help="safety margin on predicted memory (fraction)")
-    parser.add_argument("--time-limit", type=float, default=90.0, help="seconds of pricing (no estimate starts that would end after)")
+    parser.add_argument("--time-limit", type=float, default=90.0, help="seconds of pricing (then no new estimate)")
     parser.add_argument("--max-plans", type=int, default=None, help="plans priced at most (default: no limit)")
     parser.add_argument("--top", type=int, default=10, help="rows of the ranking printed")
     parser.add_argument("--out", default="best_plan.json", help="where the pick is written ('' : not written)")
