@@ -137,6 +137,11 @@ class SearchContext:
     degrees depend on them: it answers with :class:`LayoutOption` (and :class:`NotOffered`) among its
     candidates; None offers no such degree. ``included`` are the kinds the user pinned: an axis
     included there offers every degree it can train, not only those it judges worth measuring.
+
+    ``on_paper``: the search prices plans with the estimate for ``env`` (a cluster it does not run on)
+    instead of measuring trials here, so a plan costs seconds, not a run: an axis may offer what a
+    trial on this machine could not afford or express (tensor x data layouts for a sharded engine,
+    every pipeline schedule, micro-batches down to one sample).
     """
 
     env: Environment
@@ -145,6 +150,7 @@ class SearchContext:
     allow_compile: bool = False
     model: ModelFacts | None = None
     included: frozenset[str] = frozenset()
+    on_paper: bool = False
 
     @property
     def degrees(self) -> tuple[int, ...]:

@@ -137,9 +137,11 @@ class MixedParallel(Transform):
 
         A factorization whose data size does not divide the global batch is left out (the loader
         split would refuse it). The trial worker trains every plan through ``train_step``, so
-        pipeline plans are measured like any other.
+        pipeline plans are measured like any other. On paper (``search.on_paper``): :meth:`_on_paper`.
         """
         world, batch = search.env.world_size, search.batch_size
+        if search.on_paper:
+            return cls._on_paper(search)
         out = []
         for t, p, d in factorizations(world):
             if (t == 1 and p == 1) or batch % d:
@@ -148,6 +150,28 @@ class MixedParallel(Transform):
                 out.append(cls(tensor=t, pipeline=1))
                 continue
             out.extend(cls(tensor=t, pipeline=p, microbatches=m) for m in (p, 2 * p) if (batch // d) % m == 0)
+        return tuple(out)
+
+    @classmethod
+    def _on_paper(cls, search):
+        """The pipeline options priced on paper: every pipeline degree with a tensor degree up to one node's
+        devices, (stages, 2 x stages) micro-batches, and each of torch's schedules that accepts them (the
+        bubble differs per schedule; pricing one costs an estimate, not a run). Tensor degrees without a
+        pipeline are tensor_parallel's ``tensor x data`` layouts there, which a sharded engine composes with."""
+        from composable_atorch.transforms.parallel.pipeline.transform import SCHEDULES
+
+        env, batch, out = search.env, search.batch_size, []
+        for t, p, d in factorizations(env.world_size):
+            if p == 1 or t > env.processes_per_node or batch % d:
+                continue
+            for m in (p, 2 * p):
+                if (batch // d) % m:
+                    continue
+                for schedule in SCHEDULES:
+                    try:
+                        out.append(cls(tensor=t, pipeline=p, microbatches=m, schedule=schedule))
+                    except ConfigError:  # a schedule that refuses this micro-batch count
+                        continue
         return tuple(out)
 
     def resolve(self, env):

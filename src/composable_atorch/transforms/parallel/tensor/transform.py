@@ -121,6 +121,30 @@ class TensorParallel(Transform):
             return cls(**config)
         return cls(plan=config)
 
+    @classmethod
+    def candidates(cls, search):
+        """On paper only (``search.on_paper``): one ``tensor t x data d`` layout per degree t up to the
+        devices of one node whose data size divides the global batch, so any data-parallel engine (fsdp
+        over the data dimension: 2-D parallelism) composes with it. A trial search measures tensor
+        degrees through mixed_parallel's own; its space is unchanged. Degrees above a node are not
+        offered: every tensor-parallel all-reduce blocks the compute after it, and across nodes it
+        would run at the network's speed, not the node's link."""
+        from composable_atorch.core.context import NotOffered
+        from composable_atorch.transforms.parallel.shared.options import layout_option
+
+        env = search.env
+        if not search.on_paper or env.world_size < 2:
+            return ()
+        per_node, out = env.processes_per_node, []
+        for t in search.degrees:
+            data = env.world_size // t
+            if t > per_node:
+                out.append(NotOffered(cls.name, f"tensor degrees above the {per_node} devices of a node"))
+            elif not search.batch_size % data:
+                label = f"tensor {t} x data {data}: Linear layers sharded over {t} ranks of a node, data over {data}"
+                out.append(layout_option("tensor", t, env.world_size, label, cls()))
+        return tuple(out)
+
     def describe(self):
         how = "auto plan" if self.plan == "auto" else f"{len(self.plan)} manual entries"
         return f"tensor_parallel({how}{', sequence parallel' if self.sequence_parallel else ''})"
