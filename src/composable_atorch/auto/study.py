@@ -97,20 +97,7 @@ def search(
             )
         show = printer() if progress else None
         return plan_on_paper(workload, env, budget=budget, space=space, progress=show, estimator=estimator)
-    if not isinstance(workload, Workload):
-        if len(args) != 3 or any(p is not None for p in (trial, budget, space, study)):
-            raise TypeError(
-                "search(workload, *, trial=, budget=, space=, study=) or the 0.x form "
-                "search(model_fn, optim_fn, dataset, loss_fn, world_size=, batch_size=, ...)"
-            )
-        workload, trial, budget, space, study = policies_from_keywords(workload, *args, **legacy)
-    elif args or legacy:
-        raise TypeError(
-            f"search(workload, ...) takes only policy keywords (trial=, budget=, space=, study=); got "
-            f"{len(args)} more positional and {sorted(legacy)}"
-        )
-    trial, budget = trial or TrialSettings(), budget or Budget()
-    space, study = space or SpaceOptions(), study or StudyOptions()
+    workload, trial, budget, space, study = _policies(workload, args, legacy, trial, budget, space, study)
     # the budget's clock starts now: the preflight and every prediction count against it
     started = time.monotonic()
     deadline = None if budget.time_limit is None else started + budget.time_limit
@@ -139,6 +126,24 @@ def search(
     result = loop.run()
     result.preflight = checked
     return result
+
+
+def _policies(workload, args: tuple, legacy: dict, trial, budget, space, study) -> tuple:
+    """The workload and its four policies, defaults filled in, from either call form of :func:`search`."""
+    if not isinstance(workload, Workload):
+        if len(args) != 3 or any(p is not None for p in (trial, budget, space, study)):
+            raise TypeError(
+                "search(workload, *, trial=, budget=, space=, study=) or the 0.x form "
+                "search(model_fn, optim_fn, dataset, loss_fn, world_size=, batch_size=, ...)"
+            )
+        workload, trial, budget, space, study = policies_from_keywords(workload, *args, **legacy)
+    elif args or legacy:
+        raise TypeError(
+            f"search(workload, ...) takes only policy keywords (trial=, budget=, space=, study=); got "
+            f"{len(args)} more positional and {sorted(legacy)}"
+        )
+    trial, budget = trial or TrialSettings(), budget or Budget()
+    return workload, trial, budget, space or SpaceOptions(), study or StudyOptions()
 
 
 class _Loop(Recorders):
