@@ -178,6 +178,9 @@ def _fsdp_runs() -> dict:
         for label, transforms in (
             ("fsdp", (ca.fsdp(wrap=Block),)),
             ("fsdp+selective", (ca.fsdp(wrap=Block), ca.checkpoint(Block, policy="selective"))),
+            # FSDP's mixed precision opens profiler ranges in the forward the recompute does not reopen
+            ("fsdp+amp", (ca.fsdp(wrap=Block), ca.amp("bf16"))),
+            ("fsdp+amp+selective", (ca.fsdp(wrap=Block), ca.amp("bf16"), ca.checkpoint(Block, policy="selective"))),
         ):
             m = model()
             m, opt, data = ca.compose(*transforms)(m, make_opt(m.parameters()), loader())
@@ -241,6 +244,7 @@ def test_composed_with_fsdp_and_tensor_parallel_at_world_2():
         for opt, bound in (("sgd", 1e-6), ("adamw", 1e-4)):
             # FSDP2 reproduces itself bitwise; checkpointing must not change a bit of that
             assert bitwise(fsdp[f"{opt}/fsdp+selective"], fsdp[f"{opt}/fsdp"]), opt
+            assert bitwise(fsdp[f"{opt}/fsdp+amp+selective"], fsdp[f"{opt}/fsdp+amp"]), opt
             assert max_diff(fsdp[f"{opt}/fsdp+selective"], fsdp[f"{opt}/one process"]) < bound, opt
         tp = r["tp"]
         for sp in (False, True):

@@ -12,6 +12,7 @@ and the data ranks equal copies.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from typing import Any
@@ -22,10 +23,11 @@ from composable_atorch.core.plan import Plan
 from composable_atorch.core.transform import Transform
 from composable_atorch.environment import Environment
 from composable_atorch.errors import CompositionError, ConfigError
+from composable_atorch.estimate import dedup as dd
 from composable_atorch.estimate import paper
 from composable_atorch.estimate.inputs import EstimateError, check_batch, check_world_size, meta_model
+from composable_atorch.estimate.paper.price import layout_degrees
 from composable_atorch.estimate.paper.setup import check_nodes, paper_step, target_hardware
-from composable_atorch.estimate.pipeline import Mailbox
 from composable_atorch.estimate.result import Estimate, RankCost
 from composable_atorch.estimate.simulate import simulate_rank
 
@@ -156,7 +158,8 @@ def estimate(
     )
     target_plan = compose_for(data, target, own)
     # compile is never run on fake tensors: the step is simulated eagerly and priced by the fusion rule
-    sim_plan = compose_for(data, here.with_(device="cpu", compute_capability=None), own)
+    sim_env = here.with_(device="cpu", compute_capability=None)
+    sim_plan = compose_for(data, sim_env, own)
     refuse_undeclared(sim_plan)
     setting = paper.setting_for(target_plan, hw, world_size, nodes) if on_paper else None
     if target_plan.names != sim_plan.names:
@@ -173,19 +176,18 @@ def estimate(
     # here); the CPU trial's MemTracker first sees them when the backward writes into them, so on
     # the CPU the simulation holds them from the backward on (simulate.buckets_from_backward)
     whole_step = device == "cuda"
-    mailbox = Mailbox()
     modelled = step_time and device == "cpu"
     if modelled and calibration is None:
         from composable_atorch.estimate.calibrate import calibration as cached
 
         calibration = cached()
 
-    def simulate(rank: int, model=model):
+    def simulate(rank: int, model=model, plan=sim_plan, shapes=batch, rows=global_batch, mailbox=None):
         run = simulate_rank(
-            sim_plan,
+            plan,
             model,
-            batch,
-            global_batch=global_batch,
+            shapes,
+            global_batch=rows,
             rank=rank,
             loss_fn=loss_fn,
             optimizer=optimizer,
@@ -200,17 +202,24 @@ def estimate(
             run.paper = paper.price_run(run, setting)
         return run
 
-    run = shallow_run(simulate, model, dedup, notes)
-    deduped = run is not None
-    run = run if run is not None else simulate(0)  # rank 0 holds stage 0 of any layout
-    runs = [run]
-    if run.stage_of_rank is not None:  # the other stages in stage order: each reads the one before's metadata
-        for s in range(1, max(run.stage_of_rank) + 1):
-            runs.append(simulate(run.stage_of_rank.index(s)))
-        notes.append(
-            f"pipeline: {len(runs)} stages, one rank simulated per stage (tensor and data ranks of a stage hold "
-            "equal shares); stage metadata handed on in stage order (the fake group's P2P carries no values)"
-        )
+    stages = layout_degrees(sim_plan).get("pipeline", 1)
+    if stages > 1:
+
+        def run_set(**kw):
+            return dd.whole_stages(simulate, **kw)
+
+    else:
+
+        def run_set(**kw):
+            one = functools.partial(simulate, **kw)
+            return [dd.shallow_run(one, model, dedup, notes) or one(0)]
+
+    compose_sim = functools.partial(compose_for, env=sim_env, allow=own)
+    runs = dd.micro_window(run_set, data, compose_sim, (batch, global_batch), stages, dedup, notes) or run_set()
+    if stages > 1:
+        notes.append(dd.stage_note(len(runs)))
+    deduped = runs[0].extrapolated
+    run = runs[0]
     for name in run.skipped:
         notes.append(f"{name} cannot run in the fake world: left out, its cost added from its contract")
     notes += compile_notes(run, modelled, on_paper)
@@ -258,6 +267,7 @@ def estimate(
             if device == "cuda"
             else "torch's RuntimeEstimator models CUDA devices only"
         )
+    notes = list(dict.fromkeys(notes))  # a note each simulation of a window repeats, once
     return Estimate(
         ranks=ranks,
         world_size=world_size,
@@ -320,36 +330,6 @@ def compile_notes(run, modelled: bool, on_paper: bool = False) -> list[str]:
             "save them, which usually saves a little: for that part the figure is usually an upper bound)"
         )
     return notes
-
-
-def shallow_run(simulate, model, dedup: bool | None, notes: list[str]):
-    """Rank 0's run extrapolated from truncated copies of the model (:mod:`.dedup`), or None when the
-    model has no repeated blocks worth it, ``dedup`` is False, the plan is a pipeline, or the check
-    depth is not where the line through the first two puts it (the memory peak moved from one
-    phase of the step to another as blocks were added: then the whole model is simulated)."""
-    from composable_atorch.estimate import dedup as dd
-
-    found = dd.find_blocks(model) if dedup is not False else None
-    if found is None or found[1] <= dd.DEPTHS[-1] or (dedup is None and found[1] < dd.AUTO_FROM):
-        return None
-    name, n = found
-    runs = []
-    for depth in dd.DEPTHS:
-        runs.append(simulate(0, dd.truncated(model, name, depth)))
-        if runs[-1].stage_of_rank is not None:
-            return None
-        if runs[-1].allreduce_buckets:  # DDP's bucket stand-ins: their layout over the parameters is not per block
-            notes.append(f"{n} identical blocks: DDP's gradient buckets span blocks, so the whole model is simulated")
-            return None
-    (k1, k2, k3), (small, large, check) = dd.DEPTHS, runs
-    if dd.extrapolate(small, large, k1, k2, k3).by_kind != check.by_kind:
-        notes.append(f"{n} identical blocks: the memory peak changes phase with depth, so the whole model is simulated")
-        return None
-    notes.append(
-        f"{n} identical blocks in {name or 'the model'}: simulated with {k1}, {k2} and {k3} (the line through "
-        f"the first two holds at the third), extrapolated per block"
-    )
-    return dd.extrapolate(large, check, k2, k3, n)
 
 
 MODELLED = "calibrated op trace (composable_atorch.estimate.steptime)"

@@ -63,6 +63,8 @@ class RankRun:
     compiled: list = field(default_factory=list)
     #: the step priced on paper (``estimate.paper.RankStep``), where the estimate prices one
     paper: Any = None
+    #: extrapolated from runs of fewer blocks or micro-steps (``estimate.dedup``)
+    extrapolated: bool = False
 
 
 @contextlib.contextmanager
@@ -78,10 +80,27 @@ def fake_world(world_size: int, rank: int):
             "call estimate() before init_process_group, or in a separate process (it allocates nothing real)",
         )
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    forget_meshes()
     try:
         yield
     finally:
         dist.destroy_process_group()
+        forget_meshes()
+
+
+def forget_meshes() -> None:
+    """Clear DTensor's caches of sharding decisions. They are keyed by the DeviceMeshes involved, and
+    a DeviceMesh compares equal to another of the same shape and names whatever its rank and process
+    groups: without this, a rank simulated after another of the same layout got that rank's mesh
+    back in its op outputs, and collectives on process groups of a world already destroyed (a
+    tensor x pipeline plan failed on its second stage; the trace counted groups of the wrong rank)."""
+    from torch.distributed.tensor import _redistribute
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+    transforms = getattr(_redistribute, "_gen_transform_infos", None)
+    if hasattr(transforms, "cache_clear"):
+        transforms.cache_clear()
 
 
 @contextlib.contextmanager
@@ -113,8 +132,12 @@ def frozen_safe_tracker():
     module's forward it registers a gradient hook on every parameter the module holds (under FSDP
     the freshly unsharded ones too), and ``register_hook`` raises on one without
     ``requires_grad``. A placeholder handle marks those as hooked already (one adapter for the
-    tracker's private table)."""
-    from torch.distributed._tools.mem_tracker import MemTracker
+    tracker's private table).
+
+    Only the global peak is kept (all the estimate and the trial read): torch's tracker also updates
+    every module's own peak on every op, scanning all the modules it has seen each time, which made
+    a pipeline stage's step (hundreds of modules, a hundred thousand ops) spend most of its time there."""
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
 
     class Tracker(MemTracker):
         def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
@@ -123,6 +146,12 @@ def frozen_safe_tracker():
                     if not p.requires_grad and self._param_to_grad_hook_handles.get(p, None) is None:
                         self._param_to_grad_hook_handles[p] = (_NoHook(), _NoHook())
             return super()._track_module_params_and_buffers(module, install_grad_hooks=install_grad_hooks)
+
+        def _update_peak_stats(self, peak_state) -> None:
+            for dev, snap in self._curr_mem_snap.items():
+                if self._peak_mem.get(dev, 0) < snap[_TOTAL_KEY]:
+                    self._peak_mem[dev] = snap[_TOTAL_KEY]
+                    self._peak_mem_snap[dev] = dict(snap)
 
     return Tracker()
 
@@ -211,7 +240,7 @@ def simulate_rank(
     rank: int,
     loss_fn=None,
     optimizer=None,
-    warmup: int = 2,
+    warmup: int | None = None,
     steps: int = 1,
     step_time: bool = False,
     buckets_in_backward: bool = True,
@@ -221,8 +250,8 @@ def simulate_rank(
 ) -> RankRun:
     """Simulate ``rank`` of ``plan`` (composed for the fake world's size) on a fresh copy of the
     model's shapes; the model passed in is not changed. ``steps``: training steps tracked after the
-    ``warmup`` (the peak is their maximum; 2 counts what one step leaves alive into the next, which
-    a tracker started at the second step cannot see). ``buckets_in_backward``: the contract's
+    ``warmup`` (default :data:`WARMUP`; the peak is their maximum; 2 counts what one step leaves
+    alive into the next, which a tracker started at the second step cannot see). ``buckets_in_backward``: the contract's
     extra gradient copies join the simulated step from the backward on (as the CPU trial sees
     them, :func:`buckets_from_backward`); False leaves them to the caller (``extra_temporary``).
     A pipeline stage trains through its schedule with ``criterion(output, targets)``; ``mailbox``
@@ -232,7 +261,6 @@ def simulate_rank(
     import copy
 
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.utils.flop_counter import FlopCounterMode
 
     loss_fn = loss_fn or (criterion_loss(criterion) if criterion is not None else default_loss)
     with fake_world(plan.env.world_size, rank), no_compiler():
@@ -287,7 +315,7 @@ def simulate_rank(
                     optim.zero_grad()
 
             try:
-                for _ in range(warmup):
+                for _ in range(WARMUP if warmup is None else warmup):
                     step()
             except (EstimateError, ConfigError):
                 raise
@@ -301,8 +329,18 @@ def simulate_rank(
                 ) from exc
             tracker = frozen_safe_tracker()
             tracker.track_external(model, getattr(optim, "optimizer", optim))
+            fused = [m for r in applied.compiled if r.fuses for m in r.modules]
+            # the paper's ordered trace (a class given as trace_ops) fuses by its own rule (paper/fusion.py);
+            # without trace_ops a plain OpTrace still counts the step's FLOPs
+            trace = trace_ops() if callable(trace_ops) else OpTrace(fused if trace_ops else ())
+            attends = recorded_attention(model) if trace_ops else contextlib.nullcontext()
+            # the last tracked step is also the traced one: a trace holds no tensor (sizes and ids
+            # only), so the tracker's peak is the same with it, and a step is saved. (torch's
+            # FlopCounterMode is not used: its module tracker keeps block inputs alive to the backward)
             with per_call_stats(tracker, model if runner is not None else None), tracker:  # as the worker: reset first
-                for _ in range(steps):
+                for _ in range(steps - 1):
+                    step(before_micro=tracker.reset_mod_stats)
+                with trace, attends as sequence:
                     step(before_micro=tracker.reset_mod_stats)
             snap = tracker.get_tracker_snapshot("peak")
             by_kind: dict[str, int] = {}
@@ -310,14 +348,7 @@ def simulate_rank(
                 for kind, n in dev_snap.items():
                     key = kind if isinstance(kind, str) else kind.value
                     by_kind[key] = by_kind.get(key, 0) + int(n)
-            counter = FlopCounterMode(display=False)
-            fused = [m for r in applied.compiled if r.fuses for m in r.modules]
-            # the paper's ordered trace (a class given as trace_ops) fuses by its own rule (paper/fusion.py)
-            trace = (trace_ops() if callable(trace_ops) else OpTrace(fused)) if trace_ops else contextlib.nullcontext()
-            attends = recorded_attention(model) if trace_ops else contextlib.nullcontext()
-            with counter, trace, attends as sequence:
-                step()
-            flops = int(counter.get_total_flops())
+            flops = int(trace.flops())
             if runner is not None:
                 micro, micro_steps = micro // runner.microbatches, runner.microbatches
             run = RankRun(
@@ -400,6 +431,13 @@ def per_call_stats(tracker, stage):
     finally:
         handle.remove()
 
+
+#: warm-up steps before the tracked ones: the first step builds what every later step finds alive
+#: (the optimizer's states, FSDP's lazy init, a pipeline stage's buffers). The trial measures after
+#: two; the simulated peaks after one and after two were equal on every plan family checked (fsdp,
+#: ddp, zero1/2, selective and full checkpointing, tensor, pipeline, tensor x pipeline, context,
+#: LoRA, seed 002's loop keeping outputs across steps), and one saves a step of every simulation
+WARMUP = 1
 
 #: DDP's bucket caps (torch's defaults): the first bucket 1 MiB, the rest 25 MiB
 BUCKET_CAPS = (2**20, 25 * 2**20)
