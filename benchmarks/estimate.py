@@ -73,7 +73,7 @@ def measure_plans(
     from composable_atorch.auto.worker import batches, peak_bytes_of_step, prefetch, trial_step
     from composable_atorch.cli.demo import TASK
     from composable_atorch.core.plan import Plan
-    from composable_atorch.runtime.train_step import PIPELINE_ATTR
+    from composable_atorch.runtime.train_step import runner_of
 
     criterion = TASK.workload().criterion if with_criterion else None
     out = []
@@ -91,7 +91,7 @@ def measure_plans(
                 return trial_step(model, optim, iter(fetched), TASK.loss, "cpu", before_micro, criterion=criterion)
 
             peak, _ = peak_bytes_of_step(step, model, optim, "cpu")
-            runner = getattr(model, PIPELINE_ATTR, None)
+            runner = runner_of(optim)
             out.append({"peak": peak, "stages": None if runner is None else list(runner.local)})
         except Exception as exc:  # noqa: BLE001 - a plan that fails is reported, not fatal
             out.append({"error": f"{type(exc).__name__}: {exc}"[:300]})

@@ -1,7 +1,7 @@
 """estimate's per-rank peak under expert_parallel against the measured per-rank peak, and the
 per-rank memory of the MoE families with and without expert parallelism.
 
-World 2 on gloo, the transformers-5 MoE families of tests/moe_models.py (4 experts, top-2, AdamW),
+World 2 on gloo, the transformers-5 MoE families of tests/zoo/moe.py (4 experts, top-2, AdamW),
 a global batch of 4 x 16 tokens: ddp (every rank holds every expert) and expert 2 (each rank half of
 the experts; tokens dispatched by all-to-all). Measured: torch's MemTracker over one step after two
 warm-up steps on each rank (auto.worker.peak_bytes_of_step, as the trial worker measures); the

@@ -26,10 +26,10 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 sys.path.insert(0, os.path.join(HERE, "..", "tests", "estimate"))
 
 import _seq  # noqa: E402
-import moe_models as mm  # noqa: E402
 from composable_atorch import compose  # noqa: E402
 from composable_atorch.auto.worker import peak_bytes_of_step  # noqa: E402
 from composable_atorch.estimate.core import estimate  # noqa: E402
+from zoo import moe as mm  # noqa: E402
 
 FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss"]
 

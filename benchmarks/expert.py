@@ -2,7 +2,7 @@
 
     python benchmarks/expert.py [--worlds 2 4]
 
-The models are the tests' tiny MoE families (tests/moe_models.py: transformers 5's Mixtral,
+The models are the tests' tiny MoE families (tests/zoo/moe.py: transformers 5's Mixtral,
 Qwen2-MoE, Qwen3-MoE, DeepSeek-V3, GPT-OSS from their configs, 4 experts, top-2). Bytes are counted
 exactly, per rank, after one real AdamW step on a gloo process group: the local bytes of every
 parameter (a DTensor's local shard), of every gradient and of every optimizer-state tensor, with
@@ -73,7 +73,7 @@ def _bytes(model, optim) -> dict:
 
 def _run(name, groups, sharded, expert, rank):
     import composable_atorch as ca
-    import moe_models as mm
+    from zoo import moe as mm
 
     model = mm.build(name)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -95,7 +95,7 @@ def _world(rank, world):
 
 
 def _one_process(name) -> dict:
-    import moe_models as mm
+    from zoo import moe as mm
 
     model = mm.build(name)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -430,7 +430,7 @@ def check(b: dict, expected: dict) -> str:
 def gloo_layout_state(lay: Layout, sizes: dict, seq_len: int = 16) -> dict:
     """Apply the family's plan on this gloo rank, run one real step, count the state (before zero_grad)."""
     from composable_atorch.models.gpt import lm_loss
-    from composable_atorch.runtime.train_step import PIPELINE_ATTR
+    from composable_atorch.runtime.train_step import runner_of
 
     model = llama(sizes, meta=False)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -439,7 +439,7 @@ def gloo_layout_state(lay: Layout, sizes: dict, seq_len: int = 16) -> dict:
     )
     g = torch.Generator().manual_seed(1)  # the same batch on every rank (tensor ranks must agree)
     x, y = (torch.randint(0, sizes["vocab_size"], (2 * MICROBATCHES, seq_len), generator=g) for _ in range(2))
-    runner = getattr(model, PIPELINE_ATTR, None)
+    runner = runner_of(optim)
     if runner is not None:
         runner.step(x, y, lm_loss)
     else:

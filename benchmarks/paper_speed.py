@@ -41,11 +41,19 @@ def plan(kind: str, world: int):
         "fsdp": [ca.fsdp(wrap=Layer)],
         "fsdp-selective": [ca.fsdp(wrap=Layer)],
         "hybrid": [ca.parallel_mode([("zero", 8), ("data", world // 8)]), ca.fsdp(wrap=Layer)],
-        "tensor-data": [ca.parallel_mode([("tensor", 8), ("data", world // 8)]), ca.tensor_parallel(), ca.fsdp(wrap=Layer)],
+        "tensor-data": [
+            ca.parallel_mode([("tensor", 8), ("data", world // 8)]),
+            ca.tensor_parallel(),
+            ca.fsdp(wrap=Layer),
+        ],
         # 4 samples per GPU: 16 per pipeline of 4, as 16 micro-batches of 1
         "pipeline": [ca.mixed_parallel(pipeline=4, microbatches=16)],
         "tensor-pipeline": [ca.mixed_parallel(tensor=2, pipeline=2, microbatches=16)],
-        "context": [ca.parallel_mode([("context", 2), ("data", world // 2)]), ca.context_parallel(), ca.fsdp(wrap=Layer)],
+        "context": [
+            ca.parallel_mode([("context", 2), ("data", world // 2)]),
+            ca.context_parallel(),
+            ca.fsdp(wrap=Layer),
+        ],
     }[kind]
     return ca.compose(*parts, *tail, env=env)
 

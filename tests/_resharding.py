@@ -1,10 +1,32 @@
 """One training run in phases at different plans and worlds, each phase resuming the previous one's
-checkpoint (tests/state/test_reshard_*.py): the phases run in as few spawned groups as their order
-allows (a group costs seconds to start), one process without a process group for world 1."""
+checkpoint (tests/state/: test_reshard_*, test_elastic_resume, test_open_anywhere), compared with one
+process on the run's global order: each step's sample ids exactly, its loss and the final weights.
+The phases run in as few spawned groups as their order allows, one process without a process group
+for world 1."""
 
 from __future__ import annotations
 
+import torch
+
+import equivalence as eq
+
 from _dist import run_world
+
+
+class Indexed(torch.utils.data.Dataset):
+    """Sample ``i`` is ``(i, tokens of i)`` (``length`` ids in ``[low, vocab)``, seeded by ``i``), or with
+    ``shifted`` ``(i, inputs, targets)`` of ``length + 1`` ids: every batch says which samples it holds."""
+
+    def __init__(self, samples: int, length: int, vocab: int, low: int = 0, shifted: bool = False):
+        self.samples, self.length, self.vocab, self.low, self.shifted = samples, length, vocab, low, shifted
+
+    def __len__(self):
+        return self.samples
+
+    def __getitem__(self, i):
+        g = torch.Generator().manual_seed(1000 + i)
+        tokens = torch.randint(self.low, self.vocab, (self.length + self.shifted,), generator=g)
+        return (i, tokens[:-1], tokens[1:]) if self.shifted else (i, tokens)
 
 
 def rounds(cases: dict[str, list[tuple]]) -> list[tuple[int, list[tuple[str, int]]]]:
@@ -69,15 +91,26 @@ def one_process_loader(dataset, batch: int):
     )
 
 
-def train_phase(model, optim, data, where: str, first: int, last: int, step_fn) -> list[tuple]:
-    """Load the previous phase's checkpoint from ``where`` (unless ``first`` is 1) and train to step
-    ``last``: ``step_fn(batch)`` trains one batch and returns what to record of it; the records are
-    ``(step, *step_fn(batch))``. The caller saves."""
+def reference_run(model, optim, dataset, batch: int, total: int, inputs, loss_fn, scheduler=None):
+    """One process, plain torch, on the run's first ``total`` global batches (``inputs(collated samples)
+    -> (x, y)``): ``(losses, sorted sample ids per step, final weights as numpy)``."""
+    from torch.utils.data import default_collate
+
+    steps = global_batches(dataset, batch, total)
+    batches = [inputs(default_collate([dataset[i] for i in ids])) for ids in steps]
+    params, losses = eq.reference(model, optim, batches, loss_fn, scheduler=scheduler)
+    return losses, [sorted(ids) for ids in steps], eq.plain(params)
+
+
+def train_phase(model, optim, data, where: str, first: int, last: int, step_fn, **load) -> list[tuple]:
+    """Load the previous phase's checkpoint from ``where`` (unless ``first`` is 1; ``load``: load_state's
+    keywords) and train to step ``last``: ``step_fn(batch)`` trains one batch and returns what to
+    record of it; the records are ``(step, *step_fn(batch))``. The caller saves."""
     import composable_atorch as ca
 
     step = 0
     if first > 1:
-        resumed = ca.load_state(where, model, optim, data, verbose=False)
+        resumed = ca.load_state(where, model, optim, data, verbose=False, **load)
         assert resumed.step == first - 1 and resumed.data_position_carried, resumed.explain()
         step = resumed.step
     epoch, record = data.epoch, []

@@ -1,91 +1,36 @@
-"""Shared by the context-parallel and Ulysses tests: a plain user model calling
-scaled_dot_product_attention, a tiny transformers Llama (defaults left on), and one training run
-of a plan compared with one process on the same global batches."""
+"""The sequence-split suite (context parallel, Ulysses): its models (tests/zoo/sequence.py) by name,
+its text batches, and one training run of a plan compared with one process (tests/equivalence.py)
+on the same global batches."""
 
 from __future__ import annotations
 
-import math
+import functools
+import itertools
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 from torch.utils.data import DataLoader
 
 import composable_atorch as ca
+import equivalence as eq
 from composable_atorch.data import TextDataset
+from composable_atorch.errors import ConfigError
+from zoo.sequence import SEQ, block_lm, heads_from_width, llama, llama4, llama_mqa, user_lm
 
-SEQ, BATCH, STEPS = 64, 4, 3
+__all__ = ["llama", "user_lm"]
 
+BATCH, STEPS = 4, 3
 
-class UserLM(nn.Module):
-    """A user's model: learned absolute positions, fused attention, ``forward(tokens, position_ids=None)``."""
+MODELS = {
+    "user": user_lm,
+    "llama": llama,
+    "llama_mqa": llama_mqa,
+    "llama4": llama4,
+    "block_lm": block_lm,
+    "heads_from_width": heads_from_width,
+}
 
-    def __init__(self, vocab=256, d=32, heads=4, layers=2, max_len=SEQ):
-        super().__init__()
-        self.heads = heads
-        self.tok = nn.Embedding(vocab, d)
-        self.pos = nn.Embedding(max_len, d)
-        self.blocks = nn.ModuleList(
-            nn.ModuleDict(
-                {
-                    "ln1": nn.LayerNorm(d),
-                    "qkv": nn.Linear(d, 3 * d),
-                    "o": nn.Linear(d, d),
-                    "ln2": nn.LayerNorm(d),
-                    "fc1": nn.Linear(d, 2 * d),
-                    "fc2": nn.Linear(2 * d, d),
-                }
-            )
-            for _ in range(layers)
-        )
-        self.ln_f = nn.LayerNorm(d)
-        self.head = nn.Linear(d, vocab, bias=False)
-
-    def forward(self, tokens, position_ids=None):
-        b, t = tokens.shape
-        if position_ids is None:
-            position_ids = torch.arange(t, device=tokens.device)[None]
-        x = self.tok(tokens) + self.pos(position_ids)
-        for blk in self.blocks:
-            q, k, v = blk["qkv"](blk["ln1"](x)).view(b, t, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
-            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            x = x + blk["o"](a.transpose(1, 2).reshape(b, t, -1))
-            x = x + blk["fc2"](F.gelu(blk["fc1"](blk["ln2"](x))))
-        return self.head(self.ln_f(x))
-
-
-def user_lm(seed: int = 0, **kw) -> UserLM:
-    torch.manual_seed(seed)
-    return UserLM(**kw)
-
-
-def llama(seed: int = 0, heads: int = 4, kv_heads: int = 2):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=256,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        max_position_embeddings=SEQ,
-    )
-    return LlamaForCausalLM(cfg)
-
-
-def llama_mqa(seed: int = 0):
-    """One key/value head: fewer than the sequence size, so Ulysses repeats them before its all-to-all."""
-    return llama(seed, kv_heads=1)
-
-
-MODELS = {"user": user_lm, "llama": llama, "llama_mqa": llama_mqa}
-
-
-def seq_loss(out, targets):
-    logits = out.logits if hasattr(out, "logits") else out
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
+#: the loss of every case: each position against its own target (TextDataset's targets are shifted)
+seq_loss = eq.token_ce
 
 
 class Padded(TextDataset):
@@ -102,66 +47,52 @@ def loader(batch: int = BATCH, padded: bool = False) -> DataLoader:
     return DataLoader((Padded if padded else TextDataset)(SEQ, limit=4 * BATCH), batch_size=batch)
 
 
+def split(kind: str) -> tuple:
+    """``(the mesh dimension, the transform)`` of a sequence split: all-gather context, the ring, Ulysses."""
+    if kind == "context":
+        return "context", ca.context_parallel()
+    if kind == "ring":
+        return "context", ca.context_parallel(rotation="ring")
+    return "sequence", ca.sequence_parallel()
+
+
 def make_optim(model, name: str):
-    if name == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=0.5)
-    return torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return eq.SEQUENCE[name](model.parameters())
 
 
-def full_params(m) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, p in ca.runtime.optim.named_parameters(m).items():
-        t = p.full_tensor() if hasattr(p, "full_tensor") else p
-        out[name] = t.detach().clone()
-    return out
-
-
+@functools.cache
 def reference(model_name: str, optim_name: str, steps: int = STEPS, padded: bool = False):
-    """One process, no plan, the same global batches."""
+    """One process, no plan, the same global batches: ``(params, losses)`` (once per session)."""
     m = MODELS[model_name]()
-    opt = make_optim(m, optim_name)
-    losses = []
-    for _, (x, y) in zip(range(steps), loader(padded=padded), strict=False):
-        loss = seq_loss(m(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return full_params(m), losses
+    return eq.reference(m, make_optim(m, optim_name), itertools.islice(loader(padded=padded), steps), seq_loss)
 
 
 def run(model_name: str, optim_name: str, *transforms, steps: int = STEPS, strategy=None, padded=False):
     """Apply the plan (or ATorch strategy list through load_strategy) and train ``steps`` steps."""
     m = MODELS[model_name]()
-    opt = make_optim(m, optim_name)
-    if strategy is not None:
-        plan = ca.strategy.load(strategy)
-    else:
-        plan = ca.compose(*transforms)
-    applied = plan(m, opt, loader(padded=padded))
+    plan = ca.strategy.load(strategy) if strategy is not None else ca.compose(*transforms)
+    applied = plan(m, make_optim(m, optim_name), loader(padded=padded))
     m, opt, data = applied
     loss_fn = ca.sequence_cross_entropy(m) if padded else seq_loss
-    losses, shapes = [], []
-    for _, (x, y) in zip(range(steps), data, strict=False):
-        shapes.append(tuple(x.shape))
-        losses.append(ca.train_step(m, opt, x, y, loss_fn))
-    # numpy: tensors through the result queue would be shared-memory handles of a process that exits
-    params = {k: v.numpy() for k, v in full_params(m).items()}
-    return {"params": params, "losses": losses, "shapes": shapes, "explain": plan.explain(applied)}
+    losses, shapes = eq.train(m, opt, data, loss_fn, steps)
+    return {"params": eq.plain(eq.full_params(m)), "losses": losses, "shapes": shapes, "explain": plan.explain(applied)}
 
 
-def max_diff(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys(), (sorted(a)[:5], sorted(b)[:5])
-    return max((torch.as_tensor(a[k]) - torch.as_tensor(b[k])).abs().max().item() for k in a)
+def run_or_refusal(*args, **kwargs):
+    """:func:`run`, or the ConfigError's message when the plan is refused."""
+    try:
+        return run(*args, **kwargs)
+    except ConfigError as exc:
+        return str(exc)
 
 
-def close(got: dict, ref) -> tuple[float, float]:
-    params, losses = ref
-    return max_diff(got["params"], params), max(abs(x - y) for x, y in zip(got["losses"], losses, strict=True))
-
-
-def finite(values) -> bool:
-    return all(math.isfinite(v) for v in values)
+def check(results, key, model_name: str, optim_name: str, atol: float, shape=None, **reference_kw) -> dict:
+    """Every rank's run ``results[rank][key]`` equals one process training ``model_name`` with
+    ``optim_name`` (:func:`reference`); with ``shape``, each rank's first batch had it. Returns the last
+    rank's run (for its explain)."""
+    runs = [r[key] for r in results]
+    eq.assert_equal_to_one_process(runs, reference(model_name, optim_name, **reference_kw), atol, shape=shape)
+    return runs[-1]
 
 
 def measured_peak(plan_json: str, task) -> int:
@@ -184,14 +115,3 @@ def measured_peak(plan_json: str, task) -> int:
         trial_step(model, optim, iter(fetched), task.loss, "cpu", before_micro)
 
     return peak_bytes_of_step(step, model, optim, "cpu")[0]
-
-
-def assert_equals_one_process(runs, ref, atol: float, shape: tuple | None = None) -> None:
-    """Every rank's run (``runs``, one :func:`run` result each) ends at the one-process ``ref``
-    (:func:`reference`): weights and every step's loss within ``atol``; with ``shape``, its first
-    batch had that shape on every rank (``(BATCH, SEQ // 2)``: half of each sequence per rank)."""
-    for rank, got in enumerate(runs):
-        if shape is not None:
-            assert got["shapes"][0] == shape, (rank, got["shapes"][0], shape)
-        dp, dl = close(got, ref)
-        assert dp < atol and dl < atol, (rank, dp, dl)

@@ -9,9 +9,9 @@ from matrix import Case
 
 def _byte_vocab():
     """The user MoE model over the matrix loader's byte vocabulary."""
-    import moe_models
+    from zoo import moe
 
-    return moe_models.build("user", vocab=256)
+    return moe.build("user", vocab=256)
 
 
 CASES = {

@@ -1,7 +1,7 @@
 """Layouts of worlds we don't have, in one process, on torch's fake process group.
 
 Shapes, placements and per-rank bytes are real; collectives are no-ops (CPU_FACTS). Run in a
-spawned process (see test_fake_world.py) so the fake group never leaks into the test process.
+process of its own (see test_fake_world.py) so the fake group never leaks into the test process.
 """
 
 from __future__ import annotations

@@ -109,6 +109,9 @@ def run_case(name: str, steps: int = 2, transform=None) -> dict:
         "finite": all(math.isfinite(v) for v in losses) and bool(losses),
         "explain": plan.explain(),
         "step_names": plan.names,
+        # a transform that stands for several (mixed_parallel) is in the request; its parts are the steps
+        "expands": bool(getattr(transform, "expands", False)),
+        "requested_names": tuple(t.name for t in plan.requested),
         "roundtrip_equal": roundtrip == plan,
         "names_kept": before == after,
         "count_kept": count_before == count_after,

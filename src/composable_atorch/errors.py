@@ -34,6 +34,17 @@ class UnknownTransformError(CompositionError, KeyError):
         return self.args[0]
 
 
+class AlreadyAppliedError(CompositionError):
+    """A second application of one kind to the same module (torch's composable ``contract`` refuses it too)."""
+
+    def __init__(self, kind: str, module: object):
+        self.kind = kind
+        super().__init__(
+            f"{kind} was already applied to this {type(module).__name__}; applying it twice would wrap or split it "
+            f"twice. Fix: apply each plan to a fresh model (a plan holds one {kind} step)"
+        )
+
+
 class ConflictError(CompositionError):
     """Two transforms that cannot be combined (or orderings that contradict each other)."""
 

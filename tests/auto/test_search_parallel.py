@@ -22,7 +22,7 @@ TINY = GPTTask(seq_len=16, d_model=32, n_layer=4, n_head=4, batch_size=16, limit
 
 def degrees(plan_json: str) -> tuple[int, int]:
     plan = Plan.from_json(plan_json, env=Environment.detect().with_(world_size=4))
-    step = next(t for t in plan.transforms if t.name == "mixed_parallel")
+    step = next(t for t in plan.requested if t.name == "mixed_parallel")  # expanded: its parts are the steps
     return step.tensor or 1, step.pipeline or 1
 
 

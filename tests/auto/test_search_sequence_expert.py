@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 
 import composable_atorch as ca
-from _seq import UserLM
 from composable_atorch.auto.policy import Budget, SpaceOptions, StudyOptions, TrialSettings
 from composable_atorch.auto.predict import Prediction, Predictor, StepTimeCheck
 from composable_atorch.auto.space import KNOB, build_space, sequence_split
@@ -27,7 +26,8 @@ from composable_atorch.data import TextDataset
 from composable_atorch.environment import Environment
 from composable_atorch.estimate import EstimateError
 from composable_atorch.transforms.parallel.sequence.common import LONG_SEQUENCE
-from moe_models import UserMoEModel
+from zoo.moe import UserMoEModel
+from zoo.sequence import UserLM
 
 from _dist import run_world
 

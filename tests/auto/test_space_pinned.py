@@ -55,7 +55,7 @@ def hf_loss(model, batch):
 
 
 def moe():
-    from moe_models import UserMoEModel
+    from zoo.moe import UserMoEModel
 
     torch.manual_seed(0)
     return UserMoEModel(vocab=256)

@@ -687,6 +687,22 @@ def test_sample_batch_feeds_the_dry_run():
     assert status and result.dataloader is None and result.optim is not None
 
 
+def test_predict_ahead_s_reaches_the_search():
+    """``predict_ahead_s`` bounds the search's predictions before its first trial; left out, the
+    search keeps StudyOptions' own; a bad value is refused before any work."""
+    from composable_atorch.auto.policy import StudyOptions
+    from composable_atorch.compat.request import Request
+
+    def study(kargs):
+        req = Request.of(TinyNet(), kargs, optim_func=adam_func, loss_func=mse_loss, dataset=RowsDataset(8))
+        return req.search_policies(None, 1)[4]
+
+    assert study({"predict_ahead_s": 0}).predict_ahead_s == 0
+    assert study({}).predict_ahead_s == StudyOptions().predict_ahead_s
+    with pytest.raises(ConfigError, match="predict_ahead_s"):
+        study({"predict_ahead_s": -1})
+
+
 def test_request_is_frozen():
     from composable_atorch.compat.request import Request
 

@@ -422,9 +422,9 @@ def test_atorch_moe_modules_are_refused_naming_expert_parallel():
 
 
 def _mixtral():
-    import moe_models
+    from zoo import moe
 
-    return moe_models.build("mixtral")
+    return moe.build("mixtral")
 
 
 def lm_loss(inputs, output):

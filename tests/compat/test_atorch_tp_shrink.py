@@ -19,6 +19,7 @@ from composable_atorch.compat.atorch.tensor_parallel.manual_tp import TPInfo
 from composable_atorch.compat.tp_shrink import resolve_shrinks
 from composable_atorch.transforms.parallel.tensor import TensorParallel
 from composable_atorch.transforms.parallel.tensor.planner import TensorParallelPlanError
+from zoo.configs import llama_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -34,15 +35,7 @@ def atorch_llama_tpinfo():
 
 
 def tiny_llama():
-    config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    return transformers.LlamaModel(config)
+    return transformers.LlamaModel(llama_config(vocab=64))
 
 
 def test_transformers5_llama_shrinks_are_dropped_with_a_note_and_the_plan_resolves():

@@ -143,6 +143,7 @@ def test_finetune_strategy_measures_the_loaded_plan_first_and_returns_a_measured
         finetune_strategy=True,
         n_trials=2,
         trial_timeout=120,
+        predict_ahead_s=0,  # which plans ran, in what order, is asserted: not the predictions' prior
         storage=str(tmp_path / "study.db"),
         study_name="finetune",
         save_strategy_to_file=str(path),

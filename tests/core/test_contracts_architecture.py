@@ -434,9 +434,6 @@ MAX_FUNCTION_LINES = 80
 SPLITTING_ELSEWHERE = (
     "estimate/core.py",
     "estimate/simulate.py",
-    "transforms/parallel/ds3d/transform.py",
-    "transforms/parallel/pipeline/transform.py",
-    "transforms/parallel/tensor/transform.py",
 )
 
 
@@ -474,3 +471,186 @@ def test_no_comment_in_src_narrates_an_issue():
             if tok.type == tokenize.COMMENT and narrating.search(tok.string):
                 found.append(f"{rel}:{tok.start[0]} {tok.string.strip()}")
     assert not found, "comments that narrate an issue: " + "; ".join(found)
+
+
+# -- an axis is declared once; what passes between axes is typed; mixed_parallel expands ---
+
+
+def test_axes_are_declared_once_and_the_layout_names_come_from_them():
+    from composable_atorch.runtime import axes, layout
+
+    assert (
+        layout.DIM_NAMES
+        == tuple(a.name for a in axes.AXES)
+        == (
+            "data",
+            "zero",
+            "tensor",
+            "pipeline",
+            "context",
+            "sequence",
+            "expert",
+        )
+    )
+    assert layout.BATCH_DIMS == ("data", "zero", "expert") and layout.SPLIT_DIMS == ("context", "sequence")
+    # the registry's transform -> dimension map is read from the contracts, not kept by hand
+    assert ca.core.registry.axis_owners() == {
+        "context_parallel": "context",
+        "expert_parallel": "expert",
+        "pipeline_parallel": "pipeline",
+        "sequence_parallel": "sequence",
+        "tensor_parallel": "tensor",
+    }
+    assert ca.core.registry.axis_owners(split=True) == {"context_parallel": "context", "sequence_parallel": "sequence"}
+
+
+def test_each_axis_owner_gets_the_derived_rules_and_no_transform_writes_them():
+    from composable_atorch.core.contract import Implication, MinWorldSize
+
+    for name, dim in ca.core.registry.axis_owners().items():
+        c = ca.registry()[name].contract
+        assert MinWorldSize(minimum=2, on_unmet="skip") in c.requires, name
+        assert any(isinstance(i, Implication) and i.config["groups"][0] == (dim, 2) for i in c.implies), name
+        env = Environment(world_size=4)
+        with pytest.raises(ConflictError, match=f"no '{dim}' dimension"):
+            ca.compose(ca.registry()[name](), ca.parallel_mode([("data", 2), ("zero", 2)]), env=env)
+        assert ca.compose(ca.registry()[name](), env=Environment()).names == ()  # skipped in one process
+    # one place writes them: no parallel transform builds its own MinWorldSize / mesh-dim implication
+    parallel = ROOT / "src" / "composable_atorch" / "transforms" / "parallel"
+    for path in parallel.rglob("*.py"):
+        text = path.read_text()
+        assert 'on_unmet="skip"' not in text and "has no '" not in text and "implies_mesh_dim" not in text, path
+
+
+def test_a_model_parallel_dimension_no_step_uses_is_said_in_explain():
+    env = Environment(world_size=4)
+    plan = ca.compose(ca.parallel_mode([("tensor", 2), ("data", 2)]), env=env)  # ATorch's own-layers use: kept
+    assert any("'tensor' dimension of 2 has no step that works over it" in n for n in plan.notes)
+    assert "tensor 2 by no step" in plan.explain()
+    used = ca.compose(ca.tensor_parallel(), env=env)
+    assert "tensor 2 by tensor_parallel" in used.explain() and not any("has no step" in n for n in used.notes)
+
+
+def test_mixed_parallel_expands_into_its_parts_each_checked_by_its_contract():
+    env = Environment(world_size=8)
+    plan = ca.compose(ca.mixed_parallel(tensor=2, pipeline=2), env=env)
+    assert plan.names == ("parallel_mode", "tensor_parallel", "pipeline_parallel")
+    assert any(
+        n.startswith("mixed_parallel(") and "= parallel_mode(" in n and "| pipeline_parallel(" in n for n in plan.notes
+    )
+    assert "(implied by mixed_parallel)" in plan.explain()
+    # the JSON still names mixed_parallel, and loads to the same plan
+    assert [t["name"] for t in plan.to_dict()["transforms"]] == ["mixed_parallel"]
+    assert ca.Plan.from_json(plan.to_json(), env=env) == plan
+    # without a pipeline, ddp owns the data-dimension gradient sync (over DTensor parameters: DataGradSync)
+    assert ca.compose(ca.mixed_parallel(tensor=2), env=env).names == ("parallel_mode", "tensor_parallel", "ddp")
+    # ATorch's list form, degrees from parallel_mode, a split between the tensor and pipeline steps
+    four = Environment(world_size=4)
+    split = ca.strategy.load(
+        [("parallel_mode", ([("tensor", 2), ("context", 2), ("data", 1)], None)), "mixed_parallel", "context_parallel"],
+        env=four,
+    )
+    assert split.names == ("parallel_mode", "tensor_parallel", "context_parallel", "ddp")
+    # what mixed_parallel refused, it still refuses, before any work
+    with pytest.raises(ConflictError, match="expands into it itself"):
+        ca.compose(ca.mixed_parallel(), ca.tensor_parallel(), env=four)
+    with pytest.raises(ConflictError, match="grad_sync"):
+        ca.compose(ca.mixed_parallel(tensor=2), ca.ddp(), env=four)
+    with pytest.raises(ConfigError, match="add context_parallel"):
+        ca.compose(ca.mixed_parallel(), ca.parallel_mode([("tensor", 2), ("context", 2), ("data", 1)]), env=four)
+    with pytest.raises(RequirementError, match="parallel degrees"):
+        ca.compose(ca.mixed_parallel(), env=four)
+
+
+def test_what_passes_between_axes_is_typed():
+    from composable_atorch.runtime import mesh
+    from composable_atorch.runtime.layout import plan_layout
+
+    assert not hasattr(mesh.ParallelContext(layout=plan_layout([("data", 1)], 1)), "extras")
+    src = ROOT / "src" / "composable_atorch"
+    text = "\n".join(p.read_text() for p in src.rglob("*.py"))
+    for gone in ("APPLIED_KEY", "LOSS_GROUP_ATTR", "PIPELINE_ATTR", "EXPERT_MODULES", "EXPERT_REPLICA_MESH", ".extras"):
+        assert gone not in text, gone
+
+    # the loss group is derived once from the layout: ranks with different samples or tokens, within an instance
+    def loss_dims(groups, world, instances=False):
+        return mesh.ParallelContext(layout=plan_layout(groups, world, instances=instances)).loss_dims()
+
+    assert set(loss_dims([("tensor", 2), ("data", 2)], 4)) == {"data"}
+    assert set(loss_dims([("tensor", 2), ("context", 2), ("data", 2)], 8)) == {"data", "context"}
+    assert set(loss_dims([("pipeline", 2), ("sequence", 2), ("zero", 2), ("data", 1)], 8)) == {"sequence", "zero"}
+    assert set(loss_dims([("data", 2)], 8, instances=True)) == {"data"}
+
+    registry = mesh.AppliedRegistry()
+    module = nn.Linear(2, 2)
+    registry.record("tensor_parallel", module)
+    registry.record("expert_parallel", module)
+    assert registry.kinds(module) == {"tensor_parallel", "expert_parallel"}
+    assert registry.modules("tensor_parallel") == [module] and registry.kinds(nn.Linear(2, 2)) == frozenset()
+    with pytest.raises(ca.errors.AlreadyAppliedError, match="already applied"):
+        registry.record("tensor_parallel", module)
+
+
+def _follow_state(rank, world, which):
+    """Returns into another module of the frames that get the TrainState among their arguments, over plan.apply."""
+    import sys
+
+    from composable_atorch.core.context import TrainState
+    from composable_atorch.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(d_model=32, n_layer=4, n_head=4, vocab_size=64, seq_len=16))
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loader = torch.utils.data.DataLoader(torch.randint(0, 64, (16, 16)), batch_size=8)
+    plans = {
+        "tp2_pp2": lambda: ca.compose(ca.mixed_parallel(tensor=2, pipeline=2)),
+        "tp2_cp2": lambda: ca.compose(
+            ca.mixed_parallel(), ca.parallel_mode([("tensor", 2), ("context", 2), ("data", 1)]), ca.context_parallel()
+        ),
+    }
+    out: list = []
+    return_crossings(lambda o: isinstance(o, TrainState), out, plans[which]().apply, model, optim, loader)
+    assert sys.gettrace() is None
+    return out
+
+
+def return_crossings(match, out: list, fn, *args, **kwargs):
+    """A deterministic tracer (``sys.settrace`` over ``fn(*args, **kwargs)``): ``out`` collects a
+    ``(callee module, caller module)`` pair for each return of a composable_atorch frame that was
+    called with an argument ``match`` accepts into a caller in another composable_atorch module:
+    the followed data coming back to a module it had left. Calls of the data's own methods
+    (``state.note``) are the data recording, not moving, and are not followed."""
+    import sys
+
+    pkg = "composable_atorch"
+
+    def local(frame, event, arg):
+        if event == "return" and frame.f_back is not None:
+            mod, caller = frame.f_globals.get("__name__", ""), frame.f_back.f_globals.get("__name__", "")
+            if caller.startswith(pkg) and caller != mod:
+                out.append((mod, caller))
+        return local
+
+    def tracer(frame, event, arg):
+        if event != "call" or not frame.f_globals.get("__name__", "").startswith(pkg):
+            return None
+        code = frame.f_code
+        names = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
+        if names and names[0] == "self" and match(frame.f_locals.get("self")):
+            return None
+        return local if any(match(frame.f_locals.get(n)) for n in names) else None
+
+    sys.settrace(tracer)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        sys.settrace(None)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("which", ["tp2_pp2", "tp2_cp2"])
+def test_mixed_parallel_state_returns_to_a_module_it_left_at_most_20_times(which):
+    """Followed through plan.apply at world 4 with this tracer: 7 (tp2_pp2) and 13 (tp2_cp2) when
+    MixedParallel.apply ran the other steps inside itself; 7 and 10 with it expanded into them."""
+    crossings = run_world(_follow_state, 4, which)[0]
+    assert len(crossings) <= 20, crossings

@@ -17,9 +17,10 @@ from torch.utils.data import DataLoader
 
 import _seq
 import composable_atorch as ca
+import equivalence as eq
 from composable_atorch.errors import CheckpointError, CompositionError, ConfigError, UnknownTransformError
 
-from _dist import run_world
+from _dist import module_world, run_world
 
 ENV2 = ca.Environment(world_size=2)
 
@@ -110,7 +111,7 @@ def test_atorch_strategy_lists_with_bad_degrees_are_refused(strategy, match):
 
 
 def _snapshot(model) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in _seq.full_params(model).items()}
+    return {k: v.detach().clone() for k, v in eq.full_params(model).items()}
 
 
 def _same(a, b) -> bool:
@@ -196,7 +197,7 @@ def _world2_cases(rank, world, _):
         losses = _train(m, opt, data)
         out[f"varlen_{rotation}"] = (
             max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)),
-            _seq.max_diff(_seq.full_params(m), _seq.full_params(ref)),
+            eq.max_diff(eq.full_params(m), eq.full_params(ref)),
         )
 
     # Ulysses with heads not divisible by the sequence size: refused before any weight moves
@@ -207,10 +208,10 @@ def _world2_cases(rank, world, _):
     out["ulysses_heads_untouched"] = _same(before, _snapshot(model))
 
     # num_experts not divisible by the expert degree: refused at apply, the model's experts whole
-    import moe_models
+    from zoo import moe
 
     torch.manual_seed(0)
-    model = moe_models.UserMoEModel(vocab=256)
+    model = moe.UserMoEModel(vocab=256)
     for blk in model.blocks:
         blk.experts.num_experts = 3
         blk.experts.w_in = torch.nn.Parameter(blk.experts.w_in[:3].detach().clone())
@@ -252,9 +253,7 @@ def _world2_cases(rank, world, _):
     return out
 
 
-@pytest.fixture(scope="module")
-def world2():
-    return run_world(_world2_cases, 2, None, timeout=400)
+world2 = module_world(_world2_cases, 2, None, timeout=400)
 
 
 @pytest.mark.dist
@@ -367,25 +366,25 @@ def test_damaged_context_checkpoint_resumed_plain_is_typed_and_leaves_the_model(
 
 
 def _mixtral_data():
-    import moe_models
+    from zoo import moe
 
     g = torch.Generator().manual_seed(7)
-    ids = torch.randint(1, moe_models.VOCAB, (4, moe_models.SEQ + 1), generator=g)
+    ids = torch.randint(1, moe.VOCAB, (4, moe.SEQ + 1), generator=g)
     return DataLoader(torch.utils.data.TensorDataset(ids[:, :-1], ids[:, 1:]), batch_size=2)
 
 
 def _mixtral_context_then_expert(rank, world, args):
     """Save a Mixtral trained under context 2; resume it under expert 2 (intact or damaged)."""
-    import moe_models
+    from zoo import moe
 
     directory, phase = args
     if phase == "save":
-        model = moe_models.build("mixtral")
+        model = moe.build("mixtral")
         m, opt, data = _context_plan()(model, torch.optim.AdamW(model.parameters(), lr=1e-3), _mixtral_data())
         _train(m, opt, data, steps=1)
         ca.save_state(directory, m, opt, data, step=1)
         return {k: v.numpy() for k, v in _snapshot(m).items()}
-    model = moe_models.build("mixtral", seed=1)
+    model = moe.build("mixtral", seed=1)
     plan = ca.compose(ca.parallel_mode([("expert", 2), ("data", 1)]), ca.expert_parallel())
     m, opt, data = plan(model, torch.optim.AdamW(model.parameters(), lr=1e-3), _mixtral_data())
     before = {k: v.detach().clone() for k, v in m.state_dict().items()}

@@ -27,7 +27,7 @@ def measure(plan_json: str, world: int, criterion=None, parts: bool = False):
     ``criterion``: train as the worker does for a workload with one (pipeline plans need it).
     ``parts``: also this rank's pipeline stage(s) and parameter bytes."""
     from composable_atorch.auto.worker import peak_bytes_of_step, prefetch, trial_step
-    from composable_atorch.runtime.train_step import PIPELINE_ATTR
+    from composable_atorch.runtime.train_step import runner_of
 
     torch.manual_seed(0)
     model = TASK.model()
@@ -50,7 +50,7 @@ def measure(plan_json: str, world: int, criterion=None, parts: bool = False):
     )
     if not parts:
         return peak
-    runner = getattr(model, PIPELINE_ATTR, None)
+    runner = runner_of(optim)
     return {
         "peak": peak,
         "stages": None if runner is None else list(runner.local),

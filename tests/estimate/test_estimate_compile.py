@@ -18,12 +18,12 @@ import torch
 from torch import nn
 
 import composable_atorch as ca
-import moe_models as mm
 import zoo
 from composable_atorch.environment import Environment
 from composable_atorch.estimate import EstimateError, estimate
 from composable_atorch.estimate.steptime import OpTrace
 from composable_atorch.models import GPT, Block, GPTConfig
+from zoo import moe as mm
 
 
 def llama3_8b():

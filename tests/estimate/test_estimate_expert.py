@@ -1,5 +1,5 @@
 """estimate of expert_parallel against a real gloo world: expert 2 on the transformers-5 MoE
-families (tests/moe_models.py), each rank's predicted peak within 10 % of its measured one
+families (tests/zoo/moe.py), each rank's predicted peak within 10 % of its measured one
 (MemTracker over a step after warm-up, as the trial worker measures), and the per-rank saving of
 expert 2 about what halving the experts' weights, gradients and AdamW state saves.
 
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import composable_atorch as ca
-import moe_models as mm
 from composable_atorch.estimate import estimate
+from zoo import moe as mm
 
 from _dist import run_world
 

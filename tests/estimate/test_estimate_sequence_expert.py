@@ -1,6 +1,6 @@
 """estimate on transformers 5 mixtures of experts (one process; expert_parallel: test_estimate_expert.py).
 
-The MoE families (tests/moe_models.py) run ``grouped_mm`` on 3-D expert weights, whose fake
+The MoE families (tests/zoo/moe.py) run ``grouped_mm`` on 3-D expert weights, whose fake
 registration takes bf16 only: estimate routes fake tensors through transformers' own fallback
 (estimate/moe.py).
 """
@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import composable_atorch as ca
-import moe_models as mm
 from composable_atorch.environment import Environment
 from composable_atorch.estimate.core import estimate
+from zoo import moe as mm
 
 FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss"]
 BATCH = {"input_ids": (4, mm.SEQ), "labels": (4, mm.SEQ)}

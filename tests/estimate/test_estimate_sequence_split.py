@@ -31,19 +31,7 @@ def build(name: str, seq: int):
 
 
 def _llama_at(seq: int):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=256,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=seq,
-    )
-    return LlamaForCausalLM(cfg)
+    return _seq.llama(positions=seq)
 
 
 def loss_fn(model, batch):

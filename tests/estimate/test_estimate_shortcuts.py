@@ -100,9 +100,8 @@ def test_tensor_x_pipeline_of_a_transformers_llama_estimates_each_stage():
 
 
 def test_tensor_parallel_planner_replica_of_a_fake_model_is_fake():
-    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-
     from composable_atorch.transforms.parallel.data.probe import replica
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.LayerNorm(64))

@@ -12,7 +12,7 @@ import composable_atorch as ca
 from composable_atorch.errors import CompositionError, ConfigError
 from composable_atorch.transforms.parallel.sequence.shard import chunk_positions, shard_batch
 
-from _dist import run_world
+from _dist import module_world, run_world
 
 ATOL = 1e-4
 HALF = (_seq.BATCH, _seq.SEQ // 2)  # half of each sequence per rank
@@ -58,17 +58,13 @@ def _world2(rank, world):  # one spawned group for the four cases
     return out
 
 
-@pytest.fixture(scope="module")
-def world2():
-    return run_world(_world2, 2)
+world2 = module_world(_world2, 2)
 
 
 @pytest.mark.dist
 @pytest.mark.parametrize("model_name,optim_name", CASES_2)
 def test_context_2_equals_one_process(world2, model_name, optim_name):
-    runs = [world2[rank][(model_name, optim_name)] for rank in (0, 1)]
-    _seq.assert_equals_one_process(runs, _seq.reference(model_name, optim_name), ATOL, shape=HALF)
-    got = runs[-1]
+    got = _seq.check(world2, (model_name, optim_name), model_name, optim_name, ATOL, shape=HALF)
     assert "context_parallel(" in got["explain"] and "1/2 of every sequence" in got["explain"]
     if model_name == "llama":
         assert "attention interface" in got["explain"]
@@ -77,15 +73,12 @@ def test_context_2_equals_one_process(world2, model_name, optim_name):
 @pytest.mark.dist
 def test_padded_targets_average_over_the_whole_sequence(world2):
     # rank 0's part holds every ignored target: sequence_cross_entropy sums token losses and counts over the group
-    ref = _seq.reference("user", "adamw", padded=True)
-    _seq.assert_equals_one_process([world2[rank]["padded"] for rank in (0, 1)], ref, ATOL)
+    _seq.check(world2, "padded", "user", "adamw", ATOL, padded=True)
 
 
 @pytest.mark.dist
 def test_context_2_with_checkpoint(world2):
-    _seq.assert_equals_one_process(
-        [world2[rank]["llama_checkpoint"] for rank in (0, 1)], _seq.reference("llama", "sgd"), ATOL
-    )
+    _seq.check(world2, "llama_checkpoint", "llama", "sgd", ATOL)
 
 
 def _world4(rank, world):
@@ -100,10 +93,9 @@ def _world4(rank, world):
 @pytest.mark.dist
 def test_context_2_with_data_2_and_fsdp_at_world_4():
     results = run_world(_world4, 4)
+    quarter = (_seq.BATCH // 2, _seq.SEQ // 2)
     for key, (model_name, optim_name) in {"data": ("llama", "adamw"), "fsdp": ("user", "sgd")}.items():
-        ref = _seq.reference(model_name, optim_name)
-        quarter = (_seq.BATCH // 2, _seq.SEQ // 2)
-        _seq.assert_equals_one_process([results[rank][key] for rank in range(4)], ref, ATOL, shape=quarter)
+        _seq.check(results, key, model_name, optim_name, ATOL, shape=quarter)
 
 
 def test_estimate_activations_fall_with_the_context_degree():

@@ -15,7 +15,7 @@ from composable_atorch.errors import ConfigError
 from composable_atorch.transforms.parallel.sequence.attention import Attend
 from composable_atorch.transforms.parallel.sequence.shard import chunk_positions
 
-from _dist import run_world
+from _dist import module_world, run_world
 
 ATOL = 1e-4
 HALF = (_seq.BATCH, _seq.SEQ // 2)  # half of each sequence per rank
@@ -67,9 +67,7 @@ def _world2(rank, world):
     return out
 
 
-@pytest.fixture(scope="module")
-def world2():
-    return run_world(_world2, 2)
+world2 = module_world(_world2, 2)
 
 
 @pytest.mark.dist
@@ -89,16 +87,13 @@ def test_ring_kernel_at_world_3():  # the next and previous ranks differ
 @pytest.mark.dist
 @pytest.mark.parametrize("model_name,optim_name", CASES)
 def test_ring_context_2_equals_one_process(world2, model_name, optim_name):
-    runs = [world2[rank][(model_name, optim_name)] for rank in (0, 1)]
-    _seq.assert_equals_one_process(runs, _seq.reference(model_name, optim_name), ATOL, shape=HALF)
-    got = runs[-1]
+    got = _seq.check(world2, (model_name, optim_name), model_name, optim_name, ATOL, shape=HALF)
     assert "passed around a ring" in got["explain"]
 
 
 @pytest.mark.dist
 def test_ring_with_checkpoint(world2):
-    ref = _seq.reference("llama", "adamw")
-    _seq.assert_equals_one_process([world2[rank]["llama_checkpoint"] for rank in (0, 1)], ref, ATOL)
+    _seq.check(world2, "llama_checkpoint", "llama", "adamw", ATOL)
 
 
 def test_ring_refusals():

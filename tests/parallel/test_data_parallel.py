@@ -17,9 +17,10 @@ import composable_atorch as ca
 from composable_atorch.errors import ConfigError
 from composable_atorch.models import Block
 from composable_atorch.transforms.loop import ClipHook
+from equivalence import bitwise, full_params, max_diff, plain
 
-from _dist import run_world
-from _dp import BATCH, STEPS, bitwise, loader, max_diff, model, plain, reference, run_plan, train
+from _dist import module_world
+from _dp import BATCH, STEPS, loader, model, reference, run_plan, train
 
 pytestmark = pytest.mark.dist
 
@@ -80,8 +81,7 @@ def world2_cases(rank: int, world: int) -> dict:
     m, opt, data = ca.compose(ca.ddp(), ca.accumulate(2))(m, opt, loader())
     calls = _count_allreduce(m)
     train(m, opt, data)
-    out["accumulate"] = ca.runtime.optim.named_parameters(m)
-    out["accumulate"] = {k: v.detach().clone() for k, v in out["accumulate"].items()}
+    out["accumulate"] = full_params(m)
     out["accumulate_allreduce_calls"] = calls[0]
     out["accumulate_micro_batch"] = data.batch_size
     # the same with ddp alone: one all-reduce per step
@@ -117,29 +117,29 @@ def world2_cases(rank: int, world: int) -> dict:
     m = model()
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
     m, opt, data = ca.compose(ca.fsdp(wrap=(Block,)), ca.amp("fp16"))(m, opt, loader())
-    before = {k: v.clone() for k, v in _full(m).items()}
+    before = {k: v.clone() for k, v in full_params(m).items()}
 
     def poison(mm):
         if rank == 0:
             next(iter(mm.parameters())).grad.to_local().view(-1)[0] = float("inf")
 
     train(m, opt, data, steps=1, on_grads=poison)
-    out["fp16_inf_skipped_everywhere"] = bitwise(before, _full(m))
+    out["fp16_inf_skipped_everywhere"] = bitwise(before, full_params(m))
     train(m, opt, data, steps=1)
-    out["fp16_next_step_moves"] = not bitwise(before, _full(m))
+    out["fp16_next_step_moves"] = not bitwise(before, full_params(m))
 
     # bf16 skip_if_nonfinite on sharded grads: a nan in one rank's shard skips the step everywhere
     m = model()
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
     m, opt, data = ca.compose(ca.fsdp(wrap=(Block,)), ca.amp("bf16", skip_if_nonfinite=True))(m, opt, loader())
-    before = {k: v.clone() for k, v in _full(m).items()}
+    before = {k: v.clone() for k, v in full_params(m).items()}
 
     def poison_nan(mm):
         if rank == 1:
             list(mm.parameters())[-1].grad.to_local().view(-1)[0] = float("nan")
 
     train(m, opt, data, steps=1, on_grads=poison_nan)
-    out["bf16_nan_skipped_everywhere"] = bitwise(before, _full(m))
+    out["bf16_nan_skipped_everywhere"] = bitwise(before, full_params(m))
 
     # loader: a user's sampler class and shuffle are kept; a batch that does not split is a ConfigError
     _, _, data = ca.compose(ca.parallel_mode(distributed_sampler_cls=EvenFirstSampler), ca.ddp())(
@@ -159,15 +159,7 @@ def world2_cases(rank: int, world: int) -> dict:
     return plain(out)
 
 
-def _full(m):
-    from _dp import full_params
-
-    return full_params(m)
-
-
-@pytest.fixture(scope="module")
-def world2():
-    return run_world(world2_cases, 2, timeout=600)
+world2 = module_world(world2_cases, 2, timeout=600)
 
 
 def test_ddp_matches_one_process_on_the_same_global_batches(world2):

@@ -12,9 +12,10 @@ from __future__ import annotations
 import pytest
 
 import composable_atorch as ca
+from equivalence import max_diff, plain
 
 from _dist import run_world
-from _dp import max_diff, model, plain, run_plan
+from _dp import model, run_plan
 
 pytestmark = [
     pytest.mark.dist,

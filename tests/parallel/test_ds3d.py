@@ -22,6 +22,7 @@ from composable_atorch.transforms.parallel.ds3d.build import (
     vocab_parallel_logit_helper,
 )
 from composable_atorch.transforms.parallel.ds3d.engine import engine_config, original_name
+from zoo.configs import llama_config
 
 WORLD4 = Environment.detect().with_(world_size=4)
 
@@ -74,15 +75,7 @@ def test_record_module_init_restores_every_class_also_when_the_body_raises():
 
 def test_a_recorded_hf_model_walks_into_the_module_list():
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=False,
-    )
+    cfg = llama_config(layers=3, vocab=64, tie_word_embeddings=False)
     with ca.record_module_init():
         meta = transformers.LlamaForCausalLM(cfg)
     names = [n for n, _ in module_list(meta)]
@@ -249,14 +242,7 @@ def test_stages_split_the_blocks_evenly():
 
 def test_a_tensor_size_that_splits_heads_is_a_config_error():
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
+    cfg = llama_config(vocab=64)
     with ca.record_module_init():
         meta = transformers.LlamaForCausalLM(cfg)
     t = ca.ds_3d_parallel(

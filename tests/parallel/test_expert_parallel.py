@@ -8,32 +8,20 @@ import shutil
 import tempfile
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
 import composable_atorch as ca
-import moe_models as mm
+import equivalence as eq
 from composable_atorch.errors import CompositionError, ConfigError
 from composable_atorch.transforms.parallel.expert import ExpertParallelError, find_experts
+from zoo import moe as mm
 
 from _dist import run_world
 
 STEPS, TOL = 3, 1e-4
-#: Adam's eps at 1e-6 as in test_model_zoo: a gradient that is zero up to reduction-order noise stays put
-OPTIMS = {
-    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.5),
-    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, eps=1e-6),
-}
-
-
-def _full(model) -> dict[str, torch.Tensor]:
-    from composable_atorch.runtime.optim import named_parameters
-
-    out = {}
-    for name, p in named_parameters(model).items():
-        t = p.full_tensor() if hasattr(p, "full_tensor") else p
-        out[name] = t.detach().clone()
-    return out
+OPTIMS = eq.EXPERT
 
 
 def _train(name, model, optim, part=None):
@@ -46,9 +34,11 @@ def _train(name, model, optim, part=None):
 
 
 def _reference(name, opt):
+    """One process on the whole batches: the final parameters, and the initial ones (they must move)."""
     model = mm.build(name)
+    start = eq.full_params(model)
     _train(name, model, OPTIMS[opt](model.parameters()))
-    return _full(model)
+    return eq.plain({"params": eq.full_params(model), "start": start})
 
 
 #: what expert_parallel is composed with in a case
@@ -86,7 +76,7 @@ def _case(name, opt, groups, extra):
             refusal = str(e)
     experts = [n for n, _ in model.named_parameters() if ".experts." in n]
     return {
-        "params": {k: v.numpy() for k, v in _full(model).items()},
+        "params": eq.plain(eq.full_params(model)),
         "local_numel": {
             n: (p.to_local() if hasattr(p, "to_local") else p).numel() for n, p in model.named_parameters()
         },
@@ -99,21 +89,24 @@ def _case(name, opt, groups, extra):
 
 
 def _world(rank, world, cases):
-    return {case: _case(*case) for case in cases}
+    """Every case on this rank, and this rank's share of the one-process references."""
+    refs = {job: _reference(*job) for job in eq.mine(rank, world, sorted({case[:2] for case in cases}))}
+    return {case: _case(*case) for case in cases}, refs
 
 
 def _check(results, cases):
+    refs = eq.merged(r[1] for r in results)
     failures = []
     for case in cases:
         name, opt = case[0], case[1]
-        ref = _reference(name, opt)
-        per_rank = [r[case] for r in results]
+        ref, start = refs[name, opt]["params"], refs[name, opt]["start"]
+        per_rank = [r[0][case] for r in results]
         experts = set(per_rank[0]["experts"])
         assert experts, f"{case}: no expert parameters found"
         for r in per_rank:
             assert sorted(r["params"]) == sorted(ref), f"{case}: names differ"
             for n in experts:
-                full = ref[n].numel()
+                full = ref[n].size
                 held = r["params"][n].size
                 if held * 2 != full:
                     failures.append(f"{case}: {n} holds {held} of {full} (expected half)")
@@ -121,13 +114,15 @@ def _check(results, cases):
         for n, want in ref.items():
             if n in experts:
                 for d in sorted({r["data"] for r in per_rank}):
-                    parts = sorted((r["expert"], r["params"][n]) for r in per_rank if r["data"] == d)
-                    got = torch.cat([torch.from_numpy(p) for _, p in parts])
-                    gap = max(gap, float((got - want).abs().max()))
+                    parts = sorted(
+                        ((r["expert"], r["params"][n]) for r in per_rank if r["data"] == d), key=lambda x: x[0]
+                    )
+                    got = np.concatenate([p for _, p in parts])
+                    gap = max(gap, float(np.abs(got - want).max()))
             else:
                 for r in per_rank:
-                    gap = max(gap, float((torch.from_numpy(r["params"][n]) - want).abs().max()))
-        moved = max(float((ref[n] - _full(mm.build(name))[n]).abs().max()) for n in experts)
+                    gap = max(gap, float(np.abs(r["params"][n] - want).max()))
+        moved = max(float(np.abs(ref[n] - start[n]).max()) for n in experts)
         if gap > TOL or moved == 0:
             failures.append(f"{case}: gap to one process {gap:.2e} (tol {TOL}), experts moved {moved:.2e}")
     return failures
@@ -146,11 +141,11 @@ def test_expert_2_trains_each_family_as_one_process():
     results = run_world(_world, 2, FAMILY_CASES, timeout=900)
     failures = _check(results, FAMILY_CASES)
     assert not failures, "\n".join(failures)
-    explain = results[0][FAMILY_CASES[0]]["explain"]
+    explain = results[0][0][FAMILY_CASES[0]]["explain"]
     assert "expert_parallel" in explain and "all-to-all" in explain and "experts 0..1 of 4" in explain
     assert "experts module(s) kept out of replicate" in explain
-    assert "checkpoint" in results[0][FAMILY_CASES[-1]]["explain"]
-    assert results[0][FAMILY_CASES[-1]]["refusal"] is None  # saved (test_checkpoint_of_expert_2_... loads one)
+    assert "checkpoint" in results[0][0][FAMILY_CASES[-1]]["explain"]
+    assert results[0][0][FAMILY_CASES[-1]]["refusal"] is None  # saved (test_checkpoint_of_expert_2_... loads one)
 
 
 WORLD4_CASES = [("qwen2_moe", o, (("expert", 2), ("data", 2)), "fsdp") for o in OPTIMS] + [
@@ -165,7 +160,7 @@ def test_expert_2_by_fsdp_2_at_world_4():
     results = run_world(_world, 4, WORLD4_CASES, timeout=900)
     failures = _check(results, WORLD4_CASES)
     assert not failures, "\n".join(failures)
-    r = results[0][WORLD4_CASES[0]]
+    r = results[0][0][WORLD4_CASES[0]]
     assert "sharded over the data dim of 2 (expert_fsdp)" in r["explain"]
     assert r["refusal"] is None  # experts split and fsdp-sharded: saved (tests/state/test_reshard_expert.py loads them)
     n = next(k for k in r["experts"] if k.endswith("gate_up_proj"))
@@ -227,12 +222,12 @@ def _save_then_load(rank, world, directory, name="user"):
         for s in range(STEPS):
             _step(name, model, optim, s, part)
         ca.save_state(directory, model, optim, step=STEPS)
-        saved = {k: v.numpy() for k, v in _full(model).items()}
+        saved = eq.plain(eq.full_params(model))
         plain = mm.build(name, seed=1)  # other weights: everything must come from the checkpoint
         plain, optim2, _ = ca.compose(ca.parallel_mode([("data", 2)]))(plain, OPTIMS["adamw"](plain.parameters()))
         ca.load_state(directory, plain, optim2, verbose=False)
         _step(name, plain, optim2, STEPS, part)
-    return saved, {k: v.numpy() for k, v in _full(plain).items()}
+    return saved, eq.plain(eq.full_params(plain))
 
 
 @pytest.mark.dist

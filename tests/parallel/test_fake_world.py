@@ -1,14 +1,13 @@
 """fsdp / zero2 per-rank parameter bytes at worlds 8 and 16, checked on torch's fake process group."""
 
-import multiprocessing as mp
-
 import pytest
 
+from _dist import context
 from fake_world import child
 
 
 def _run(*args):
-    ctx = mp.get_context("spawn")
+    ctx = context()  # a fresh process started from the preloaded forkserver
     queue = ctx.Queue()
     proc = ctx.Process(target=child, args=(queue, *args), daemon=True)
     proc.start()

@@ -14,23 +14,26 @@ equal to one process; the scalar is kept whole and explain() says so.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import composable_atorch as ca
+import equivalence as eq
 from composable_atorch.environment import Environment
 from composable_atorch.errors import ConfigError, ConflictError
 from zoo import UserBlock as _ZooBlock
-from zoo import build
+from zoo import UserModel, build
 
-from _dist import run_world
+from _dist import module_world, run_world
 
 pytestmark = pytest.mark.dist
 
 VOCAB, SEQ, BATCH, STEPS, TOL = 128, 8, 8, 3, 1e-4
-OPTIMS = {"sgd": (torch.optim.SGD, 0.1), "adamw": (torch.optim.AdamW, 1e-2)}
+OPTIMS = eq.HYBRID
 HYBRID = [("zero", 2), ("data", 2)]
 
 
@@ -41,23 +44,6 @@ class UserBlock(_ZooBlock):
     def __init__(self, d: int = 32, heads: int = 2):
         super().__init__(d, heads)
         self.qkv = nn.Linear(d, 3 * d, bias=False)
-
-
-class UserModel(nn.Module):
-    """A plain user model: embedding, an nn.ModuleList of blocks, a norm and a head."""
-
-    def __init__(self, d: int = 32):
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, d)
-        self.blocks = nn.ModuleList(UserBlock(d) for _ in range(2))
-        self.norm = nn.LayerNorm(d)
-        self.head = nn.Linear(d, VOCAB)
-
-    def forward(self, x):
-        h = self.embed(x)
-        for block in self.blocks:
-            h = block(h)
-        return self.head(self.norm(h))
 
 
 class ScaledUser(nn.Module):
@@ -81,9 +67,9 @@ def make(name: str) -> nn.Module:
     if name == "scaled":
         torch.manual_seed(0)
         return ScaledUser()
-    if name == "user":
+    if name == "user":  # the zoo's user model with the bias-free block, width 32
         torch.manual_seed(0)
-        return UserModel()
+        return UserModel(VOCAB, 32, 2, block=UserBlock)
     if name == "lora":  # peft LoRA on the Llama, as tests/state/test_lora.py builds it
         from peft import LoraConfig, get_peft_model
 
@@ -103,10 +89,10 @@ def block_of(name: str):
 
 
 def loss_of(name: str, m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A transformers family's own loss from ``labels=``, the next-token cross-entropy of the user's."""
     if name in ("llama", "lora"):
         return m(input_ids=x, labels=x).loss
-    logits = m(x)
-    return nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), x[:, 1:].flatten())
+    return eq.shifted_ce(m(x), x)
 
 
 def data() -> TensorDataset:
@@ -130,34 +116,25 @@ def train(name, m, opt, batches) -> list[float]:
 
 
 def full(m: nn.Module) -> dict:
-    out = {}
-    for n, p in ca.runtime.optim.named_parameters(m).items():
-        out[n] = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone().numpy()
-    return out
+    return eq.plain(eq.full_params(m))
 
 
 def shards(m: nn.Module) -> dict:
-    """This rank's local pieces (DTensor shards; whole tensors for parameters kept whole)."""
-    return {
-        n: (p.to_local() if hasattr(p, "to_local") else p).detach().clone().numpy()
-        for n, p in ca.runtime.optim.named_parameters(m).items()
-    }
+    return eq.plain(eq.local_params(m))
 
 
+@functools.cache
 def reference(name: str, optim: str) -> dict:
-    """One plain process on the same global batches."""
+    """One plain process on the same global batches (its own loss: a transformers family's ``labels=``)."""
     m = make(name)
-    cls, lr = OPTIMS[optim]
-    opt = cls(m.parameters(), lr=lr)
-    losses = train(name, m, opt, loader())
+    losses = train(name, m, OPTIMS[optim](m.parameters()), loader())
     return {"params": full(m), "losses": losses, "numel": sum(p.numel() for p in m.parameters())}
 
 
 def run(name: str, optim: str, *transforms, env=None) -> dict:
     m = make(name)
-    cls, lr = OPTIMS[optim]
     plan = ca.compose(*transforms, env=env)
-    applied = plan(m, cls(m.parameters(), lr=lr), loader())
+    applied = plan(m, OPTIMS[optim](m.parameters()), loader())
     m, opt, batches = applied
     losses = train(name, m, opt, batches)
     return {
@@ -189,25 +166,9 @@ def world2_scalar_cases(rank: int, world: int) -> dict:
     try:
         from transformers import CLIPConfig, CLIPModel
 
-        cfg = CLIPConfig(
-            text_config=dict(
-                vocab_size=64,
-                hidden_size=16,
-                intermediate_size=32,
-                num_hidden_layers=1,
-                num_attention_heads=2,
-                max_position_embeddings=16,
-            ),
-            vision_config=dict(
-                hidden_size=16,
-                intermediate_size=32,
-                num_hidden_layers=1,
-                num_attention_heads=2,
-                image_size=8,
-                patch_size=4,
-            ),
-            projection_dim=8,
-        )
+        tower = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2}
+        text, vision = {"vocab_size": 64, "max_position_embeddings": 16}, {"image_size": 8, "patch_size": 4}
+        cfg = CLIPConfig(text_config=tower | text, vision_config=tower | vision, projection_dim=8)
         torch.manual_seed(0)
         clip = CLIPModel(cfg)
         clip_ref = CLIPModel(cfg)
@@ -241,14 +202,10 @@ def world2_scalar_cases(rank: int, world: int) -> dict:
     return out
 
 
-@pytest.fixture(scope="module")
-def world2():
-    return run_world(world2_scalar_cases, 2, timeout=600)
+world2 = module_world(world2_scalar_cases, 2, timeout=600)
 
 
-def _close(a: dict, b: dict, tol: float = TOL) -> float:
-    assert a.keys() == b.keys()
-    return max(float(abs(a[k] - b[k]).max()) for k in a) if a else 0.0
+_close = eq.max_diff
 
 
 @pytest.mark.parametrize("kind", ["fsdp", "zero2"])
@@ -346,16 +303,23 @@ def composed_cases(tmp: str) -> dict:
     return out
 
 
+#: the one-process references of the world-4 cases, computed in that world (a share on each rank)
+REFS = [(name, optim) for name in ("user", "llama") for optim in OPTIMS] + [("lora", "adamw")]
+
+
+def world4_with_references(rank: int, world: int, tmp: str) -> dict:
+    refs = {job: reference(*job) for job in eq.mine(rank, world, REFS)}
+    return {**world4_cases(rank, world, tmp), "refs": refs}
+
+
 @pytest.fixture(scope="module")
 def world4(tmp_path_factory):
-    return run_world(world4_cases, 4, str(tmp_path_factory.mktemp("hsdp")), timeout=900)
+    return run_world(world4_with_references, 4, str(tmp_path_factory.mktemp("hsdp")), timeout=900)
 
 
 @pytest.fixture(scope="module")
-def refs():
-    refs = {(name, optim): reference(name, optim) for name in ("user", "llama") for optim in OPTIMS}
-    refs["lora", "adamw"] = reference("lora", "adamw")
-    return refs
+def refs(world4):
+    return eq.merged(r["refs"] for r in world4)
 
 
 @pytest.mark.parametrize("name", ["user", "llama"])

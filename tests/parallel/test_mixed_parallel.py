@@ -6,6 +6,7 @@ TP2 x FSDP2 checkpoint reshards (one spawned group).
 from __future__ import annotations
 
 import copy
+import itertools
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 import composable_atorch as ca
+import equivalence as eq
 from composable_atorch.data import TextDataset
 from composable_atorch.models import GPT, Block, GPTConfig
 from composable_atorch.models.gpt import lm_loss
@@ -34,12 +36,9 @@ def loader():
 
 def _reference():
     model = gpt()
-    optim = torch.optim.SGD(model.parameters(), lr=LR)
-    losses = []
-    for i, (x, y) in enumerate(loader()):
-        if i >= STEPS:
-            break
-        losses.append(ca.train_step(model, optim, x, y, lm_loss))
+    _, losses = eq.reference(
+        model, torch.optim.SGD(model.parameters(), lr=LR), itertools.islice(loader(), STEPS), lm_loss
+    )
     return model, losses
 
 
@@ -212,9 +211,10 @@ def test_degrees_are_search_candidates():
         (2, 2, 4),
     }
     assert MixedParallel.candidates(SearchContext(env=env, batch_size=1)) == (MixedParallel(tensor=4, pipeline=1),)
-    for c in found:  # every candidate composes on its own (it lays out its own mesh)
+    for c in found:  # every candidate composes on its own: it expands into its own parallel_mode and engines
         plan = ca.compose(c, env=env)
-        assert "parallel_mode" not in plan.names and "ddp" not in plan.names
+        assert plan.names[0] == "parallel_mode" and "mixed_parallel" not in plan.names
+        assert ("pipeline_parallel" in plan.names) == (c.pipeline > 1) and ("ddp" in plan.names) == (c.pipeline == 1)
 
 
 def test_mixed_degrees_and_parallel_mode_must_agree():

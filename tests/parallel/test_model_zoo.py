@@ -4,7 +4,8 @@ Each case trains 3 steps on the same global batches with SGD and with AdamW (a g
 hides under Adam's normalisation, not under SGD), compares the final parameters gathered whole
 with one process's (1e-4 fp32, 5e-2 under bf16 autocast) and checks that both ranks end equal. A
 transform with no meaning for an architecture must refuse with a typed error whose message says
-why (``REFUSED``); anything else fails the test. All cases run in two spawned world-2 groups.
+why (``REFUSED``); anything else fails the test. All cases run in one spawned world-2 group, the
+one-process references computed there too, half on each rank.
 
 The README's table "which families each transform covers" is this file's ``TRANSFORMS`` x ``zoo.ZOO``
 minus ``REFUSED``.
@@ -14,25 +15,20 @@ from __future__ import annotations
 
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
 import composable_atorch as ca
+import equivalence as eq
 import zoo
 from composable_atorch.errors import ConfigError
 
-from _dist import run_world
+from _dist import module_world
 
 STEPS = 3
 FP32_TOL, BF16_TOL = 1e-4, 5e-2
-#: Adam's eps at 1e-6, not 1e-8: Adam moves a weight by ~lr whatever its gradient's size, so a gradient
-#: that is zero up to reduction-order noise (1e-9, a different sum order at world 2) would move by
-#: 1e-3 one way or the other; with eps 1e-6 such noise moves it by ~1e-6 and real gradients are
-#: still normalised.
-OPTIMS = {
-    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05),
-    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-3, eps=1e-6),
-}
+OPTIMS = eq.ZOO  # AdamW's eps at 1e-6: see equivalence.py
 
 
 def _block(model):
@@ -70,20 +66,17 @@ def _build(name: str):
     return model
 
 
-def _full(model) -> dict[str, torch.Tensor]:
-    from composable_atorch.runtime.optim import named_parameters
+def _full(model) -> dict:
+    """Parameters gathered whole (tensor_parallel's strided shards unpermuted), fp32 numpy."""
     from composable_atorch.transforms.parallel.tensor import full_weight
 
     modules = dict(model.named_modules())
     out = {}
-    for name, p in named_parameters(model).items():
+    for name, p in eq.full_params(model).items():
         mod, _, attr = name.rpartition(".")
         m = modules.get(mod)
-        if m is not None and hasattr(m, "_tp_stride_perm"):
-            out[name] = full_weight(m, attr).detach().float().clone()
-        else:
-            t = p.full_tensor() if hasattr(p, "full_tensor") else p
-            out[name] = t.detach().float().clone()
+        t = full_weight(m, attr) if m is not None and hasattr(m, "_tp_stride_perm") else p
+        out[name] = t.detach().float().numpy().copy()
     return out
 
 
@@ -103,14 +96,18 @@ def _train(name, model, optim, batches, part=None):
     return model
 
 
-def _reference(name: str, opt: str) -> dict[str, torch.Tensor]:
+def _reference(name: str, opt: str) -> dict:
+    """One process on the whole batches: its final parameters, and how far they moved."""
     model = _build(name)
-    batches = [zoo.batch(name, seed=s) for s in range(STEPS)]
-    return _full(_train(name, model, OPTIMS[opt](model.parameters()), batches))
+    start = _full(model)
+    params = _full(
+        _train(name, model, OPTIMS[opt](model.parameters()), [zoo.batch(name, seed=s) for s in range(STEPS)])
+    )
+    return {"params": params, "moved": max(float(np.abs(params[k] - start[k]).max()) for k in params)}
 
 
 def _case(name: str, transform: str, opt: str):
-    """('ok', max gap, rank params) or ('refused', message)."""
+    """('ok', rank params) or ('refused', message) or ('error', message)."""
     make, split = TRANSFORMS[transform]
     model = _build(name)
     batches = [zoo.batch(name, seed=s) for s in range(STEPS)]
@@ -125,7 +122,22 @@ def _case(name: str, transform: str, opt: str):
         return ("refused", f"{type(e).__name__}: {e}")
     except Exception as e:  # noqa: BLE001 - an untyped failure is reported as such, the other cases still run
         return ("error", f"{type(e).__name__}: {str(e)[:400]}")
-    return ("ok", {k: v.numpy() for k, v in _full(model).items()})
+    return ("ok", _full(model))
+
+
+def _compared(case, mine, refs):
+    """This rank's outcome of ``case`` against one process and the other rank (both ranks call it)."""
+    gathered = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, mine)
+    (s0, p0), (s1, p1) = gathered
+    for status, what in sorted(gathered, key=lambda g: g[0] != "error"):  # an untyped error first
+        if status != "ok":
+            return status, what
+    ref = refs[case[0], case[2]]
+    if sorted(p0) != sorted(ref["params"]):
+        return ("names", sorted(set(p0) ^ set(ref["params"]))[:5])
+    gap = max(float(np.abs(p0[k] - ref["params"][k]).max()) for k in p0)
+    return ("ok", gap, max(float(np.abs(p0[k] - p1[k]).max()) for k in p0), ref["moved"])
 
 
 class _UnusedHead(zoo.UserModel):
@@ -144,18 +156,39 @@ def _unused_case(rank):
     applied = plan(model, torch.optim.SGD(model.parameters(), lr=0.05))
     model, optim, _ = applied
     _train("user", model, optim, [zoo.batch("user", seed=s) for s in range(STEPS)], slice(2 * rank, 2 * rank + 2))
-    return plan.explain(applied=applied), {k: v.numpy() for k, v in _full(model).items()}
-
-
-def _world(rank, world, cases, unused=False):
-    out = {"unused": _unused_case(rank)} if unused else {}
-    for name, transform, opt in cases:
-        out[(name, transform, opt)] = _case(name, transform, opt)
-    return out
+    return plan.explain(applied=applied), _full(model)
 
 
 def _all_cases(transforms, families=zoo.ZOO):
     return [(n, t, o) for t in transforms for n in families for o in OPTIMS]
+
+
+#: the test groups: name -> their cases (the reentrant checkpoint on a few families: caches on, an
+#: encoder-decoder, sliding attention, the user model)
+GROUPS = {
+    "zoo_ddp_fsdp_zero2": _all_cases(("ddp", "fsdp", "zero2")),
+    "zoo_checkpoint_amp_replace_tp": _all_cases(("checkpoint", "amp", "module_replace", "tensor_parallel")),
+    "reentrant": _all_cases(("checkpoint_reentrant",), ("user", "llama", "t5", "gemma2")),
+    "wide_checkpoint_ddp": _all_cases(("checkpoint", "ddp"), zoo.WIDE),
+    "wide_fsdp_zero2": _all_cases(("fsdp", "zero2"), zoo.WIDE),
+}
+
+
+def _world(rank, world):
+    """Every group's cases in one world: the one-process references first (half on each rank, then
+    shared), each case compared on the ranks as it ends (only the gaps come back)."""
+    cases = [case for group in GROUPS.values() for case in group]
+    jobs = sorted({(n, o) for n, _, o in cases})
+    refs = [None] * world
+    torch.distributed.all_gather_object(refs, {job: _reference(*job) for job in eq.mine(rank, world, jobs)})
+    refs = eq.merged(refs)
+    out = {"unused": _unused_case(rank)}
+    for case in cases:
+        out[case] = _compared(case, _case(*case), refs)
+    return out
+
+
+world = module_world(_world, 2, timeout=1800)
 
 
 #: (family, transform) -> why it fails today: another part of issue 27 being fixed elsewhere. Such a
@@ -165,78 +198,60 @@ KNOWN: dict[tuple[str, str], str] = {}  # none left: CLIP's 0-dim logit_scale is
 
 def _check(results, cases):
     failures = []
-    refs: dict = {}
     for case in cases:
         name, transform, opt = case
-        r0, r1 = results[0][case], results[1][case]
-        if (name, transform) in KNOWN:
-            if r0[0] != "ok" or r1[0] != "ok":
-                warnings.warn(f"{case}: known failure ({KNOWN[(name, transform)]}): {str(r0[1])[:200]}", stacklevel=1)
-                continue
-        if "error" in (r0[0], r1[0]):
-            failures.append(f"{case}: untyped error: {r0[1] if r0[0] == 'error' else r1[1]}")
+        got = results[0][case]
+        if (name, transform) in KNOWN and got[0] != "ok":
+            warnings.warn(f"{case}: known failure ({KNOWN[(name, transform)]}): {str(got[1])[:200]}", stacklevel=1)
             continue
-        if r0[0] == "refused":
+        if got[0] == "error":
+            failures.append(f"{case}: untyped error: {got[1]}")
+            continue
+        if got[0] == "refused":
             want = REFUSED.get((name, transform))
-            if want is None or want not in r0[1]:
-                failures.append(f"{case}: refused: {r0[1][:300]}")
+            if want is None or want not in got[1]:
+                failures.append(f"{case}: refused: {got[1][:300]}")
             continue
         if (name, transform) in REFUSED:
             failures.append(f"{case}: expected a refusal, trained")
-        if (name, opt) not in refs:
-            refs[(name, opt)] = _reference(name, opt)
-        ref = refs[(name, opt)]
-        tol = BF16_TOL if transform == "amp" else FP32_TOL
-        p0, p1 = r0[1], r1[1]
-        if sorted(p0) != sorted(ref):
-            failures.append(f"{case}: parameter names differ: {sorted(set(p0) ^ set(ref))[:5]}")
+        if got[0] == "names":
+            failures.append(f"{case}: parameter names differ: {got[1]}")
             continue
-        gap = max(float((torch.from_numpy(p0[k]) - ref[k]).abs().max()) for k in ref)
-        ranks = max(float(abs(p0[k] - p1[k]).max()) for k in ref)
-        start = _full(_build(name))
-        moved = max(float((ref[k] - start[k]).abs().max()) for k in ref)
+        _, gap, ranks, moved = got
+        tol = BF16_TOL if transform == "amp" else FP32_TOL
         if gap > tol or ranks > tol or moved == 0:
             failures.append(f"{case}: gap to one process {gap:.2e}, between ranks {ranks:.2e} (tol {tol})")
     return failures
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize(
-    "group", [("ddp", "fsdp", "zero2"), ("checkpoint", "amp", "module_replace", "tensor_parallel")]
-)
-def test_zoo_matches_one_process(group):
-    cases = _all_cases(group)
-    unused = "ddp" in group
-    results = run_world(_world, 2, cases, unused, timeout=900)
-    failures = _check(results, cases)
+@pytest.mark.parametrize("group", ["zoo_ddp_fsdp_zero2", "zoo_checkpoint_amp_replace_tp"])
+def test_zoo_matches_one_process(world, group):
+    failures = _check(world, GROUPS[group])
     assert not failures, "\n".join(failures)
-    if unused:
-        (explain, p0), (_, p1) = results[0]["unused"], results[1]["unused"]
+    if group == "zoo_ddp_fsdp_zero2":
+        (explain, p0), (_, p1) = world[0]["unused"], world[1]["unused"]
         assert "spare.weight" in explain and "find_unused_parameters turned on" in explain
         assert all((p0[k] == p1[k]).all() for k in p0)
 
 
 @pytest.mark.dist
-def test_reentrant_checkpoint_with_ddp():
+def test_reentrant_checkpoint_with_ddp(world):
     """ATorch's reentrant checkpoint under ddp, on a few families (caches on, an encoder-decoder,
     sliding attention, the user model): ddp's probe replica (a deep copy) used to run the original
     blocks' weights, found every block parameter unused and turned on find_unused_parameters,
     which the reentrant checkpoint breaks ("Expected to mark a variable ready only once")."""
-    cases = _all_cases(("checkpoint_reentrant",), ("user", "llama", "t5", "gemma2"))
-    results = run_world(_world, 2, cases, timeout=900)
-    failures = _check(results, cases)
+    failures = _check(world, GROUPS["reentrant"])
     assert not failures, "\n".join(failures)
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("group", [("checkpoint", "ddp"), ("fsdp", "zero2")])
-def test_wide_zoo_matches_one_process(group):
+@pytest.mark.parametrize("group", ["wide_checkpoint_ddp", "wide_fsdp_zero2"])
+def test_wide_zoo_matches_one_process(world, group):
     """The widened zoo (zoo.WIDE: vision, two-tower, state-space, MoE with shared experts and latent
     attention, hybrid sliding attention, LoRA, DeBERTa, CNNs) with its defaults on (caches
     included) under checkpoint, ddp, fsdp and zero2."""
-    cases = _all_cases(group, zoo.WIDE)
-    results = run_world(_world, 2, cases, timeout=900)
-    failures = _check(results, cases)
+    failures = _check(world, GROUPS[group])
     assert not failures, "\n".join(failures)
 
 
@@ -278,11 +293,12 @@ def test_search_rules_out_unplaceable_plans_as_invalid():
         return SearchSpace.for_model(model, world_size=2, batch_size=4, admit=planning_admit(model)).enumerate()
 
     chain = enumerate_for(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4)))
-    assert any('"tensor":2' in key for key in chain.valid)
+    tensor2 = '["tensor",2]'  # mixed_parallel's tensor 2, expanded: its parallel_mode's groups
+    assert any(tensor2 in key for key in chain.valid)
     # the only plans ruled out for the chain replace modules it does not hold (copies of other plans)
     assert all("the plan would be the same as without module_replace" in p.error for p in chain.invalid)
     lone = enumerate_for(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU()))  # nothing to pair
-    assert not any('"tensor":2' in key for key in lone.valid)
+    assert not any(tensor2 in key for key in lone.valid)
     also_chain = {p.assignment for p in chain.invalid}
     unplaceable = [p for p in lone.invalid if p.assignment not in also_chain]
     assert len(unplaceable) == len(chain.valid) - len(lone.valid) > 0

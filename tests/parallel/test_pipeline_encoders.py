@@ -11,20 +11,17 @@ adapters stay in their layers, only they train). Encoder-decoders and two-tower 
 from __future__ import annotations
 
 import pytest
-import torch
 from torch import nn
 
 import composable_atorch as ca
+import equivalence as eq
 from composable_atorch.transforms.parallel.pipeline import UncuttableModelError
 from zoo import pipeline as zx
 
 from _dist import run_world
 
 STEPS, TOL = 3, 1e-4
-OPTIMS = {
-    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.5),
-    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1),
-}
+OPTIMS = eq.PIPELINE
 MODELS = {**{n: (lambda n=n: zx.encoder(n)) for n in zx.ENCODERS}, "lora_llama": zx.lora_llama}
 
 
@@ -64,42 +61,41 @@ class _Call(nn.Module):
         return (self.m(pixel_values=x) if x.is_floating_point() else self.m(input_ids=x)).logits
 
 
-def _params(model):
-    return {n: p.detach().numpy().copy() for n, p in model.named_parameters(remove_duplicate=False)}
-
-
 def _run(name, opt, pipelined):
     model = MODELS[name]().eval()  # dropout off: both runs compute the same function
     optim = OPTIMS[opt]([p for p in model.parameters() if p.requires_grad])
     if not pipelined:
-        return [ca.train_step(_Call(model), optim, x, y, loss_fn) for x, y in _batches(name)], _params(model), ""
+        return (
+            [ca.train_step(_Call(model), optim, x, y, loss_fn) for x, y in _batches(name)],
+            eq.numpy_params(model, remove_duplicate=False),
+            "",
+        )
     plan = ca.compose(ca.pipeline_parallel(microbatches=2), ca.parallel_mode([("pipeline", 2)]))
     applied = plan(model, optim)
     model, optim, _ = applied
     losses = [ca.train_step(model, optim, x, y, loss_fn) for x, y in _batches(name)]
-    return losses, _params(model), plan.explain(applied=applied)
+    return losses, eq.numpy_params(model, remove_duplicate=False), plan.explain(applied=applied)
 
 
 def _world(rank, world):
     jobs = [(n, o) for n in MODELS for o in OPTIMS]
     mine = {f"{n}/{o}": _run(n, o, True) for n, o in jobs}
-    refs = {f"{n}/{o}": _run(n, o, False) for i, (n, o) in enumerate(jobs) if i % world == rank}
+    refs = {f"{n}/{o}": _run(n, o, False) for n, o in eq.mine(rank, world, jobs)}
     return mine, refs
 
 
 @pytest.mark.dist
 def test_encoders_and_lora_pipeline_equal_to_one_process():
     (r0, refs0), (r1, refs1) = run_world(_world, 2, timeout=900)
-    start = {n: _params(MODELS[n]()) for n in MODELS}
+    start = {n: eq.numpy_params(MODELS[n](), remove_duplicate=False) for n in MODELS}
     bad = {}
     for case, (ref_losses, ref_params, _) in {**refs0, **refs1}.items():
-        (l0, p0, explain), (l1, p1, _) = r0[case], r1[case]
-        gap = max(abs(a - b) for a, b in zip(l0, ref_losses, strict=True))
-        weight = max(float(abs(p - ref_params[n]).max()) for r in (p0, p1) for n, p in r.items())
-        held = set(p0) | set(p1)  # a piece every stage holds is on both, equal to one process's
+        # a piece every stage holds is on both, equal to one process's
+        gap, weight, same, held = eq.stage_gaps([r0[case][:2], r1[case][:2]], ref_losses, ref_params)
         moved = max(float(abs(ref_params[n] - p).max()) for n, p in start[case.split("/")[0]].items())
-        if l0 != l1 or gap > TOL or weight > TOL or not held <= set(ref_params) or moved < 1e-4:
-            bad[case] = (gap, weight, l0 == l1, moved)
+        if not same or gap > TOL or weight > TOL or not held <= set(ref_params) or moved < 1e-4:
+            bad[case] = (gap, weight, same, moved)
+        explain = r0[case][2]
         assert "each stage's blocks see the whole model's inputs" in explain, (case, explain)
     assert not bad, bad
     table, norm = "'deberta.encoder.rel_embeddings'", "'deberta.encoder.LayerNorm', "

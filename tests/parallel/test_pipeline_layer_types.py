@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import composable_atorch as ca
+import equivalence as eq
 from composable_atorch.transforms.parallel.pipeline.anatomy import anatomy_of
 from composable_atorch.transforms.parallel.pipeline.check import StageMismatchError, check_stage, reference
 from composable_atorch.transforms.parallel.pipeline.cutter import Absent, call_whole, cut_stage
@@ -21,27 +22,7 @@ from zoo import pipeline as zx
 from _dist import run_world
 
 STEPS, TOL = 3, 1e-4
-OPTIMS = {
-    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.5),
-    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1),
-}
-
-
-def shifted_ce(logits, ids):
-    return nn.functional.cross_entropy(logits[:, :-1].float().flatten(0, 1), ids[:, 1:].flatten())
-
-
-class _Logits(nn.Module):
-    def __init__(self, m):
-        super().__init__()
-        self.m = m
-
-    def forward(self, x):
-        return self.m(input_ids=x).logits  # as a user calls it: use_cache left at its default
-
-
-def _params(model):
-    return {n: p.detach().numpy().copy() for n, p in model.named_parameters(remove_duplicate=False)}
+OPTIMS = eq.PIPELINE
 
 
 def _run(name, opt, pipelined):
@@ -49,18 +30,19 @@ def _run(name, opt, pipelined):
     data = [zx.batch(s) for s in range(STEPS)]
     if not pipelined:
         optim = OPTIMS[opt](model.parameters())
-        return [ca.train_step(_Logits(model), optim, x, x, shifted_ce) for x in data], _params(model), ""
+        losses = [ca.train_step(eq.Logits(model), optim, x, x, eq.shifted_ce) for x in data]
+        return losses, eq.numpy_params(model, remove_duplicate=False), ""
     plan = ca.compose(ca.pipeline_parallel(microbatches=2), ca.parallel_mode([("pipeline", 2)]))
     applied = plan(model, OPTIMS[opt](model.parameters()))
     model, optim, _ = applied
-    losses = [ca.train_step(model, optim, x, x, shifted_ce) for x in data]
-    return losses, _params(model), plan.explain(applied=applied)
+    losses = [ca.train_step(model, optim, x, x, eq.shifted_ce) for x in data]
+    return losses, eq.numpy_params(model, remove_duplicate=False), plan.explain(applied=applied)
 
 
 def _world(rank, world):
     jobs = [(n, o) for n in zx.LAYER_TYPED for o in OPTIMS]
     mine = {f"{n}/{o}": _run(n, o, True) for n, o in jobs}
-    refs = {f"{n}/{o}": _run(n, o, False) for i, (n, o) in enumerate(jobs) if i % world == rank}
+    refs = {f"{n}/{o}": _run(n, o, False) for n, o in eq.mine(rank, world, jobs)}
     return mine, refs
 
 
@@ -69,11 +51,10 @@ def test_layer_typed_models_pipeline_equal_to_one_process():
     (r0, refs0), (r1, refs1) = run_world(_world, 2, timeout=900)
     bad = {}
     for case, (ref_losses, ref_params, _) in {**refs0, **refs1}.items():
-        (l0, p0, explain), (l1, p1, _) = r0[case], r1[case]
-        gap = max(abs(a - b) for a, b in zip(l0, ref_losses, strict=True))
-        weight = max(float(abs(p - ref_params[n]).max()) for r in (p0, p1) for n, p in r.items())
-        if l0 != l1 or gap > TOL or weight > TOL or not set(p0) | set(p1) <= set(ref_params):
-            bad[case] = (gap, weight, l0 == l1)
+        gap, weight, same, held = eq.stage_gaps([r0[case][:2], r1[case][:2]], ref_losses, ref_params)
+        if not same or gap > TOL or weight > TOL or not held <= set(ref_params):
+            bad[case] = (gap, weight, same)
+        explain = r0[case][2]
         assert "each stage's blocks see the whole model's inputs" in explain, explain
     assert not bad, bad
 

@@ -11,10 +11,12 @@ import pytest
 import torch
 
 import composable_atorch as ca
+import equivalence as eq
 from composable_atorch.errors import ConfigError
 from composable_atorch.models import GPT, GPTConfig
 from composable_atorch.models.gpt import lm_loss
 from composable_atorch.transforms.parallel.pipeline import PipelineLoopError, balanced_cuts
+from zoo.configs import llama_config
 
 from _dist import run_world
 
@@ -35,25 +37,15 @@ def batches(n=STEPS, batch=8):
 
 
 def reference(model, data):
-    optim = torch.optim.SGD(model.parameters(), lr=LR)
-    return [ca.train_step(model, optim, x, y, lm_loss) for x, y in data]
+    """One process's losses (SGD)."""
+    return eq.reference(model, torch.optim.SGD(model.parameters(), lr=LR), data, lm_loss)[1]
 
 
 def llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=256,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-        tie_word_embeddings=False,
-    )
-    return LlamaForCausalLM(cfg)
+    return LlamaForCausalLM(llama_config(layers=4, vocab=256, max_position_embeddings=32, tie_word_embeddings=False))
 
 
 def _pipeline_case(schedule, microbatches, split="auto", make=gpt, stages_per_rank=None):
@@ -61,7 +53,7 @@ def _pipeline_case(schedule, microbatches, split="auto", make=gpt, stages_per_ra
     model = copy.deepcopy(ref)
     data = batches()
     if make is llama:
-        ref_losses = reference(_Logits(ref), data)
+        ref_losses = reference(eq.Logits(ref), data)
     else:
         ref_losses = reference(ref, data)
     pp = ca.pipeline_parallel(
@@ -87,17 +79,6 @@ def _pipeline_case(schedule, microbatches, split="auto", make=gpt, stages_per_ra
         "plain": plain,
         "explain": plan.explain(),
     }
-
-
-class _Logits(torch.nn.Module):
-    """An HF model as tokens -> logits, for the one-process reference (parameters shared)."""
-
-    def __init__(self, m):
-        super().__init__()
-        self.m = m
-
-    def forward(self, x):
-        return self.m(input_ids=x, use_cache=False).logits
 
 
 def _data_mean_case(rank):

@@ -11,19 +11,16 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import composable_atorch as ca
+import equivalence as eq
 from zoo import pipeline as zx
 
 from _dist import run_world
 
 STEPS, BATCH, TOL = 3, 8, 1e-4
-OPTIMS = {
-    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.5),
-    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1),
-}
+OPTIMS = eq.PIPELINE
 MODELS = {"llama": zx.llama, "user": zx.user, "gemma2": lambda: zx.build_layers("gemma2", 4)}
 SCHEDULES = ("Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
 CASES = [(m, s, o) for m in ("llama", "user") for s in SCHEDULES for o in OPTIMS] + [
@@ -31,19 +28,6 @@ CASES = [(m, s, o) for m in ("llama", "user") for s in SCHEDULES for o in OPTIMS
     ("user", "LoopedBFS", "adamw"),
     ("user", "DualPipeV", "adamw"),
 ]
-
-
-def loss_fn(logits, ids):
-    return nn.functional.cross_entropy(logits[:, :-1].float().flatten(0, 1), ids[:, 1:].flatten())
-
-
-class _Logits(nn.Module):
-    def __init__(self, m):
-        super().__init__()
-        self.m = m
-
-    def forward(self, x):
-        return self.m(input_ids=x).logits if hasattr(self.m, "config") else self.m(x)
 
 
 def _loader():
@@ -58,8 +42,8 @@ def _build(name):
 def _reference(name, opt):
     model = _build(name)
     optim = OPTIMS[opt](model.parameters())
-    losses = [ca.train_step(_Logits(model), optim, x, x, loss_fn) for (x,) in _loader()]
-    return losses, {n: p.detach().numpy().copy() for n, p in model.named_parameters(remove_duplicate=False)}
+    losses = [ca.train_step(eq.Logits(model), optim, x, x, eq.shifted_ce) for (x,) in _loader()]
+    return losses, eq.numpy_params(model, remove_duplicate=False)
 
 
 def _pipelined(name, schedule, opt):
@@ -68,8 +52,8 @@ def _pipelined(name, schedule, opt):
     plan = ca.compose(pp, ca.parallel_mode([("pipeline", 2), ("data", 2)]))
     applied = plan(model, OPTIMS[opt](model.parameters()), _loader())
     model, optim, data = applied
-    losses = [ca.train_step(model, optim, x, x, loss_fn) for (x,) in data]
-    params = {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
+    losses = [ca.train_step(model, optim, x, x, eq.shifted_ce) for (x,) in data]
+    params = eq.numpy_params(model)
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, params)
     return losses, gathered, plan.explain(applied=applied)
@@ -81,13 +65,13 @@ def _mixed():
     pp = ca.mixed_parallel(schedule="Interleaved1F1B", microbatches=4, stages_per_rank=2)
     plan = ca.compose(pp, ca.parallel_mode([("tensor", 2), ("pipeline", 2)]))
     model, optim, data = plan(model, OPTIMS["sgd"](model.parameters()), _loader())
-    return [ca.train_step(model, optim, x, x, loss_fn) for (x,) in data]
+    return [ca.train_step(model, optim, x, x, eq.shifted_ce) for (x,) in data]
 
 
 def _world(rank, world):
     mine = {c: _pipelined(*c) for c in CASES}
     mine["mixed"] = (_mixed(),)
-    refs = {c: _reference(c[0], c[2]) for i, c in enumerate(CASES) if i % world == rank}
+    refs = {c: _reference(c[0], c[2]) for c in eq.mine(rank, world, CASES)}
     return mine, refs
 
 

@@ -15,19 +15,17 @@ import torch
 from torch import nn
 
 import composable_atorch as ca
+import equivalence as eq
 import zoo
 from composable_atorch.transforms import example_input
-from composable_atorch.transforms.parallel.data import probe
+from composable_atorch.transforms.parallel.shared import probe
 from composable_atorch.transforms.parallel.tensor import graph
 
 from _dist import run_world
 
 STEPS = 3
 VISION = ("vit", "convnext", "cnn")
-OPTIMS = {
-    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05),
-    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-3, eps=1e-6),
-}
+OPTIMS = eq.ZOO
 
 
 def _spare(name: str) -> nn.Module:

@@ -8,74 +8,15 @@ context 2, at world 8: test_sequence_gaps.py), and Ulysses with checkpoint(Block
 from __future__ import annotations
 
 import pytest
-import torch
-import torch.nn.functional as F
-from torch import nn
 
 import _seq
 import composable_atorch as ca
-from composable_atorch.errors import ConfigError
+import equivalence as eq
 
-from _dist import run_world
+from _dist import module_world, run_world
 
 ATOL = 1e-4
 HALF = (_seq.BATCH, _seq.SEQ // 2)  # half of each sequence per rank
-
-
-class HeadsFromWidth(nn.Module):
-    """A user's block written for tensor parallelism: separate q/k/v, heads read from the width
-    (``view(b, t, -1, head_dim)``), so a rank holding half of the projections runs half of the heads."""
-
-    def __init__(self, vocab=256, d=32, head_dim=8, layers=2, max_len=_seq.SEQ):
-        super().__init__()
-        self.head_dim = head_dim
-        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(max_len, d)
-        self.blocks = nn.ModuleList(
-            nn.ModuleDict(
-                {
-                    "ln1": nn.LayerNorm(d),
-                    "q": nn.Linear(d, d),
-                    "k": nn.Linear(d, d),
-                    "v": nn.Linear(d, d),
-                    "o": nn.Linear(d, d),
-                    "ln2": nn.LayerNorm(d),
-                    "fc1": nn.Linear(d, 2 * d),
-                    "fc2": nn.Linear(2 * d, d),
-                }
-            )
-            for _ in range(layers)
-        )
-        self.ln_f = nn.LayerNorm(d)
-        self.head = nn.Linear(d, vocab, bias=False)
-
-    def forward(self, tokens, position_ids=None):
-        b, t = tokens.shape
-        if position_ids is None:
-            position_ids = torch.arange(t, device=tokens.device)[None]
-        x = self.tok(tokens) + self.pos(position_ids)
-        for blk in self.blocks:
-            h = blk["ln1"](x)
-            q, k, v = (blk[n](h).view(b, t, -1, self.head_dim).transpose(1, 2) for n in "qkv")
-            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            x = x + blk["o"](a.transpose(1, 2).reshape(b, t, -1))
-            x = x + blk["fc2"](F.gelu(blk["fc1"](blk["ln2"](x))))
-        return self.head(self.ln_f(x))
-
-
-def heads_from_width(seed: int = 0) -> HeadsFromWidth:
-    torch.manual_seed(seed)
-    return HeadsFromWidth()
-
-
-_seq.MODELS["heads_from_width"] = heads_from_width
-
-
-def _split(kind):
-    if kind == "context":
-        return "context", ca.context_parallel()
-    if kind == "ring":
-        return "context", ca.context_parallel(rotation="ring")
-    return "sequence", ca.sequence_parallel()
 
 
 TP_CASES = [("llama", "sgd", "context"), ("llama", "adamw", "ulysses"), ("heads_from_width", "adamw", "context")]
@@ -88,12 +29,12 @@ FSDP_CASES += [("llama", "adamw", "context", "zero")]
 def _world4(rank, world):
     out = {}
     for model_name, optim_name, kind in TP_CASES:
-        dim, split = _split(kind)
+        dim, split = _seq.split(kind)
         out[("tp", model_name, optim_name, kind)] = _seq.run(
             model_name, optim_name, ca.parallel_mode([(dim, 2), ("tensor", 2)]), split, ca.tensor_parallel()
         )
     for model_name, optim_name, kind, how in FSDP_CASES:
-        dim, split = _split(kind)
+        dim, split = _seq.split(kind)
         if how == "zero":  # fsdp shards over ATorch's zero group (the hybrid layout with one replica)
             groups = [(dim, 2), ("zero", 2), ("data", 1)]
         else:
@@ -102,35 +43,22 @@ def _world4(rank, world):
             model_name, optim_name, ca.parallel_mode(groups), split, ca.fsdp()
         )
     for model_name, optim_name, kind in PP_CASES:
-        dim, split = _split(kind)
+        dim, split = _seq.split(kind)
         out[("pp", model_name, optim_name, kind)] = _seq.run(
             model_name, optim_name, ca.parallel_mode([(dim, 2), ("pipeline", 2)]), split, ca.pipeline_parallel()
         )
-    try:
-        _seq.run(
-            "user",
-            "sgd",
-            ca.parallel_mode([("context", 2), ("pipeline", 2)]),
-            *_split("context")[1:],
-            ca.pipeline_parallel(),
-        )
-        out["pp_user"] = "trained"
-    except ConfigError as exc:
-        out["pp_user"] = str(exc)
+    groups = ca.parallel_mode([("context", 2), ("pipeline", 2)])
+    out["pp_user"] = _seq.run_or_refusal("user", "sgd", groups, _seq.split("context")[1], ca.pipeline_parallel())
     return out
 
 
-@pytest.fixture(scope="module")
-def world4():
-    return run_world(_world4, 4)
+world4 = module_world(_world4, 4)
 
 
 @pytest.mark.dist
 @pytest.mark.parametrize("model_name,optim_name,kind", TP_CASES)
 def test_split_2_with_tensor_2_equals_one_process(world4, model_name, optim_name, kind):
-    runs = [world4[rank][("tp", model_name, optim_name, kind)] for rank in range(4)]
-    _seq.assert_equals_one_process(runs, _seq.reference(model_name, optim_name), ATOL, shape=HALF)
-    got = runs[-1]
+    got = _seq.check(world4, ("tp", model_name, optim_name, kind), model_name, optim_name, ATOL, shape=HALF)
     assert "DTensor parallelize_module over the tensor dim of 2" in got["explain"]
     # the split applies to the tensor-sharded model, and its loss is reported over the ranks of other tokens
     assert got["explain"].index("tensor_parallel:") < got["explain"].index("_parallel:\n    - attention")
@@ -141,22 +69,16 @@ def test_split_2_with_tensor_2_equals_one_process(world4, model_name, optim_name
 def test_split_2_with_fsdp_equals_one_process(world4, model_name, optim_name, kind, how):
     runs = [world4[rank][(how, model_name, optim_name, kind)] for rank in range(4)]
     assert all(got["shapes"][0][1] == _seq.SEQ // 2 for got in runs), [got["shapes"][0] for got in runs]
-    _seq.assert_equals_one_process(runs, _seq.reference(model_name, optim_name), ATOL)
+    eq.assert_equal_to_one_process(runs, _seq.reference(model_name, optim_name), ATOL)
 
 
 @pytest.mark.dist
 @pytest.mark.parametrize("model_name,optim_name,kind", PP_CASES)
 def test_split_2_with_pipeline_2_equals_one_process(world4, model_name, optim_name, kind):
-    params, losses = _seq.reference(model_name, optim_name)
-    held = set()
-    for rank in range(4):
-        got = world4[rank][("pp", model_name, optim_name, kind)]
-        assert got["shapes"][0] == (_seq.BATCH, _seq.SEQ // 2)
-        held |= set(got["params"])
-        dp = max((torch.as_tensor(v) - params[k]).abs().max().item() for k, v in got["params"].items())
-        dl = max(abs(x - y) for x, y in zip(got["losses"], losses, strict=True))
-        assert dp < ATOL and dl < ATOL, (rank, dp, dl)
-    assert held == set(params)  # the stages hold the whole model between them
+    runs = [world4[rank][("pp", model_name, optim_name, kind)] for rank in range(4)]
+    assert all(got["shapes"][0] == (_seq.BATCH, _seq.SEQ // 2) for got in runs)
+    eq.assert_stages_equal_to_one_process(runs, _seq.reference(model_name, optim_name), ATOL)  # the whole model
+    got = runs[-1]
     assert "pipeline_parallel:" in got["explain"] and "checked before training" in got["explain"]
 
 
@@ -179,8 +101,7 @@ def _world2(rank, world):
 
 @pytest.mark.dist
 def test_ulysses_with_checkpoint():
-    runs = [got["ulysses_checkpoint"] for got in run_world(_world2, 2)]
-    _seq.assert_equals_one_process(runs, _seq.reference("llama", "adamw"), ATOL)
+    _seq.check(run_world(_world2, 2), "ulysses_checkpoint", "llama", "adamw", ATOL)
 
 
 def test_split_ordered_after_tensor_parallel():

@@ -15,7 +15,7 @@ import _seq
 import composable_atorch as ca
 from composable_atorch.errors import ConfigError, SequenceSplitMismatchError
 
-from _dist import run_world
+from _dist import module_world
 
 
 class ConvMixer(nn.Module):
@@ -64,9 +64,7 @@ def _world2(rank, world):
     }
 
 
-@pytest.fixture(scope="module")
-def world2():
-    return run_world(_world2, 2)
+world2 = module_world(_world2, 2)
 
 
 @pytest.mark.dist

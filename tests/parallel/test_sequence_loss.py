@@ -30,6 +30,7 @@ from torch.utils.data import DataLoader
 
 import _seq
 import composable_atorch as ca
+import equivalence as eq
 from composable_atorch.data import TextDataset
 from composable_atorch.errors import SequenceLossError
 from composable_atorch.transforms.parallel.sequence import shard as shard_module
@@ -144,21 +145,21 @@ def _refused(fn) -> str:
 
 
 def _params(model) -> dict:
-    return {k: v.numpy() for k, v in _seq.full_params(model).items()}
+    return {k: v.numpy() for k, v in eq.full_params(model).items()}
 
 
 def _train_step_cases(model_name, optim_name, mode) -> dict:
     """(a) / (d) refused before any step, the weights unchanged; (e) then trains 3 steps."""
     model, optim, data, _ = _apply(model_name, optim_name, mode, _loader())
     x, y = next(iter(data))
-    before = _seq.full_params(model)
+    before = eq.full_params(model)
     out = {
         "issue": _refused(lambda: ca.train_step(model, optim, x, x, shift_inside)),
         "shifted_twice": _refused(lambda: ca.train_step(model, optim, x, y, shift_inside)),
         "sequence_max": _refused(lambda: ca.train_step(model, optim, x, y, sequence_max)),
         "length_weighted": _refused(lambda: ca.train_step(model, optim, x, y, length_weighted)),
     }
-    out["unchanged"] = _seq.max_diff(before, _seq.full_params(model)) == 0.0
+    out["unchanged"] = eq.max_diff(before, eq.full_params(model)) == 0.0
     losses = [ca.train_step(model, optim, x, y, smoothed) for _, (x, y) in zip(range(_seq.STEPS), data, strict=False)]
     out["smoothed"] = {"losses": losses, "params": _params(model)}
     return out
@@ -191,7 +192,7 @@ def _own_loop_cases(mode) -> dict:
     for model_name, optim_name, key in (("user", "sgd", "optim_backward"), ("llama", "adamw", "plain_backward")):
         model, optim, data, _ = _apply(model_name, optim_name, mode, _loader(SameTargets))
         x, y = next(iter(data))
-        before = _seq.full_params(model)
+        before = eq.full_params(model)
 
         def step(model=model, optim=optim, x=x, y=y, plain=key == "plain_backward"):
             loss = shift_inside(model(x), y)
@@ -199,7 +200,7 @@ def _own_loop_cases(mode) -> dict:
             optim.step()
 
         out[key] = _refused(step)
-        out[key + "_unchanged"] = _seq.max_diff(before, _seq.full_params(model)) == 0.0
+        out[key + "_unchanged"] = eq.max_diff(before, eq.full_params(model)) == 0.0
     return out
 
 
@@ -239,7 +240,7 @@ def _reference(model_name, optim_name, loss_name):
         optim.step()
         optim.zero_grad()
         losses.append(loss.item())
-    return _seq.full_params(model), losses
+    return eq.full_params(model), losses
 
 
 # -- the tests --------------------------------------------------------------------------------------
@@ -289,7 +290,7 @@ def test_per_token_loss_is_not_refused_and_equals_one_process(mode, model_name, 
     runs = [got[("steps", model_name, optim_name)]["smoothed"] for got in _results(mode)]
     params, losses = _reference(model_name, optim_name, "smoothed")
     for rank, got in enumerate(runs):
-        dp = _seq.max_diff(got["params"], params)
+        dp = eq.max_diff(got["params"], params)
         dl = max(abs(a - b) for a, b in zip(got["losses"], losses, strict=True))
         assert dp < 1e-4 and dl < 1e-4, (rank, dp, dl)
 
@@ -303,7 +304,7 @@ def test_transformers_labels_train_equal_to_one_process(mode, optim_name):
     # each rank's loss is its part's summed token losses over 1/2 of the count: their mean is the whole's
     mean = [sum(r["losses"][i] for r in runs) / len(runs) for i in range(_seq.STEPS)]
     dl = max(abs(a - b) for a, b in zip(mean, losses, strict=True))
-    dp = max(_seq.max_diff(r["params"], params) for r in runs)
+    dp = max(eq.max_diff(r["params"], params) for r in runs)
     assert dl < ATOL and dp < ATOL, (dl, dp)
     assert "labels are shifted over the whole sequence" in runs[0]["explain"]
 
@@ -314,7 +315,7 @@ def test_transformers_labels_without_the_conversion_train_otherwise():
     params, losses = _reference("llama", "sgd", "labels")
     mean = [sum(r["losses"][i] for r in runs) / len(runs) for i in range(_seq.STEPS)]
     assert max(abs(a - b) for a, b in zip(mean, losses, strict=True)) > 100 * ATOL
-    assert max(_seq.max_diff(r["params"], params) for r in runs) > 100 * ATOL
+    assert max(eq.max_diff(r["params"], params) for r in runs) > 100 * ATOL
 
 
 @pytest.mark.dist

@@ -9,9 +9,11 @@ import torch
 from torch import nn
 
 import composable_atorch as ca
+import equivalence as eq
 from composable_atorch.core.transform import lookup
 from composable_atorch.errors import ConfigError
 from composable_atorch.transforms.parallel.tensor import TensorParallelPlanError, TPInfo, auto_plan, full_weight
+from zoo.configs import gpt2_config, llama_config
 
 from _dist import run_world
 
@@ -28,37 +30,18 @@ def gpt():
 
 
 def llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-    )
-    return LlamaForCausalLM(cfg)
+    return LlamaForCausalLM(llama_config(max_position_embeddings=32))
 
 
 def gpt2(drop=0.0, attn_drop=0.0, **extra):
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import GPT2LMHeadModel
 
     torch.manual_seed(0)
-    cfg = GPT2Config(
-        vocab_size=128,
-        n_embd=32,
-        n_layer=2,
-        n_head=4,
-        n_positions=32,
-        resid_pdrop=drop,
-        embd_pdrop=drop,
-        attn_pdrop=attn_drop,
-        **extra,
-    )
-    return GPT2LMHeadModel(cfg)
+    drops = {"resid_pdrop": drop, "embd_pdrop": drop, "attn_pdrop": attn_drop}
+    return GPT2LMHeadModel(gpt2_config(n_positions=32, **drops, **extra))
 
 
 def gpt2_dropout():
@@ -78,22 +61,6 @@ def gpt2_tpinfo(vocab: bool = False) -> TPInfo:
     return info
 
 
-def logits(model, x):
-    out = model(x)
-    return out.logits if hasattr(out, "logits") else out
-
-
-def loss_of(model, x, y):
-    lg = logits(model, x)
-    return torch.nn.functional.cross_entropy(lg.reshape(-1, lg.size(-1)).float(), y.reshape(-1))
-
-
-def lm(out, y):
-    """train_step's loss_fn(output, targets) for HF outputs and plain logits."""
-    lg = out.logits if hasattr(out, "logits") else out
-    return torch.nn.functional.cross_entropy(lg.reshape(-1, lg.size(-1)).float(), y.reshape(-1))
-
-
 def _batches(vocab):
     g = torch.Generator().manual_seed(1)
     return [
@@ -105,7 +72,7 @@ def _batches(vocab):
 def _train(model, optim, batches):
     losses = []
     for x, y in batches:
-        loss = loss_of(model, x, y)
+        loss = eq.token_ce(model(x), y)
         optim.backward(loss) if hasattr(optim, "backward") else loss.backward()
         optim.step()
         optim.zero_grad()
@@ -143,7 +110,7 @@ def _case(make, plan_arg, vocab, sp=False, transform=None):
     sp_norms = sum(
         1 for n, p in model.named_parameters() if "norm" in n or ".ln" in n or "ln_" in n if hasattr(p, "placements")
     )
-    losses = [ca.train_step(model, optim, x, y, lm) for x, y in batches]
+    losses = [ca.train_step(model, optim, x, y, eq.token_ce) for x, y in batches]
     full = _full(model)
     ref_p = dict(ref.named_parameters())
     weight_gap = max((full[n] - ref_p[n].detach()).abs().max().item() for n in ref_p if n in full)

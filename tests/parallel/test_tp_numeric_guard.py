@@ -1,7 +1,7 @@
 """tensor_parallel's numerical guard (transforms/parallel/tensor/check.py): after the plan is applied
 and before any step, one probe forward through the sharded model must give the whole model's output.
 
-The case that needed it: ``_seq.UserLM``, a fused ``qkv = nn.Linear(d, 3 * d)`` split with
+The case that needed it: ``zoo.sequence.UserLM``, a fused ``qkv = nn.Linear(d, 3 * d)`` split with
 ``.view(b, t, 3, self.heads, -1)``, the head count fixed at init under a name the planner does not
 know. Sharded (strided) at tensor 2 the local width still fits the view, as half-size heads: the
 shape check passes, and it trained another model (0.35 from one process after 3 AdamW steps).
@@ -19,6 +19,7 @@ from torch import nn
 
 import _seq
 import composable_atorch as ca
+import equivalence as eq
 from composable_atorch.errors import TensorPlanMismatchError
 
 from _dist import run_world
@@ -62,7 +63,7 @@ def test_fused_qkv_with_fixed_heads_kept_whole_trains_equal(optim_name):
     assert got["refused"] is None, got["refused"]
     assert "smaller heads, not fewer" in got["explain"] and "blocks.0.qkv" in got["explain"], got["explain"]
     assert "sharded output checked against the whole model" in got["explain"], got["explain"]
-    params, losses = _seq.close(got, _seq.reference("user", optim_name))
+    params, losses = eq.gaps(got, _seq.reference("user", optim_name))
     assert params < ATOL and losses < ATOL, (params, losses)
 
 
@@ -72,7 +73,7 @@ def test_manual_plan_keeping_the_fused_layer_whole_trains_equal(optim_name):
     got = run_world(_train, 2, "user", optim_name, plan)[0]
     assert got["refused"] is None
     assert "sharded output checked against the whole model" in got["explain"], got["explain"]
-    params, losses = _seq.close(got, _seq.reference("user", optim_name))
+    params, losses = eq.gaps(got, _seq.reference("user", optim_name))
     assert params < ATOL and losses < ATOL, (params, losses)
 
 
@@ -80,7 +81,7 @@ def test_guard_passes_llama():
     got = run_world(_train, 2, "llama", "adamw", "auto")[0]
     assert got["refused"] is None
     assert "sharded output checked against the whole model" in got["explain"], got["explain"]
-    params, losses = _seq.close(got, _seq.reference("llama", "adamw"))
+    params, losses = eq.gaps(got, _seq.reference("llama", "adamw"))
     assert params < ATOL and losses < ATOL, (params, losses)
 
 

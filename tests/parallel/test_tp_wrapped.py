@@ -11,9 +11,10 @@ import pytest
 import torch
 
 import composable_atorch as ca
+import equivalence as eq
 from composable_atorch.transforms.parallel.tensor import TensorParallelPlanError, auto_plan, full_weight
 
-from _dist import run_world
+from _dist import module_world
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
@@ -21,13 +22,11 @@ pytest.importorskip("peft")
 STEPS = 3
 
 
+OPTIMS = eq.optimizers(sgd=dict(lr=0.1), adamw=dict(lr=1e-3, eps=1e-6))  # AdamW's eps: see equivalence.py
+
+
 def _optim(kind, params):
-    params = [p for p in params if p.requires_grad]
-    if kind == "sgd":
-        return torch.optim.SGD(params, lr=0.1)
-    # eps 1e-6 as in test_model_zoo: a gradient that is zero up to reduction-order noise (a key bias:
-    # softmax ignores a constant shift) would otherwise move by ~lr one way or the other
-    return torch.optim.AdamW(params, lr=1e-3, eps=1e-6)
+    return OPTIMS[kind]([p for p in params if p.requires_grad])
 
 
 def _full(model) -> dict[str, torch.Tensor]:
@@ -90,37 +89,25 @@ def _case(name: str, optim_kind: str, sp: bool = False, apart: bool = False) -> 
     }
 
 
-CASES = [
-    ("lora_llama", "sgd", False),
-    ("lora_llama", "adamw", False),
-    ("lora_llama", "sgd", True),
-    ("deepseek_v3", "sgd", False),
-    ("deepseek_v3", "adamw", False),
-    ("qwen2_moe", "sgd", False),
-    ("qwen2_moe", "adamw", False),
-    ("convnext", "sgd", False),
-    ("convnext", "adamw", False),
-    ("user_cnn", "adamw", False),
-    ("vit", "adamw", False),
-    ("clip", "sgd", False),
-    ("clip", "adamw", False),
-]
+CASES = [("lora_llama", "sgd", False), ("lora_llama", "adamw", False), ("lora_llama", "sgd", True)]
+CASES += [(name, opt, False) for name in ("deepseek_v3", "qwen2_moe", "convnext") for opt in OPTIMS]
+CASES += [("user_cnn", "adamw", False), ("vit", "adamw", False), ("clip", "sgd", False), ("clip", "adamw", False)]
 
 
-def _world(rank, world):
-    return {case: _case(*case) for case in CASES}
+def _assert_equal_to_one_process(rank, case, r):
+    assert r["moved"] > 1e-4, case
+    assert r["loss_gap"] < 1e-5, (rank, case, r["loss_gap"])
+    assert r["weight_gap"] < 1e-4, (rank, case, r["weight_gap"], r["worst"])  # test_model_zoo's FP32_TOL
+    assert r["sharded"], case
 
 
 @pytest.mark.dist
-def test_wrapped_moe_and_pointwise_models_match_one_process():
-    results = run_world(_world, 2, timeout=900)
+def test_wrapped_moe_and_pointwise_models_match_one_process(world):
+    results = [{case: r[case] for case in CASES} for r in world]
     for rank, res in enumerate(results):
         for case, r in res.items():
-            assert r["moved"] > 1e-4, case
-            assert r["loss_gap"] < 1e-5, (rank, case, r["loss_gap"])
-            assert r["weight_gap"] < 1e-4, (rank, case, r["weight_gap"], r["worst"])  # test_model_zoo's FP32_TOL
+            _assert_equal_to_one_process(rank, case, r)
             assert r["frozen_kept"], case
-            assert r["sharded"], case
     res = results[0]
     lora = res[("lora_llama", "sgd", False)]["sharded"]
     assert any(n.endswith("q_proj.lora_B.default.weight") for n in lora)  # B shards with a column base
@@ -141,18 +128,8 @@ def test_wrapped_moe_and_pointwise_models_match_one_process():
 #: pairs that fail the check at one rank's shapes, kept whole while the rest shards: DeepSeek-V3's low-rank q
 #: (q_a -> q_b), OLMo-3's attention (q_norm over the whole q), LFM2's short convolution, Qwen3-Next's gated
 #: delta-rule linear attention; and a Llama built from another seed on each rank (trains as rank 0's)
-KEEP_CASES = [
-    ("deepseek_v3_q", "sgd", False, False),
-    ("deepseek_v3_q", "adamw", False, False),
-    ("olmo3", "sgd", False, False),
-    ("olmo3", "adamw", False, False),
-    ("lfm2", "sgd", False, False),
-    ("lfm2", "adamw", False, False),
-    ("qwen3_next", "sgd", False, False),
-    ("qwen3_next", "adamw", False, False),
-    ("llama", "sgd", False, True),
-    ("llama", "adamw", False, True),
-]
+KEEP_CASES = [(name, opt, False, False) for name in ("deepseek_v3_q", "olmo3", "lfm2", "qwen3_next") for opt in OPTIMS]
+KEEP_CASES += [("llama", "sgd", False, True), ("llama", "adamw", False, True)]
 KEPT = {
     "deepseek_v3_q": (
         "self_attn.{q_a_proj -> q_b_proj}",
@@ -169,19 +146,19 @@ KEPT = {
 }
 
 
-def _keep_world(rank, world):
-    return {case: _case(*case) for case in KEEP_CASES}
+def _world(rank, world):
+    return {case: _case(*case) for case in CASES + KEEP_CASES}
+
+
+world = module_world(_world, 2, timeout=900)
 
 
 @pytest.mark.dist
-def test_failing_pairs_kept_whole_and_ranks_built_apart_match_one_process():
-    results = run_world(_keep_world, 2, timeout=900)
+def test_failing_pairs_kept_whole_and_ranks_built_apart_match_one_process(world):
+    results = [{case: r[case] for case in KEEP_CASES} for r in world]
     for rank, res in enumerate(results):
         for case, r in res.items():
-            assert r["moved"] > 1e-4, case
-            assert r["loss_gap"] < 1e-5, (rank, case, r["loss_gap"])
-            assert r["weight_gap"] < 1e-4, (rank, case, r["weight_gap"], r["worst"])
-            assert r["sharded"], case
+            _assert_equal_to_one_process(rank, case, r)
             name, _, _, apart = case
             assert r["built_apart"] == (apart and rank == 1), case  # rank 1 really started from other weights
             if apart:

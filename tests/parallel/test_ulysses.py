@@ -10,13 +10,14 @@ import torch
 
 import _seq
 import composable_atorch as ca
+import equivalence as eq
 from composable_atorch.core.transform import lookup
 from composable_atorch.errors import ConfigError
 from composable_atorch.transforms.parallel.sequence import Ulysses
 from composable_atorch.transforms.parallel.sequence.attention import Attend
 from composable_atorch.transforms.parallel.tensor import TensorParallel
 
-from _dist import run_world
+from _dist import module_world
 
 ATOL = 1e-4
 SP = ("sequence_parallel", {"sp_size": 2, "batch_sp_processing_fn": lambda batch: batch})
@@ -38,8 +39,8 @@ def test_atorch_name_is_ulysses_and_megatron_stays_in_tensor_parallel():
             [("parallel_mode", ([("sequence", 2), ("data", 2)], None)), ("sequence_parallel", {"sp_size": 4})],
             env=env4,
         )
-    mixed = ca.compose(ca.sequence_parallel(), ca.mixed_parallel(), env=env4)  # it applies the split between its steps
-    assert mixed.names.index("mixed_parallel") < mixed.names.index("sequence_parallel")
+    mixed = ca.compose(ca.sequence_parallel(), ca.mixed_parallel(), env=env4)  # it expands around the split
+    assert mixed.names == ("parallel_mode", "sequence_parallel", "ddp") and mixed.requested[0].name == "mixed_parallel"
     assert "sequence_parallel" not in ca.strategy.load([SP], env=ca.Environment(world_size=1)).names
 
 
@@ -83,24 +84,18 @@ def _auto_accelerate():
         result.optim.step()
         result.optim.zero_grad()
         losses.append(loss.item())
-    params = {k: v.numpy() for k, v in _seq.full_params(result.model).items()}
+    params = {k: v.numpy() for k, v in eq.full_params(result.model).items()}
     return {"status": status, "params": params, "losses": losses, "shapes": shapes, "explain": best.explain()}
 
 
-@pytest.fixture(scope="module")
-def world2():
-    return run_world(_world2, 2)
+world2 = module_world(_world2, 2)
 
 
 @pytest.mark.dist
 @pytest.mark.parametrize("model_name,optim_name", CASES)
 def test_ulysses_2_equals_one_process(world2, model_name, optim_name):
-    ref = _seq.reference(model_name, optim_name)
-    for rank in (0, 1):
-        got = world2[rank][(model_name, optim_name)]
-        assert got["shapes"][0] == (_seq.BATCH, _seq.SEQ // 2)  # half of each sequence per rank
-        dp, dl = _seq.close(got, ref)
-        assert dp < ATOL and dl < ATOL, (dp, dl)
+    half = (_seq.BATCH, _seq.SEQ // 2)  # half of each sequence per rank
+    got = _seq.check(world2, (model_name, optim_name), model_name, optim_name, ATOL, shape=half)
     assert "1/2 of the heads" in got["explain"]
 
 
@@ -112,6 +107,6 @@ def test_atorch_load_strategy_runs_ulysses(world2, how):
         got = world2[rank][how]
         assert got["shapes"][0] == (_seq.BATCH, _seq.SEQ // 2)
         # auto_accelerate's loss is the rank's own (its part of each sequence), the parameters the whole model's
-        dp, dl = _seq.close(got, ref)
+        dp, dl = eq.gaps(got, ref)
         assert dp < ATOL and (dl < ATOL or how == "auto_accelerate"), (dp, dl)
         assert "parallel_mode(sequence 2 x data 1)" in got["explain"]

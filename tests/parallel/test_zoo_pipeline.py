@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 import composable_atorch as ca
+import equivalence as eq
 import zoo
 from composable_atorch.errors import ConfigError
 from composable_atorch.transforms.parallel.pipeline import UncuttableModelError
@@ -25,35 +26,13 @@ from _dist import run_world
 
 STEPS, TOL = 3, 1e-4
 CASES = [n for n in zoo.ZOO if zoo.KIND[n] in ("decoder", "plain")]
-OPTIMS = {
-    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.5),
-    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1),
-}
-
-
-def shifted_ce(logits, ids):
-    """Next-token cross-entropy, as an HF causal LM computes it from ``labels=ids``."""
-    return nn.functional.cross_entropy(logits[:, :-1].float().flatten(0, 1), ids[:, 1:].flatten())
-
-
-def plain_ce(logits, ids):
-    """The user model's loss (zoo.zoo_loss): every position against its own token."""
-    return nn.functional.cross_entropy(logits.float().flatten(0, 1), ids.flatten())
+OPTIMS = eq.PIPELINE
 
 
 def criterion(name):
-    return plain_ce if name == "user" else shifted_ce
-
-
-class _Logits(nn.Module):
-    """An HF model as tokens -> logits for the one-process reference (parameters shared)."""
-
-    def __init__(self, m):
-        super().__init__()
-        self.m = m
-
-    def forward(self, x):
-        return self.m(input_ids=x).logits
+    """The user model's loss (zoo.zoo_loss) is every position against its own token; the families'
+    the next token (as an HF causal LM computes it from ``labels=ids``)."""
+    return eq.token_ce if name == "user" else eq.shifted_ce
 
 
 def _model(name):
@@ -71,12 +50,11 @@ def _reference(name, opt):
     if name != "user":  # the criterion is the family's own loss
         with torch.no_grad():
             own = zoo.zoo_loss(name, model, data[0]).item()
-            zoo_gap = abs(own - shifted_ce(model(input_ids=data[0]).logits, data[0]).item())
-    wrapped = model if name == "user" else _Logits(model)
+            zoo_gap = abs(own - eq.shifted_ce(model(input_ids=data[0]).logits, data[0]).item())
+    wrapped = model if name == "user" else eq.Logits(model)
     optim = OPTIMS[opt](model.parameters())
     losses = [ca.train_step(wrapped, optim, x, x, criterion(name)) for x in data]
-    params = {n: p.detach().numpy().copy() for n, p in model.named_parameters(remove_duplicate=False)}
-    return {"losses": losses, "params": params, "zoo_gap": zoo_gap}
+    return {"losses": losses, "params": eq.numpy_params(model, remove_duplicate=False), "zoo_gap": zoo_gap}
 
 
 def _pipelined(name, opt, split="auto"):
@@ -88,7 +66,7 @@ def _pipelined(name, opt, split="auto"):
     return {
         "losses": losses,
         # numpy: torch tensors would travel back to the test through shared memory, one descriptor each
-        "params": {n: p.detach().numpy().copy() for n, p in model.named_parameters()},
+        "params": eq.numpy_params(model),
         "explain": plan.explain(applied=applied),
     }
 
@@ -98,7 +76,7 @@ def _world(rank, world):
     mine = {f"{n}/{o}": _pipelined(n, o) for n, o in jobs}
     mine["llama/sgd/split-path"] = _pipelined("llama", "sgd", split=["layers.1"])
     # the one-process references, half on each rank
-    refs = {f"{n}/{o}": _reference(n, o) for i, (n, o) in enumerate(jobs) if i % world == rank}
+    refs = {f"{n}/{o}": _reference(n, o) for n, o in eq.mine(rank, world, jobs)}
     return mine, refs
 
 
@@ -113,26 +91,20 @@ def test_zoo_pipeline_matches_one_process():
         problems = []
         if ref["zoo_gap"] > 1e-5:
             problems.append(f"criterion differs from the model's own loss by {ref['zoo_gap']}")
-        if a["losses"] != b["losses"]:
-            problems.append("stages report different losses")
-        gap = max(abs(x - y) for x, y in zip(a["losses"], ref["losses"], strict=True))
-        if gap > TOL:
-            problems.append(f"loss gap {gap}")
         # the two stages together hold every parameter (a tied weight on both), each equal to one process's
         names = set(a["params"]) | set(b["params"])
         if names != set(ref["params"]) or set(a["params"]) & set(b["params"]):
             problems.append(
                 f"stage names {sorted(names ^ set(ref['params']))} / shared {set(a['params']) & set(b['params'])}"
             )
-        weight = max(
-            (
-                float(abs(p - ref["params"][n]).max())
-                for r in (a, b)
-                for n, p in r["params"].items()
-                if n in ref["params"]
-            ),
-            default=float("inf"),
-        )
+            bad[case] = problems
+            continue
+        stages = [(r["losses"], r["params"]) for r in (a, b)]
+        gap, weight, same, _ = eq.stage_gaps(stages, ref["losses"], ref["params"])
+        if not same:
+            problems.append("stages report different losses")
+        if gap > TOL:
+            problems.append(f"loss gap {gap}")
         if weight > TOL:
             problems.append(f"weight gap {weight}")
         start = _model(case.split("/")[0]).named_parameters()

@@ -17,6 +17,7 @@ world 4 (fsdp: 7-8; ddp: 4-8).
 from __future__ import annotations
 
 import collections
+import functools
 
 import numpy as np
 import pytest
@@ -25,6 +26,9 @@ from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 import composable_atorch as ca
+import equivalence as eq
+from _resharding import Indexed, reference_run
+from _resharding import global_order as global_order_of
 from composable_atorch.errors import ConfigError
 from composable_atorch.models import GPT, Block, GPTConfig
 from composable_atorch.models.gpt import lm_loss
@@ -35,13 +39,7 @@ from composable_atorch.runtime.resumable import resumable
 from _dist import run_world
 
 SEQ, SAMPLES, BATCH, TOTAL = 8, 48, 12, 8  # 4 steps per epoch; the run crosses into epoch 1
-# AdamW's eps above rounding noise: the attention's key bias has a zero gradient in exact arithmetic
-# (softmax ignores a constant added to a row), so its fp32 gradient is reduction-order noise near 1e-9
-# that eps=1e-8 would turn into full +-lr steps in whichever direction the noise points
-OPTIMIZERS = {
-    "sgd": lambda p: torch.optim.SGD(p, lr=0.2),
-    "adamw": lambda p: torch.optim.AdamW(p, lr=1e-2, eps=1e-4),
-}
+OPTIMIZERS = eq.RESUME  # AdamW's eps above rounding noise: see equivalence.py
 PLANS = {
     "fsdp": lambda: ca.compose(ca.fsdp(wrap=(Block,))),
     "tp_fsdp": lambda: ca.compose(
@@ -63,14 +61,9 @@ PHASES = {
 }
 
 
-class Indexed(torch.utils.data.Dataset):
-    """Sample ``i`` is ``(i, tokens of i)``: every batch says which samples it holds."""
-
-    def __len__(self):
-        return SAMPLES
-
-    def __getitem__(self, i):
-        return i, torch.randint(0, 256, (SEQ + 1,), generator=torch.Generator().manual_seed(1000 + i))
+def dataset():
+    """Sample ``i`` is ``(i, SEQ + 1 token ids)``: every batch says which samples it holds."""
+    return Indexed(SAMPLES, SEQ + 1, 256)
 
 
 def gpt():
@@ -79,7 +72,7 @@ def gpt():
 
 
 def loader(batch=BATCH):
-    return DataLoader(Indexed(), batch_size=batch, shuffle=True)
+    return DataLoader(dataset(), batch_size=batch, shuffle=True)
 
 
 def schedule(optim):
@@ -89,40 +82,25 @@ def schedule(optim):
 
 def global_order(epoch: int) -> list[int]:
     """The run's global order: what one process reads, at any data size."""
-    sampler = DistributedSampler(Indexed(), num_replicas=1, rank=0, shuffle=True, seed=0)
-    sampler.set_epoch(epoch)
-    return list(sampler)
+    return global_order_of(dataset(), epoch)
 
 
+def shifted(batch):
+    """A batch of ``(ids, tokens)`` as ``(inputs, next-token targets)``."""
+    return batch[1][:, :-1], batch[1][:, 1:]
+
+
+@functools.cache
 def reference(opt: str):
     """One process, plain torch, on the run's global batches: (losses, ids per step, final weights)."""
     model = gpt()
     optim = OPTIMIZERS[opt](model.parameters())
-    sched = schedule(optim)
-    data = Indexed()
-    losses, ids = [], []
-    for step in range(TOTAL):
-        order = global_order(step * BATCH // SAMPLES)
-        start = step * BATCH % SAMPLES
-        batch = order[start : start + BATCH]
-        tokens = torch.stack([data[i][1] for i in batch])
-        loss = lm_loss(model(tokens[:, :-1]), tokens[:, 1:])
-        loss.backward()
-        optim.step()
-        optim.zero_grad()
-        sched.step()
-        losses.append(loss.item())
-        ids.append(sorted(batch))
-    return losses, ids, {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
+    return reference_run(model, optim, dataset(), BATCH, TOTAL, shifted, lm_loss, schedule(optim))
 
 
 def _full_params(model) -> dict[str, np.ndarray]:
     """This rank's parameters as whole tensors (a pipeline rank holds its stage's only)."""
-    out = {}
-    for name, p in model.named_parameters():
-        full = p.full_tensor() if hasattr(p, "full_tensor") else p
-        out[name] = full.detach().clone().numpy()
-    return out
+    return eq.plain(eq.full_params(model))
 
 
 def run_phase(case: str, opt: str, directory: str, first: int, last: int) -> dict:
@@ -259,9 +237,9 @@ def _rank_loaders(replicas: int, per_rank: int, seed: int = 0) -> list:
     return [
         resumable(
             DataLoader(
-                Indexed(),
+                dataset(),
                 batch_size=per_rank,
-                sampler=DistributedSampler(Indexed(), num_replicas=replicas, rank=r, shuffle=True, seed=seed),
+                sampler=DistributedSampler(dataset(), num_replicas=replicas, rank=r, shuffle=True, seed=seed),
             )
         )
         for r in range(replicas)

@@ -9,25 +9,18 @@ from __future__ import annotations
 import pytest
 import torch
 
+from zoo.configs import llama_config
+
 from _dist import run_world
 
 pytest.importorskip("transformers")
 
 
 def tiny_llama(seed: int = 0):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=64,
-    )
-    return LlamaForCausalLM(cfg)
+    return LlamaForCausalLM(llama_config(num_key_value_heads=4, max_position_embeddings=64))
 
 
 def batches(n: int = 3, batch: int = 4, seq: int = 16):

@@ -9,6 +9,7 @@ the resumed training with one plain-torch process on the run's global batches.
 from __future__ import annotations
 
 import collections
+import functools
 import os
 import signal
 
@@ -17,9 +18,10 @@ import pytest
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from torch.utils.data import DataLoader
-from torch.utils.data.distributed import DistributedSampler
 
 import composable_atorch as ca
+import equivalence as eq
+from _resharding import Indexed, reference_run, train_phase
 from composable_atorch.errors import ConfigError
 from composable_atorch.models import GPT, Block, GPTConfig
 from composable_atorch.models.gpt import lm_loss
@@ -34,14 +36,9 @@ FULL = StateDictOptions(full_state_dict=True, flatten_optimizer_state_dict=True)
 PLAIN = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-class Indexed(torch.utils.data.Dataset):
-    """Sample ``i`` is ``(i, tokens of i)``: every batch says which samples it holds."""
-
-    def __len__(self):
-        return SAMPLES
-
-    def __getitem__(self, i):
-        return i, torch.randint(0, 256, (SEQ + 1,), generator=torch.Generator().manual_seed(1000 + i))
+def dataset():
+    """Sample ``i`` is ``(i, SEQ + 1 token ids)``: every batch says which samples it holds."""
+    return Indexed(SAMPLES, SEQ + 1, 256)
 
 
 def gpt(seed: int = 0):
@@ -50,7 +47,7 @@ def gpt(seed: int = 0):
 
 
 def plain_loader():
-    return DataLoader(Indexed(), batch_size=BATCH, shuffle=True)
+    return DataLoader(dataset(), batch_size=BATCH, shuffle=True)
 
 
 def mixed(data: int):
@@ -229,10 +226,7 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_open_in_one_process
 
 
 # -- tensor 2 x pipeline 2 -> fsdp at world 2 -> back: the uninterrupted run, every sample once ------
-OPTIMIZERS = {
-    "sgd": lambda p: torch.optim.SGD(p, lr=0.2, momentum=0.9),
-    "adamw": lambda p: torch.optim.AdamW(p, lr=1e-2, eps=1e-4),  # eps: see test_elastic_resume.py
-}
+OPTIMIZERS = eq.optimizers(sgd=dict(lr=0.2, momentum=0.9), adamw=dict(lr=1e-2, eps=1e-4))  # eps: see equivalence
 TOTAL = 8  # 4 steps per epoch: the run crosses into epoch 1
 MOVES = {"tensor_pipeline": mixed(1), "fsdp": LAYOUTS["fsdp"][1], "tensor_pipeline_data": mixed(2)}
 
@@ -241,26 +235,13 @@ def schedule(optim):
     return torch.optim.lr_scheduler.StepLR(optim, step_size=3, gamma=0.5)
 
 
+@functools.cache
 def reference(opt: str):
     """One process, plain torch, on the run's global order: (losses, ids per step)."""
     model = gpt()
     optim = OPTIMIZERS[opt](model.parameters())
-    sched = schedule(optim)
-    losses, ids = [], []
-    for step in range(TOTAL):
-        sampler = DistributedSampler(Indexed(), num_replicas=1, rank=0, shuffle=True, seed=0)
-        sampler.set_epoch(step * BATCH // SAMPLES)
-        start = step * BATCH % SAMPLES
-        batch = list(sampler)[start : start + BATCH]
-        tokens = torch.stack([Indexed()[i][1] for i in batch])
-        loss = lm_loss(model(tokens[:, :-1]), tokens[:, 1:])
-        loss.backward()
-        optim.step()
-        optim.zero_grad()
-        sched.step()
-        losses.append(loss.item())
-        ids.append(sorted(batch))
-    return losses, ids
+    inputs = lambda b: (b[1][:, :-1], b[1][:, 1:])  # noqa: E731 - (ids, tokens) -> (inputs, next tokens)
+    return reference_run(model, optim, dataset(), BATCH, TOTAL, inputs, lm_loss, schedule(optim))[:2]
 
 
 def phase(rank, world, directory, layout, first, last):
@@ -269,24 +250,16 @@ def phase(rank, world, directory, layout, first, last):
         model = gpt()
         model, optim, data = MOVES[layout]()(model, OPTIMIZERS[opt](model.parameters()), plain_loader())
         sched = schedule(optim)
-        step = 0
-        if first > 1:
-            resumed = ca.load_state(f"{directory}/{opt}", model, optim, data, scheduler=sched, exact_resume=True)
-            assert resumed.step == first - 1 and resumed.data_position_carried
-            step = resumed.step
-        record, epoch = [], data.epoch
-        while step < last:
-            data.sampler.set_epoch(epoch)
-            for ids, tokens in data:
-                loss = ca.train_step(model, optim, tokens[:, :-1], tokens[:, 1:], lm_loss)
-                sched.step()
-                step += 1
-                record.append((step, loss, ids.tolist()))
-                if step >= last:
-                    break
-            epoch += 1
-        ca.save_state(f"{directory}/{opt}", model, optim, data, step=last, scheduler=sched)
-        out[opt] = record
+
+        def step_fn(batch, model=model, optim=optim, sched=sched):
+            ids, tokens = batch
+            loss = ca.train_step(model, optim, tokens[:, :-1], tokens[:, 1:], lm_loss)
+            sched.step()
+            return loss, ids.tolist()
+
+        where = f"{directory}/{opt}"
+        out[opt] = train_phase(model, optim, data, where, first, last, step_fn, scheduler=sched, exact_resume=True)
+        ca.save_state(where, model, optim, data, step=last, scheduler=sched)
     return out
 
 

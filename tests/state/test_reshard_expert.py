@@ -15,25 +15,23 @@ group: ``a``'s one-process phase), see _resharding.py.
 from __future__ import annotations
 
 import collections
+import functools
 import warnings
 
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 import composable_atorch as ca
-import moe_models as mm
-from _resharding import global_batches, one_process_loader, run_all, train_phase
+import equivalence as eq
+from _resharding import Indexed, one_process_loader, reference_run, run_all, train_phase
 from composable_atorch.errors import ConfigError
 from composable_atorch.state.hf import save_pretrained
+from zoo import moe as mm
 
 SAMPLES, BATCH, TOTAL = 16, 4, 6  # 4 steps per epoch: the run crosses into epoch 1
-OPTIMIZERS = {
-    "sgd": lambda p: torch.optim.SGD(p, lr=0.5),
-    "adamw": lambda p: torch.optim.AdamW(p, lr=1e-2, eps=1e-6),
-}
+OPTIMIZERS = eq.EXPERT
 PLANS = {
     "ep": lambda: ca.compose(ca.parallel_mode([("expert", 2)]), ca.expert_parallel()),
     "ep_data": lambda: ca.compose(ca.parallel_mode([("expert", 2), ("data", 2)]), ca.expert_parallel()),
@@ -53,39 +51,22 @@ CASES = {
 }
 
 
-class Indexed(torch.utils.data.Dataset):
-    """Sample ``i`` is ``(i, token ids)``: every batch says which samples it holds."""
-
-    def __len__(self):
-        return SAMPLES
-
-    def __getitem__(self, i):
-        return i, torch.randint(1, mm.VOCAB, (mm.SEQ,), generator=torch.Generator().manual_seed(1000 + i))
+loss_fn = eq.shifted_ce
 
 
-def loss_fn(out, ids):
-    logits = out.logits if hasattr(out, "logits") else out
-    return F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+def dataset():
+    return Indexed(SAMPLES, mm.SEQ, mm.VOCAB, low=1)
 
 
 def loader():
-    return DataLoader(Indexed(), batch_size=BATCH, shuffle=True)
+    return DataLoader(dataset(), batch_size=BATCH, shuffle=True)
 
 
+@functools.cache
 def reference(name: str, opt: str):
     """One process, plain torch, on the run's global batches: (losses, ids per step, final weights)."""
     m = mm.build(name)
-    optim = OPTIMIZERS[opt](m.parameters())
-    data = Indexed()
-    losses, ids = [], []
-    for batch in global_batches(data, BATCH, TOTAL):
-        loss = loss_fn(m(torch.stack([data[i][1] for i in batch])), torch.stack([data[i][1] for i in batch]))
-        loss.backward()
-        optim.step()
-        optim.zero_grad()
-        losses.append(loss.item())
-        ids.append(sorted(batch))
-    return losses, ids, {n: p.detach().numpy().copy() for n, p in m.named_parameters()}
+    return reference_run(m, OPTIMIZERS[opt](m.parameters()), dataset(), BATCH, TOTAL, lambda b: (b[1], b[1]), loss_fn)
 
 
 def run_phase(case: str, opt: str, directory: str, plan_name: str, first: int, last: int) -> dict:
@@ -94,7 +75,7 @@ def run_phase(case: str, opt: str, directory: str, plan_name: str, first: int, l
     m = mm.build(CASES[case][0], seed=0 if first == 1 else first)
     optim = OPTIMIZERS[opt](m.parameters())
     if PLANS[plan_name] is None:
-        data = one_process_loader(Indexed(), BATCH)
+        data = one_process_loader(dataset(), BATCH)
     else:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -180,7 +161,7 @@ def test_a_parameter_the_new_model_lacks_is_named_before_anything_changes(runs):
     directory, _ = runs
 
     def one_layer_mixtral():
-        config = mm._config("mixtral")
+        config = mm.CONFIGS["mixtral"]()
         config.num_hidden_layers = 1
         return transformers.AutoModelForCausalLM.from_config(config)
 

@@ -19,19 +19,15 @@ import collections
 
 import numpy as np
 import pytest
-import torch
-import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-import _seq
 import composable_atorch as ca
-from _resharding import global_batches, one_process_loader, run_all, train_phase
+import equivalence as eq
+from _resharding import Indexed, one_process_loader, reference_run, run_all, train_phase
+from zoo.sequence import user_lm
 
 SEQ, SAMPLES, BATCH, TOTAL = 16, 16, 4, 6  # 4 steps per epoch: the run crosses into epoch 1
-OPTIMIZERS = {
-    "sgd": lambda p: torch.optim.SGD(p, lr=0.5),
-    "adamw": lambda p: torch.optim.AdamW(p, lr=1e-2, eps=1e-6),
-}
+OPTIMIZERS = eq.EXPERT
 PLANS = {
     "context": lambda: ca.compose(ca.parallel_mode([("context", 2)]), ca.context_parallel()),
     "context_data": lambda: ca.compose(ca.parallel_mode([("context", 2), ("data", 2)]), ca.context_parallel()),
@@ -52,45 +48,25 @@ PHASES = {
 }
 
 
-class Indexed(torch.utils.data.Dataset):
-    """Sample ``i`` is ``(i, inputs, targets)``: every batch says which samples it holds."""
-
-    def __len__(self):
-        return SAMPLES
-
-    def __getitem__(self, i):
-        tokens = torch.randint(0, 256, (SEQ + 1,), generator=torch.Generator().manual_seed(1000 + i))
-        return i, tokens[:-1], tokens[1:]
+def dataset():
+    return Indexed(SAMPLES, SEQ, 256, shifted=True)
 
 
 def model():
-    return _seq.user_lm(d=16, heads=2, layers=2, max_len=SEQ)
+    return user_lm(d=16, heads=2, layers=2, max_len=SEQ)
 
 
-def loss_fn(logits, targets):
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+loss_fn = eq.token_ce
 
 
 def loader():
-    return DataLoader(Indexed(), batch_size=BATCH, shuffle=True)
+    return DataLoader(dataset(), batch_size=BATCH, shuffle=True)
 
 
 def reference(opt: str):
     """One process, plain torch, on the run's global batches: (losses, ids per step, final weights)."""
     m = model()
-    optim = OPTIMIZERS[opt](m.parameters())
-    data = Indexed()
-    losses, ids = [], []
-    for batch in global_batches(data, BATCH, TOTAL):
-        x = torch.stack([data[i][1] for i in batch])
-        y = torch.stack([data[i][2] for i in batch])
-        loss = loss_fn(m(x), y)
-        loss.backward()
-        optim.step()
-        optim.zero_grad()
-        losses.append(loss.item())
-        ids.append(sorted(batch))
-    return losses, ids, {n: p.detach().numpy().copy() for n, p in m.named_parameters()}
+    return reference_run(m, OPTIMIZERS[opt](m.parameters()), dataset(), BATCH, TOTAL, lambda b: (b[1], b[2]), loss_fn)
 
 
 def run_phase(case: str, opt: str, directory: str, plan_name: str, first: int, last: int) -> dict:
@@ -98,7 +74,7 @@ def run_phase(case: str, opt: str, directory: str, plan_name: str, first: int, l
     m = model()
     optim = OPTIMIZERS[opt](m.parameters())
     if PLANS[plan_name] is None:
-        data = one_process_loader(Indexed(), BATCH)
+        data = one_process_loader(dataset(), BATCH)
     else:
         m, optim, data = PLANS[plan_name]()(m, optim, loader())
     where = f"{directory}/{case}-{opt}"
@@ -109,10 +85,7 @@ def run_phase(case: str, opt: str, directory: str, plan_name: str, first: int, l
 
     record = train_phase(m, optim, data, where, first, last, train)
     ca.save_state(where, m, optim, data, step=last)
-    params = {}
-    for name, p in ca.runtime.optim.named_parameters(m).items():
-        params[name] = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone().numpy()
-    return {"record": record, "params": params}
+    return {"record": record, "params": eq.plain(eq.full_params(m))}
 
 
 def group(rank, world, work, directory):

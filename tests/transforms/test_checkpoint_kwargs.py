@@ -7,44 +7,26 @@ import composable_atorch as ca
 from composable_atorch.errors import ConfigError
 from composable_atorch.models import Block
 from composable_atorch.models.gpt import lm_loss
+from zoo.configs import gpt2_config, llama_config
 
 from helpers import gpt
 
 tf = pytest.importorskip("transformers")
 
 
+_ZERO_TOKENS = {"bos_token_id": 0, "eos_token_id": 0}
+
+
 def hf_gpt2(use_cache=False):
     torch.manual_seed(0)
-    cfg = tf.GPT2Config(
-        vocab_size=128,
-        n_embd=32,
-        n_layer=2,
-        n_head=4,
-        n_positions=64,
-        use_cache=use_cache,
-        bos_token_id=0,
-        eos_token_id=0,
-        attn_pdrop=0.0,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-    )
+    drops = {"attn_pdrop": 0.0, "resid_pdrop": 0.0, "embd_pdrop": 0.0}
+    cfg = gpt2_config(use_cache=use_cache, **_ZERO_TOKENS, **drops)
     return tf.GPT2LMHeadModel(cfg), tf.models.gpt2.modeling_gpt2.GPT2Block
 
 
 def hf_llama(use_cache=False):
     torch.manual_seed(0)
-    cfg = tf.LlamaConfig(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        use_cache=use_cache,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
+    cfg = llama_config(max_position_embeddings=64, use_cache=use_cache, **_ZERO_TOKENS)
     return tf.LlamaForCausalLM(cfg), tf.models.llama.modeling_llama.LlamaDecoderLayer
 
 

@@ -19,6 +19,7 @@ from composable_atorch.errors import ConfigError
 from composable_atorch.models import GPT, Block, GPTConfig
 from composable_atorch.models.gpt import lm_loss
 from composable_atorch.transforms.compile import Compile, repeated_blocks
+from zoo.configs import gpt2_config
 
 
 def tiny_gpt():
@@ -92,9 +93,7 @@ def test_repeated_blocks_are_detected():
     assert repeated_blocks(torch.nn.Sequential(torch.nn.Linear(2, 2))) == ()
     transformers = pytest.importorskip("transformers")
     gpt2 = transformers.GPT2LMHeadModel(
-        transformers.GPT2Config(
-            vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0
-        )
+        gpt2_config(16, vocab=64, n_positions=16, n_head=2, bos_token_id=0, eos_token_id=0)
     )
     assert [c.__name__ for c in repeated_blocks(gpt2)] == ["GPT2Block"]
 

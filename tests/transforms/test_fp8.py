@@ -24,6 +24,7 @@ from composable_atorch.errors import ConfigError, RequirementError
 from composable_atorch.models import GPT, GPTConfig
 from composable_atorch.models.gpt import lm_loss
 from composable_atorch.transforms.fp8 import Fp8, select_linears
+from zoo.configs import llama_config
 
 TORCHAO = Environment(packages={"torchao"})
 H100 = Environment(device="cuda", compute_capability=(9, 0), packages={"transformer_engine", "torchao"})
@@ -138,18 +139,8 @@ def test_llama_fp8_without_lm_head_trains_20_steps_within_tolerance_of_bf16():
 
     def run(*transforms):
         torch.manual_seed(0)
-        config = transformers.LlamaConfig(
-            vocab_size=256,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=32,
-            bos_token_id=0,
-            eos_token_id=0,
-            pad_token_id=0,
-        )
+        tokens = {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}
+        config = llama_config(64, vocab=256, max_position_embeddings=32, **tokens)
         model = transformers.LlamaForCausalLM(config)
         optim = torch.optim.AdamW(model.parameters(), lr=3e-3)
         plan = ca.compose(*transforms, env=TORCHAO)

@@ -17,6 +17,7 @@ from composable_atorch.errors import ConfigError
 from composable_atorch.models import GPT, GPTConfig
 from composable_atorch.models.gpt import CausalSelfAttention, FlashCausalSelfAttention, SDPACausalSelfAttention, lm_loss
 from composable_atorch.transforms import modules
+from zoo.configs import cfg, gpt2_config, llama_config, shape
 
 TOL = 1e-5
 
@@ -73,62 +74,18 @@ except ImportError:  # the [hf] extra is not installed: the built-in GPT tests s
     transformers = None
 needs_hf = pytest.mark.skipif(transformers is None, reason="transformers is not installed")
 
+_ZERO_TOKENS = {"bos_token_id": 0, "eos_token_id": 0}
+#: eager attention, no dropout, 32 positions; special tokens at 0 where the family reads none
+_EAGER = {"attn_implementation": "eager", "max_position_embeddings": 32}
+_NO_DROP = {"hidden_dropout_prob": 0, "attention_probs_dropout_prob": 0}
 HF_MODELS = {
     "gpt2": lambda: transformers.GPT2LMHeadModel(
-        transformers.GPT2Config(
-            vocab_size=128,
-            n_positions=32,
-            n_embd=32,
-            n_layer=2,
-            n_head=2,
-            resid_pdrop=0,
-            embd_pdrop=0,
-            attn_pdrop=0,
-            bos_token_id=0,
-            eos_token_id=0,
-            attn_implementation="eager",
-        )
+        gpt2_config(n_positions=32, n_head=2, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0, **_ZERO_TOKENS, **_EAGER)
     ),
-    "llama": lambda: transformers.LlamaForCausalLM(
-        transformers.LlamaConfig(
-            vocab_size=128,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=32,
-            bos_token_id=0,
-            eos_token_id=0,
-            pad_token_id=0,
-            attn_implementation="eager",
-        )
-    ),
-    "bert": lambda: transformers.BertModel(
-        transformers.BertConfig(
-            vocab_size=128,
-            hidden_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            intermediate_size=64,
-            max_position_embeddings=32,
-            hidden_dropout_prob=0,
-            attention_probs_dropout_prob=0,
-            attn_implementation="eager",
-        )
-    ),
+    "llama": lambda: transformers.LlamaForCausalLM(llama_config(**_ZERO_TOKENS, pad_token_id=0, **_EAGER)),
+    "bert": lambda: transformers.BertModel(cfg("BertConfig", **shape(32, num_attention_heads=2), **_NO_DROP, **_EAGER)),
     "clip_text": lambda: transformers.CLIPTextModel(
-        transformers.CLIPTextConfig(
-            vocab_size=128,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            max_position_embeddings=32,
-            bos_token_id=1,
-            eos_token_id=2,
-            attn_implementation="eager",
-        )
+        cfg("CLIPTextConfig", **shape(32, num_attention_heads=2), **_EAGER)
     ),
 }
 
@@ -163,11 +120,7 @@ def test_transformers_attention_switches_to_sdpa_within_tolerance(kind):
 @needs_hf
 def test_transformers_default_sdpa_is_left_alone_and_said():
     torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(
-        transformers.GPT2Config(
-            vocab_size=128, n_positions=32, n_embd=32, n_layer=1, n_head=2, bos_token_id=0, eos_token_id=0
-        )
-    )
+    model = transformers.GPT2LMHeadModel(gpt2_config(layers=1, n_positions=32, n_head=2, **_ZERO_TOKENS))
     plan = ca.compose(ca.module_replace())
     applied = plan(model)
     assert "already uses sdpa attention (transformers' default), left alone" in plan.explain(applied=applied)

@@ -3,7 +3,7 @@ download) and plain user-written ``nn.Module``s, each with its batch and its los
 
     import zoo                           # the cross-transform zoo (this module)
     from zoo import pipeline, tp         # the pipeline / tensor-parallel tests' extra models
-    import moe_models                    # the mixture-of-experts families (tests/moe_models.py)
+    from zoo import moe                  # the mixture-of-experts families
 
 Modules: :mod:`zoo.configs` (every family's config, once, sized by the caller), :mod:`zoo.user`
 (the hand-written models), :mod:`zoo.pipeline`, :mod:`zoo.tp`.

@@ -29,6 +29,18 @@ def attention(width: int, **fields) -> dict:
     return {"vocab_size": VOCAB, "hidden_size": width, "num_hidden_layers": 2, "num_attention_heads": 4, **fields}
 
 
+def llama_config(width: int = 32, layers: int = 2, vocab: int = VOCAB, **fields):
+    """A tiny ``LlamaConfig``: :func:`shape` with 2 key/value heads, ``fields`` over it."""
+    sizes = shape(width, vocab_size=vocab, num_hidden_layers=layers, num_key_value_heads=2)
+    return cfg("LlamaConfig", **sizes | fields)
+
+
+def gpt2_config(width: int = 32, layers: int = 2, vocab: int = VOCAB, **fields):
+    """A tiny ``GPT2Config`` (4 heads, 64 positions), ``fields`` over it."""
+    sizes = {"vocab_size": vocab, "n_embd": width, "n_layer": layers, "n_head": 4, "n_positions": 64}
+    return cfg("GPT2Config", **sizes | fields)
+
+
 def vit(width: int, image: int, patch: int, labels: int, **fields):
     return cfg("ViTConfig", **_vision(width, image, patch), num_labels=labels, **fields)
 

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from composable_atorch.auto.onpaper import PaperResult, plan_on_paper, printer
 from composable_atorch.auto.policy import (
     Budget,
     SpaceOptions,
@@ -65,8 +66,9 @@ def search(
     runner: Callable[..., TrialResult] | None = None,
     progress: bool = True,
     estimator: Estimator | None = None,
+    on_paper: bool = False,
     **legacy: Any,
-) -> SearchResult:
+) -> SearchResult | PaperResult:
     """Search the plans of the registered transforms for the fastest one that fits the memory budget.
 
     ``workload`` (:class:`~composable_atorch.auto.workload.Workload`) is what every trial trains: its
@@ -79,10 +81,22 @@ def search(
     when ``study.predict``; see :mod:`.predict`); a :class:`~.predict.Predictor` is used as it is
     (its cache shared between searches).
 
+    ``on_paper=True`` plans for a cluster this machine is not: ``env`` is that cluster
+    (``Environment(world_size=64, nodes=8, device="cuda", hardware="h100-sxm")``), every plan is priced
+    by the estimate there and none runs; it returns a :class:`~.onpaper.PaperResult` (the plans that fit,
+    ranked by predicted tokens/s per device; see :mod:`.onpaper`). ``trial`` and ``study`` do not apply.
+
     The 0.x call ``search(model_fn, optim_fn, dataset, loss_fn, world_size=..., batch_size=...,
     n_trials=..., ...)`` still works: its keywords are sorted into the same policies
     (:data:`LEGACY_KEYWORDS`).
     """
+    if on_paper:
+        if not isinstance(workload, Workload) or args or legacy or trial is not None or study is not None:
+            raise TypeError(
+                "search(workload, on_paper=True, env=Environment(...), budget=, space=): a Workload, no trial=/study="
+            )
+        show = printer() if progress else None
+        return plan_on_paper(workload, env, budget=budget, space=space, progress=show, estimator=estimator)
     if not isinstance(workload, Workload):
         if len(args) != 3 or any(p is not None for p in (trial, budget, space, study)):
             raise TypeError(

@@ -157,11 +157,11 @@ def loss_of_output(output, _targets):
     return output
 
 
-def stage_needs_criterion(model) -> str | None:
-    """Why ``model`` (as a plan returned it) cannot train through ``loss_fn(model, batch)``: a pipeline stage."""
-    from composable_atorch.runtime.train_step import PIPELINE_ATTR
+def stage_needs_criterion(optim) -> str | None:
+    """Why the plan's model cannot train through ``loss_fn(model, batch)``: its optimizer carries a pipeline runner."""
+    from composable_atorch.runtime.train_step import runner_of
 
-    if getattr(model, PIPELINE_ATTR, None) is None:
+    if runner_of(optim) is None:
         return None
     return (
         "this plan is a pipeline: its loss runs inside the schedule on the last stage's output, so it needs "
@@ -226,7 +226,7 @@ def peak_bytes_of_step(step: Callable[..., Any], model, optim, device: str) -> t
         torch.cuda.synchronize()
         return int(torch.cuda.max_memory_allocated()), "torch.cuda.max_memory_allocated over one step"
     from composable_atorch.estimate.simulate import frozen_safe_tracker, per_call_stats
-    from composable_atorch.runtime.train_step import PIPELINE_ATTR
+    from composable_atorch.runtime.train_step import runner_of
 
     tracker = frozen_safe_tracker()  # the estimate's tracker: LoRA's frozen base weights would make MemTracker raise
     inner = getattr(optim, "optimizer", optim)
@@ -234,7 +234,7 @@ def peak_bytes_of_step(step: Callable[..., Any], model, optim, device: str) -> t
     # a pipeline schedule calls its stage once per micro-batch inside one step: per-module stats are
     # reset before each call (per_call_stats); the global peak survives resets, as between
     # accumulation micro-batches
-    with per_call_stats(tracker, model if hasattr(model, PIPELINE_ATTR) else None), tracker:
+    with per_call_stats(tracker, model if runner_of(optim) is not None else None), tracker:
         step(before_micro=tracker.reset_mod_stats)
     peak = tracker.get_tracker_snapshot("peak")
     total = sum(int(snap.get("Total", 0)) for snap in peak.values())
@@ -362,7 +362,7 @@ def _run(rank: int, spec: RankSpec, device: str, progress) -> dict:
     model, optim, loader = plan(model, optim, loader)
     data = batches(loader)
     loss_fn, criterion = spec.workload.loss_fn, spec.workload.criterion
-    if criterion is None and (why := stage_needs_criterion(model)):
+    if criterion is None and (why := stage_needs_criterion(optim)):
         from composable_atorch.errors import ConfigError
 
         raise ConfigError("Workload.criterion", None, why)

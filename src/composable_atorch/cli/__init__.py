@@ -1,4 +1,4 @@
-"""``python -m composable_atorch <command>``: demo | search | explain | launch.
+"""``python -m composable_atorch <command>``: demo | search | estimate | plan | explain | launch.
 
 Each command lives in its own module with a ``main(argv) -> int``; this file only dispatches, so
 the CLI grows without a central if-chain.
@@ -13,6 +13,7 @@ COMMANDS = {
     "demo": ("composable_atorch.cli.demo", "train the built-in GPT on the built-in corpus with a plan"),
     "search": ("composable_atorch.cli.search", "auto-search the fastest plan that fits memory"),
     "estimate": ("composable_atorch.cli.estimate", "predict per-rank memory of a plan (nothing real allocated)"),
+    "plan": ("composable_atorch.cli.plan", "plan for a cluster you don't have: rank plans by predicted tokens/s"),
     "explain": ("composable_atorch.cli.explain", "print explain() of a saved plan JSON"),
     "launch": ("composable_atorch.cli.launch", "run a script on N processes or MIN:MAX elastic nodes (torchrun)"),
 }

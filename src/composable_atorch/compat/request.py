@@ -58,6 +58,8 @@ KARGS: dict[str, Any] = {
     "study_name": None,
     "seed": 0,
     "trial_timeout": 120.0,
+    # seconds the search may spend predicting plans before its first trial (None: StudyOptions' own)
+    "predict_ahead_s": None,
 }
 #: keywords ATorch reads that change nothing here, and why (explain() shows the note when one is given)
 NO_EFFECT = {
@@ -331,11 +333,12 @@ class Request:
             why = "given, with loss_func and a dataset (or sample_batch=): the search trains"
             raise ConfigError("optim_func", self.optim_func, why)
         n_trials = o["n_trials"] if o["n_trials"] is not None or o["time_limit"] is not None else 12
+        ahead = {} if o["predict_ahead_s"] is None else {"predict_ahead_s": o["predict_ahead_s"]}
         policies = (
             TrialSettings(world_size=world_size, timeout=o["trial_timeout"], measure_steps=5),
             Budget(n_trials=n_trials, time_limit=o["time_limit"], memory_limit=o["memory_limit"]),
             SpaceOptions(excluded=self.excluded, included=self.included, start_from=loaded, customize=self.settings),
-            StudyOptions(storage=o["storage"], study_name=o["study_name"], seed=o["seed"]),
+            StudyOptions(storage=o["storage"], study_name=o["study_name"], seed=o["seed"], **ahead),
         )
         return (self.workload(), *policies)
 

@@ -1,7 +1,9 @@
 """compose(): check transforms against their contracts and the environment, order them, return a Plan.
 
-compose() runs named passes (:mod:`.passes`), each a small pure function with its reason:
-requirements, then default owners and implications to a fixpoint, then conflicts, then the order.
+compose() runs named passes (:mod:`.passes`), each a small pure function with its reason: the
+expansion of a transform that stands for several (mixed_parallel), requirements, then default
+owners and implications to a fixpoint, then conflicts, the note on unused mesh dimensions, then the
+order. An axis owner's shared rules come from its contract's ``axis`` (:mod:`.contract`).
 Everything they decide comes from the contracts (see :mod:`.contract`): the stage order, pairwise
 orders, conflicts, exclusive roles, requirements and implications. The order is a stable
 topological sort with ties broken by (stage, name, config), so it does not depend on the order the

@@ -20,7 +20,8 @@ from composable_atorch.errors import ConfigError
 if TYPE_CHECKING:
     import torch
 
-    from composable_atorch.runtime.optim import OptimizerHook
+    from composable_atorch.runtime.mesh import ParallelContext
+    from composable_atorch.runtime.optim import OptimizerHook, StepRunner
 
 
 @dataclass
@@ -28,7 +29,9 @@ class TrainState:
     """What flows through a plan: the triple, plus what travels with it.
 
     ``optim`` is the user's (inner) optimizer — the plan wraps it with the collected ``hooks`` at
-    the end. ``parallel`` holds process groups / device meshes made by parallel transforms.
+    the end. ``parallel`` holds process groups / device meshes made by parallel transforms (a
+    :class:`~composable_atorch.runtime.mesh.ParallelContext`); ``runner`` the pipeline runner a
+    pipeline step returned (``train_step`` drives it: it travels on the plan's optimizer).
     ``param_names`` maps ``id(param)`` of every parameter the user's optimizer held to its
     canonical name, so any step that replaces parameters can have the optimizer rebuilt by name.
     """
@@ -36,7 +39,8 @@ class TrainState:
     model: torch.nn.Module
     optim: Any = None
     loader: Any = None
-    parallel: Any = None
+    parallel: ParallelContext | None = None
+    runner: StepRunner | None = None
     hooks: list[OptimizerHook] = field(default_factory=list)
     param_names: dict[int, str] = field(default_factory=dict)
     #: Free-form records transforms leave for explain() after application (what was swapped...).
@@ -133,6 +137,11 @@ class SearchContext:
     degrees depend on them: it answers with :class:`LayoutOption` (and :class:`NotOffered`) among its
     candidates; None offers no such degree. ``included`` are the kinds the user pinned: an axis
     included there offers every degree it can train, not only those it judges worth measuring.
+
+    ``on_paper``: the search prices plans with the estimate for ``env`` (a cluster it does not run on)
+    instead of measuring trials here, so a plan costs seconds, not a run: an axis may offer what a
+    trial on this machine could not afford or express (tensor x data layouts for a sharded engine,
+    every pipeline schedule, micro-batches down to one sample).
     """
 
     env: Environment
@@ -141,6 +150,7 @@ class SearchContext:
     allow_compile: bool = False
     model: ModelFacts | None = None
     included: frozenset[str] = frozenset()
+    on_paper: bool = False
 
     @property
     def degrees(self) -> tuple[int, ...]:

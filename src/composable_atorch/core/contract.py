@@ -5,6 +5,12 @@ from the environment (:class:`Requirement`), what it cannot be combined with
 (:class:`Conflict`), extra pairwise ordering (:class:`Order`), roles only one transform may own
 (``owns``), and transforms it implies (:class:`Implication`). compose() reads only these; no
 ordering or compatibility rule lives in an if-chain elsewhere.
+
+A contract that names the mesh axis it owns (``axis=TENSOR``, see :mod:`composable_atorch.runtime.axes`)
+gets the rules every axis owner shares from the axis rules below (:func:`axis_rules`): the world-size
+requirement, the implied ``parallel_mode`` with the axis's dimension, and the conflict with a
+``parallel_mode`` that lacks it; compose()'s :func:`~.passes.unused_axes` adds the reverse (a dimension
+> 1 that no step uses).
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from composable_atorch.environment import Environment
+from composable_atorch.runtime.axes import DATA, Axis
 
 
 class Stage(enum.IntEnum):
@@ -284,6 +291,75 @@ class Cost:
     compiles: bool = False
 
 
+# ---------------------------------------------------------------------------------------------
+# Axis rules: what every owner of a mesh axis would otherwise write by hand
+# ---------------------------------------------------------------------------------------------
+
+
+def mesh_dim_implication(axis: Axis, reason: str) -> Implication:
+    """parallel_mode with an ``(axis, 2)`` dimension, added when the plan has none: the data size then
+    absorbs the rest of the world. A step that lays out the mesh itself (role ``process_groups``)
+    makes it moot."""
+    return Implication(
+        "parallel_mode",
+        reason,
+        config={"groups": ((axis.name, 2), (DATA.name, 1))},
+        satisfied_by=("process_groups",),
+    )
+
+
+def axis_world_size(axis: Axis) -> Requirement:
+    """An axis's owner needs ``min_degree`` processes. Below that it is skipped with the reason, not
+    refused: ATorch drops distributed methods in one process (remove_distributed_method), so one
+    plan serves a laptop run and a launched one."""
+    return MinWorldSize(minimum=axis.min_degree, on_unmet="skip")
+
+
+def axis_mesh_dim(axis: Axis) -> Implication:
+    """An axis's owner works over that dimension of parallel_mode's device mesh, so the plan needs a
+    parallel_mode with it (implied as ``(axis, 2) x data rest`` when there is none)."""
+    return mesh_dim_implication(
+        axis, f"it needs the {axis.name!r} dimension of parallel_mode's device mesh to {axis.verb}"
+    )
+
+
+def _lacks(axis: Axis) -> Callable[[Any, Any], bool]:
+    def lacks(_mine, pm) -> bool:
+        return not any(n == axis.name for n, _ in pm.groups)
+
+    lacks.__doc__ = f"parallel_mode has no {axis.name!r} dimension"
+    return lacks
+
+
+def axis_dimension(axis: Axis) -> Conflict:
+    """A parallel_mode without the axis's dimension leaves its owner nothing to work over."""
+    return Conflict(
+        "parallel_mode",
+        f"parallel_mode has no {axis.name!r} dimension to {axis.verb}",
+        f"add ({axis.name!r}, n) to parallel_mode's groups, e.g. parallel_mode([({axis.name!r}, 2), ('data', 1)])",
+        when=_lacks(axis),
+    )
+
+
+def axis_rules(axis: Axis) -> tuple[tuple[Requirement, ...], tuple[Implication, ...], tuple[Conflict, ...]]:
+    """``(requires, implies, conflicts)`` every owner of ``axis`` gets (see :class:`Contract`)."""
+    return (axis_world_size(axis),), (axis_mesh_dim(axis),), (axis_dimension(axis),)
+
+
+def _adding(declared: tuple, derived: tuple) -> tuple:
+    """``declared`` and the derived rules it does not hold yet (a contract replaced keeps one copy)."""
+    keep = [r for r in derived if not any(_same_rule(r, d) for d in declared)]
+    return (*keep, *declared)
+
+
+def _same_rule(a, b) -> bool:
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, Conflict):  # the derived ``when`` is a fresh closure: compare what it says
+        return (a.other, a.reason, a.fix) == (b.other, b.reason, b.fix)
+    return a == b
+
+
 @dataclass(frozen=True)
 class Contract:
     stage: Stage
@@ -304,3 +380,21 @@ class Contract:
     defaults: tuple[DefaultOwner, ...] = ()
     #: How the step changes per-rank memory, for the estimate (see :class:`Cost`).
     cost: Cost = Cost()
+    #: The mesh axis this transform owns: its requirement, implication and missing-dimension conflict
+    #: are derived (:func:`axis_rules`), and a dimension of it > 1 counts as used.
+    axis: Axis | None = None
+    #: Other mesh axes the transform works over without owning them (a dimension > 1 of them counts as used).
+    uses: tuple[Axis, ...] = ()
+
+    def __post_init__(self):
+        if self.axis is None:
+            return
+        requires, implies, conflicts = axis_rules(self.axis)
+        object.__setattr__(self, "requires", _adding(self.requires, requires))
+        object.__setattr__(self, "implies", _adding(self.implies, implies))
+        object.__setattr__(self, "conflicts", _adding(self.conflicts, conflicts))
+
+    @property
+    def axes(self) -> tuple[Axis, ...]:
+        """Every mesh axis the transform works over: its own, then the ones it uses."""
+        return (*((self.axis,) if self.axis is not None else ()), *self.uses)

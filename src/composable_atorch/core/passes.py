@@ -2,12 +2,14 @@
 
 As Composer's ``passes.py`` orders algorithms by running a list of passes, :func:`run` is compose():
 
+0. :func:`expand` — a transform that stands for several (mixed_parallel) replaced by its parts;
 1. :func:`requirements` — each requested transform resolved against the environment, its
    requirements checked (skipped with a note, or refused);
 2. :func:`default_owners` and 3. :func:`implications`, grown to a fixpoint by :func:`grow` — the
    steps the plan needs that nobody asked for;
 4. :func:`conflicts` — the refusals the contracts declare, and roles owned twice;
-5. :func:`order` — the stable topological sort into steps, each with the reasons for its place.
+5. :func:`unused_axes` — a note for a mesh dimension > 1 that no step works over;
+6. :func:`order` — the stable topological sort into steps, each with the reasons for its place.
 
 Everything decided here comes from the contracts (:mod:`.contract`): the stage order, pairwise
 orders, conflicts, exclusive roles, requirements and implications. Ties in the order are broken by
@@ -30,6 +32,7 @@ from composable_atorch.core.contract import STAGE_REASONS, Contract
 from composable_atorch.core.registry import lookup, registry
 from composable_atorch.environment import Environment
 from composable_atorch.errors import ConfigError, ConflictError, RequirementError
+from composable_atorch.runtime.axes import BY_NAME
 
 #: one step of the plan as the order pass gives it: (transform, reasons for its place, implied by)
 StepData = tuple[Any, tuple[str, ...], str | None]
@@ -131,6 +134,49 @@ def admit(t, env: Environment, strict: bool) -> tuple[Any, tuple[str, ...]]:
 # -- the passes -------------------------------------------------------------------------------
 
 
+def _refused(a, b) -> None:
+    """ConflictError when ``a`` declares a conflict with ``b`` (or with one of its tags), or both own a role."""
+    for c in a.contract.conflicts:
+        if c.other in _tags(b) and (c.when is None or c.when(a, b)):
+            raise ConflictError(a.describe(), b.describe(), c.reason, c.fix)
+    shared = set(a.contract.owns) & set(b.contract.owns)
+    if shared:
+        role = sorted(shared)[0]
+        raise ConflictError(
+            a.describe(),
+            b.describe(),
+            f"both own {role!r} and only one transform may",
+            f"keep either {a.name} or {b.name}",
+        )
+
+
+def expand(draft: Draft, requested: tuple) -> tuple[Draft, tuple]:
+    """``(draft with notes, the request with every expanding transform replaced by its parts)``.
+
+    A transform that is several (mixed_parallel: parallel_mode | tensor_parallel | pipeline_parallel
+    ...) says so in ``expand()``; its own conflicts and owned roles are checked against the rest of the
+    request first (what it stood for is refused as it was), then each part is checked and ordered
+    by its own contract like any requested step. Parts it did not take from the request are shown as
+    implied by it.
+    """
+    out, notes, implied = [], list(draft.notes), list(draft.implied_by)
+    for t in requested:
+        if not getattr(t, "expands", False):
+            out.append(t)
+            continue
+        others = tuple(o for o in requested if o is not t)
+        for o in others:
+            _refused(t, o)
+            _refused(o, t)
+        parts = t.expand(draft.env, others)
+        out.extend(parts)
+        implied.extend((p.name, t.name) for p in parts if all(p is not o for o in others))
+        notes.append(f"{t.describe()} = {' | '.join(p.describe() for p in parts)}")
+    if len(out) == len(requested) and all(a is b for a, b in zip(out, requested, strict=True)):
+        return draft, requested
+    return dataclasses.replace(draft, notes=tuple(notes), implied_by=tuple(implied)), unique(out)
+
+
 def requirements(draft: Draft, requested: Iterable) -> Draft:
     """Admit every requested transform (:func:`admit`): what the environment cannot run never
     reaches the order, and the reason is in the notes."""
@@ -229,16 +275,64 @@ def conflicts(draft: Draft) -> Draft:
             if c.other in _tags(b) and (c.when is None or c.when(a, b)):
                 raise ConflictError(a.describe(), b.describe(), c.reason, c.fix)
     for a, b in itertools.combinations(draft.active, 2):
-        shared = set(a.contract.owns) & set(b.contract.owns)
-        if shared:
-            role = sorted(shared)[0]
-            raise ConflictError(
-                a.describe(),
-                b.describe(),
-                f"both own {role!r} and only one transform may",
-                f"keep either {a.name} or {b.name}",
-            )
+        _refused(a, b)
     return draft
+
+
+def _mesh_groups(active) -> tuple[tuple[str, int], ...]:
+    """The (name, size) dimensions of the active parallel_mode (after its refit to the world), or ()."""
+    pm = next((t for t in active if t.name == "parallel_mode"), None)
+    groups = getattr(pm, "groups", ())
+    return tuple(groups) if isinstance(groups, tuple) else ()
+
+
+def axis_users(active) -> dict[str, list[str]]:
+    """Mesh dimension -> the active steps whose contracts own or use it (``Contract.axis`` / ``uses``)."""
+    users: dict[str, list[str]] = {}
+    for t in active:
+        for axis in t.contract.axes:
+            users.setdefault(axis.name, []).append(t.name)
+    return users
+
+
+def _unbatched(active) -> list[tuple[str, int]]:
+    """parallel_mode's dimensions > 1 over which ranks read the same samples (declared axes, not batch ones)."""
+    return [(n, s) for n, s in _mesh_groups(active) if s > 1 and n in BY_NAME and not BY_NAME[n].batch]
+
+
+def unused_axes(draft: Draft) -> Draft:
+    """The draft with a note for each dimension > 1 of parallel_mode that no step works over.
+
+    Its ranks read the same samples: replicas, unless the user's own model works over the group
+    (ATorch's ``parallel_group("model")`` serves hand-written Megatron layers from a plan of
+    ``parallel_mode`` alone). So it is said in explain(), not refused: refusing would break plans
+    that train today. Batch dimensions (data, zero, expert) always have a user: the loader splits
+    the batch over them and the gradient-sync owner averages over them.
+    """
+    users = axis_users(draft.active)
+    notes = []
+    for name, size in _unbatched(draft.active):
+        if users.get(name):
+            continue
+        owners = sorted(n for n, cls in registry().items() if BY_NAME[name] in cls.contract.axes)
+        notes.append(
+            f"parallel_mode's {name!r} dimension of {size} has no step that works over it "
+            f"({', '.join(f'{o}()' for o in owners)}): its ranks read the same samples, which is right only when "
+            f"your own model uses its group (ATorch's parallel_group({name!r})); otherwise add one or drop it"
+        )
+    return dataclasses.replace(draft, notes=(*draft.notes, *notes)) if notes else draft
+
+
+def axes_note(active) -> str | None:
+    """explain()'s line for the model-parallel dimensions > 1 and the steps that use each (None without)."""
+    users = axis_users(active)
+    dims = _unbatched(active)
+    if not dims:
+        return None
+    said = [
+        f"{n} {s} by {', '.join(users[n])}" if users.get(n) else f"{n} {s} by no step (see the notes)" for n, s in dims
+    ]
+    return "model-parallel dimensions: " + "; ".join(said)
 
 
 def _sorted(transforms: list) -> tuple[list, dict[str, list[str]]]:
@@ -294,5 +388,6 @@ def order(draft: Draft) -> tuple[StepData, ...]:
 def run(items, *, strict: bool, env: Environment) -> tuple[tuple, tuple[StepData, ...], tuple[str, ...]]:
     """compose()'s pipeline: ``(requested, steps, notes)`` for ``items`` in ``env``."""
     requested = unique(flatten(items))
-    draft = grow(requirements(Draft(env, strict), requested))
-    return requested, order(conflicts(draft)), draft.notes
+    draft, parts = expand(Draft(env, strict), requested)
+    draft = unused_axes(conflicts(grow(requirements(draft, parts))))
+    return requested, order(draft), draft.notes

@@ -162,6 +162,9 @@ class Plan:
             lines.append("  (no steps: the plan returns the triple unchanged)")
         checked = ", ".join(self.names) or "nothing"
         lines.append(f"Checked: requirements, conflicts and ordering of {checked}.")
+        used = passes.axes_note(self.transforms)
+        if used:
+            lines.append(f"Checked: {used}.")
         if self.notes:
             lines.append("Notes:")
             lines.extend(f"  - {n}" for n in self.notes)
@@ -225,7 +228,11 @@ class Plan:
     def __call__(self, model, optim=None, loader=None) -> Applied:
         """Apply, and return ``(model, optim, loader)`` to train (an :class:`Applied`, which also holds the state)."""
         state = self.apply(model, optim, loader)
-        wrapped = None if state.optim is None else PlanOptimizer(state.optim, state.hooks)
+        wrapped = (
+            None
+            if state.optim is None
+            else PlanOptimizer(state.optim, state.hooks, parallel=state.parallel, runner=state.runner)
+        )
         # the returned loader tracks its data position, so save_state/load_state can resume it
         loader = resumable(state.loader) if can_resume(state.loader) else state.loader
         return Applied(state.model, wrapped, loader, state=state)

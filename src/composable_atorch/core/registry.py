@@ -92,3 +92,17 @@ def build(name: str, config: dict[str, Any] | None = None) -> Any:
     if unknown:
         raise ConfigError(f"{cls.name} config field {unknown[0]!r}", config[unknown[0]], f"one of {sorted(fields)}")
     return cls(**config)
+
+
+def axis_owners(*, split: bool | None = None, batch: bool | None = None) -> dict[str, str]:
+    """Registered transform name -> the mesh dimension its contract owns (``Contract.axis``), read from
+    the declared axes; ``split`` / ``batch`` keep only the owners of sequence-split / batch axes (or
+    only the others, with False). The search and the plan's readers take this map instead of keeping
+    their own list of which step owns which dimension."""
+    out = {}
+    for name, cls in sorted(_REGISTRY.items()):
+        axis = cls.contract.axis
+        if axis is None or (split is not None and axis.split != split) or (batch is not None and axis.batch != batch):
+            continue
+        out[name] = axis.name
+    return out

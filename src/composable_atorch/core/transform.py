@@ -55,6 +55,8 @@ class Transform:
     contract: ClassVar[Contract]
     #: Other names users may know this transform by (ATorch's ``amp_native``...).
     aliases: ClassVar[tuple[str, ...]] = ()
+    #: True for a transform that stands for several (see :meth:`expand`).
+    expands: ClassVar[bool] = False
 
     def __init_subclass__(cls, replace: bool = False, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -76,6 +78,17 @@ class Transform:
         The default keeps the transform as it is. fp8's ``backend="auto"`` picks a backend here.
         """
         return self, None
+
+    def expand(self, env: Environment, others: tuple[Transform, ...]) -> tuple[Transform, ...] | None:
+        """The transforms this one stands for (a class that sets ``expands = True``), or None (the default)
+        when it is a step of its own.
+
+        compose() replaces a transform that expands by its parts before anything else is checked,
+        after checking its own declared conflicts and owned roles against ``others`` (the rest of
+        the request), so each part is then checked and ordered by its own contract; explain() says
+        what it expanded into. The plan's JSON keeps the transform as asked for.
+        """
+        return None
 
     def adjust_seed_list(self, transforms: tuple[Transform, ...]) -> tuple[Transform, ...]:
         """ATorch's list form only: the strategy's transforms, adjusted for a key of this entry that

@@ -161,6 +161,15 @@ def cache_path(threads: int = 1) -> Path:
     return root / f"calibration-{key}.json"
 
 
+def gpu_cache_path(device_name: str) -> Path:
+    """One file per host, card and torch version, beside the CPU calibrations."""
+    import torch
+
+    facts = {"host": socket.gethostname(), "gpu": device_name, "torch": torch.__version__}
+    key = hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:12]
+    return cache_path().parent / f"calibration-gpu-{key}.json"
+
+
 def load(path: str | os.PathLike) -> Calibration:
     try:
         with open(path) as f:
@@ -201,7 +210,7 @@ def calibration(
 
             if not torch.cuda.is_available():
                 gpu.measure()  # raises the EstimateError naming the fix
-            path = gpu.gpu_cache_path(torch.cuda.get_device_name())
+            path = gpu_cache_path(torch.cuda.get_device_name())
         measure_now = lambda: Calibration.from_dict(gpu.measure(), "GPU measurement")  # noqa: E731
     path = Path(path) if path is not None else cache_path(threads)
     if not recalibrate:
@@ -399,3 +408,24 @@ def measure(threads: int = 1, world: int = 2) -> Calibration:
             "curves": curves,
         }
     )
+
+
+def calibrated_hardware():
+    """This machine's GPU (a ``hardware.Hardware``): its stored calibration where there is one, else its catalog
+    entry, else None."""
+    import torch
+
+    from composable_atorch.estimate.paper.calibrate import as_hardware
+    from composable_atorch.hardware import HardwareError, for_device_name
+
+    name = torch.cuda.get_device_name()
+    base = for_device_name(name)
+    if base is None:
+        return None
+    path = gpu_cache_path(name)
+    if not path.exists():
+        return base
+    try:
+        return as_hardware(load(path), base)
+    except (CalibrationError, HardwareError):
+        return base  # an unusable file: the paper figures, as without one

@@ -1,6 +1,6 @@
 """Pipeline plans in the fake world: one simulated rank per stage, the stages' metadata handed on in stage order.
 
-A pipeline plan returns one stage per rank, carrying its runner (``runtime.train_step.PIPELINE_ATTR``);
+A pipeline plan returns one stage per rank, its runner on the plan's optimizer (``PlanOptimizer.runner``);
 torch's schedule trains it, forward and backward over the micro-batches with the loss inside, so the
 simulation drives that schedule instead of ``loss_fn(model, batch)``.
 
@@ -34,18 +34,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from composable_atorch.estimate.inputs import EstimateError
-from composable_atorch.runtime.train_step import PIPELINE_ATTR
 
 NEEDS_CRITERION = (
     "estimate(..., criterion=lambda output, targets: loss) and a batch of (inputs, targets) shapes: "
     "the plan is a pipeline, its loss runs inside the schedule on the last stage's output "
     "(as the search's Workload.criterion)"
 )
-
-
-def runner_of(model) -> Any:
-    """The pipeline runner a plan's model carries, or None without a pipeline."""
-    return getattr(model, PIPELINE_ATTR, None)
 
 
 @dataclass
@@ -125,7 +119,7 @@ def schedule_step(runner, inputs, targets, criterion) -> None:
     schedule._warmup_p2p = _dynamic_vote  # the vote's outcome (module doc); torch 2.13's private hook, on this instance
     first, last = 0 in runner.local, runner.n_stages - 1 in runner.local
     losses: list = []
-    runner.running = True
+    runner.guard.running = True
     try:
         schedule.step(
             *((inputs,) if first else ()),
@@ -133,7 +127,7 @@ def schedule_step(runner, inputs, targets, criterion) -> None:
             **({"target": targets, "losses": losses} if last else {}),
         )
     finally:
-        runner.running = False
+        runner.guard.running = False
 
 
 def _dynamic_vote(stages, has_backward, p2p_done) -> None:

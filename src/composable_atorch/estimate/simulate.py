@@ -31,7 +31,7 @@ from composable_atorch.core.transform import ApplyContext, TrainState
 from composable_atorch.errors import CompositionError, ConfigError
 from composable_atorch.estimate.inputs import EstimateError, default_loss, fake_batch, make_optimizer, materialize
 from composable_atorch.estimate.moe import fake_grouped_mm
-from composable_atorch.estimate.pipeline import NEEDS_CRITERION, Mailbox, runner_of, schedule_step, split_batch, wire
+from composable_atorch.estimate.pipeline import NEEDS_CRITERION, Mailbox, schedule_step, split_batch, wire
 from composable_atorch.estimate.steptime import OpTrace
 from composable_atorch.runtime.optim import PlanOptimizer, parameter_names, rebuild_optimizer
 
@@ -205,23 +205,14 @@ def apply_plan(plan: Plan, model, optim, loader) -> Applied:
             ) from exc
         if isinstance(state.optim, torch.optim.Optimizer):
             state.optim = rebuild_optimizer(state.optim, state.param_names, state.model)
-    return Applied(
-        state.model,
-        PlanOptimizer(state.optim, state.hooks),
-        state.loader,
-        skipped,
-        grad_copies,
-        state.parallel,
-        compiled,
-    )
+    optim = PlanOptimizer(state.optim, state.hooks, parallel=state.parallel, runner=state.runner)
+    return Applied(state.model, optim, state.loader, skipped, grad_copies, state.parallel, compiled)
 
 
 def _bucketed(trained: list[torch.Tensor], parallel) -> list[torch.Tensor]:
     """The trained parameters in ddp's buckets (the copy a contract's ``grad_copies`` prices): all
     but the experts expert_parallel keeps out of ddp's replicate (their own hook averages them)."""
-    from composable_atorch.transforms.parallel.data.common import EXPERT_MODULES
-
-    experts = () if parallel is None else parallel.extras.get(EXPERT_MODULES, ())
+    experts = () if parallel is None or parallel.experts is None else parallel.experts.modules
     kept_out = {id(p) for m in experts for p in m.parameters()}
     return [p for p in trained if id(p) not in kept_out]
 
@@ -276,7 +267,7 @@ def simulate_rank(
         skipped, grad_copies = applied.skipped, applied.grad_copies
         micro = int(getattr(loader, "batch_size", None) or global_batch)
         micro_steps = int(getattr(optim, "accumulation_steps", 1))
-        runner = runner_of(model)
+        runner = optim.runner
         stage = stage_of_rank = None
         if runner is not None:
             if criterion is None:

@@ -7,32 +7,33 @@ A torch :class:`~torch.distributed.device_mesh.DeviceMesh` varies its *last* dim
 the mesh's dimensions are ATorch's list reversed (``("data", "pipeline", "tensor")``).
 
 :func:`plan_layout` is the pure part (world size -> groups of ranks per dimension, with ATorch's
-data-size adjustment), testable without processes. :func:`make_context` adds the device mesh when a
-process group exists. Nothing here is global: the context travels in ``TrainState.parallel``.
+data-size adjustment), testable without processes. :func:`composable_atorch.runtime.mesh.make_context`
+adds the device mesh when a process group exists. Nothing here is global: the context travels in
+``TrainState.parallel``.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from composable_atorch.errors import ConfigError
+from composable_atorch.runtime.axes import AXES
 
-#: The dimension names ATorch supports. ``zero`` is a ZeRO sharding subgroup of data parallelism;
-#: ``context`` (context parallelism) and ``sequence`` (ATorch's Ulysses) split every sequence: their
-#: ranks read the same samples, so they are not batch dimensions; ``expert`` splits MoE experts
-#: (expert_parallel) and is a batch dimension for everything else.
-DIM_NAMES = ("data", "zero", "tensor", "pipeline", "context", "sequence", "expert")
+#: The dimension names ATorch supports, from the declared axes (:mod:`.axes`): ``zero`` is a ZeRO
+#: sharding subgroup of data parallelism; ``context`` and ``sequence`` split every sequence (their ranks
+#: read the same samples); ``expert`` splits MoE experts and is a batch dimension for everything else.
+DIM_NAMES = tuple(a.name for a in AXES)
 #: Dimensions over which different ranks see different samples (the batch is split over them).
-BATCH_DIMS = ("data", "zero", "expert")
+BATCH_DIMS = tuple(a.name for a in AXES if a.batch)
+#: Dimensions over which different ranks hold different tokens of the same samples (a sequence split).
+SPLIT_DIMS = tuple(a.name for a in AXES if a.split)
 #: ATorch's multiple parallel instances: the outermost (slowest) mesh dimension, one independent
 #: copy of the layout per index; nothing is synchronized over it (every instance trains its own model).
 INSTANCE_DIM = "instance"
 #: Other names ATorch's parallel groups use for the same dimensions.
 DIM_ALIASES = {"model": "tensor", "pipe": "pipeline", "expert_fsdp": "data"}
-#: Names ATorch knows whose feature is not built here: name -> what it is and what to use instead.
-DIM_NOT_BUILT: dict[str, str] = {}  # empty: every dimension ATorch names is built, sequence and expert included
 
 
 @dataclass(frozen=True)
@@ -112,8 +113,6 @@ def normalize_groups(groups: Any, field_name: str = "parallel_mode.groups") -> t
         if not (isinstance(item, list | tuple) and len(item) == 2):
             raise ConfigError(field_name, item, "(name, size) pairs such as ('tensor', 2)")
         name, size = item
-        if name in DIM_NOT_BUILT:
-            raise ConfigError(f"{field_name} name", name, f"a dimension that is built: {DIM_NOT_BUILT[name]}")
         name = DIM_ALIASES.get(name, name) if isinstance(name, str) else name
         if name not in DIM_NAMES:
             aliases = ", ".join(f"{a} (= {c})" for a, c in DIM_ALIASES.items())
@@ -234,114 +233,3 @@ def _rank_order(rank_order: Any, world_size: int) -> tuple[int, ...]:
             "parallel_mode.rank_order", rank_order, f"a permutation of the ranks 0..{world_size - 1}, or None"
         )
     return order
-
-
-#: ``ParallelContext.extras`` key of the flattened data x expert mesh (built with the mesh, on every rank).
-EXPERT_BATCH_MESH = "expert_batch_mesh"
-
-
-@dataclass
-class ParallelContext:
-    """What parallel transforms share through ``TrainState.parallel``.
-
-    ``mesh`` is None when no process group exists (a single process not launched by torchrun):
-    then data-parallel transforms have nothing to synchronize and say so in the plan's report.
-    ``grad_shard_group`` is set by a transform whose gradients are sharded outside DTensor
-    (fairscale's ShardedDataParallel), so inf checks and clipping know to reduce over it.
-    """
-
-    layout: Layout
-    rank: int = 0
-    mesh: Any = None
-    grad_shard_group: Any = None
-    extras: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def distributed(self) -> bool:
-        return self.mesh is not None
-
-    @property
-    def data_size(self) -> int:
-        return self.layout.batch_split
-
-    @property
-    def data_rank(self) -> int:
-        return self.layout.batch_rank(self.rank)
-
-    @property
-    def instance_num(self) -> int:
-        """ATorch's parallel_instance_num: independent copies of the layout in the world (1 without)."""
-        return self.layout.size(INSTANCE_DIM)
-
-    @property
-    def instance_index(self) -> int:
-        return self.layout.coordinate(self.rank, INSTANCE_DIM)
-
-    @property
-    def zero_size(self) -> int:
-        """Size of the ``zero`` dimension (ZeRO sharding subgroups inside data parallelism; 1 without)."""
-        return self.layout.size("zero")
-
-    def data_mesh(self):
-        """The 1-D mesh over the batch dimensions (what DDP all-reduces and flat FSDP shards over):
-        ``data``, or the batch dimensions > 1 (data x zero, data x expert) flattened into one (made once, kept;
-        data x expert is flattened on every rank in make_context)."""
-        if self.mesh is None:
-            return None
-        if self.mesh.ndim == 1:
-            return self.mesh
-        if EXPERT_BATCH_MESH in self.extras:
-            return self.extras[EXPERT_BATCH_MESH]
-        names = tuple(n for n in self.layout.mesh_dim_names if n in BATCH_DIMS and self.layout.size(n) > 1)
-        if len(names) < 2:
-            return self.mesh[names[0] if names else "data"]
-        if "batch_mesh" not in self.extras:
-            # torch's DeviceMesh._flatten (as torchtitan flattens dp_shard x cp): one group over both dims
-            self.extras["batch_mesh"] = self.mesh[names]._flatten("_".join(names))
-        return self.extras["batch_mesh"]
-
-    def hybrid_mesh(self):
-        """The 2-D ``(data, zero)`` = (replicate, shard) mesh torch's ``fully_shard`` takes for hybrid
-        sharding (HSDP), or None when ``zero`` or ``data`` is 1 (nothing to replicate or to shard).
-
-        Needs ``zero`` before ``data`` in ATorch's list (the mesh's data dimension before its zero one);
-        the data-parallel transforms' contracts refuse the other order before any work."""
-        if self.mesh is None or self.zero_size == 1 or self.layout.size("data") == 1:
-            return None
-        return self.mesh["data", "zero"]
-
-    def zero_group(self):
-        """The group sharding happens in: ``zero`` when it is > 1, else all batch ranks."""
-        if self.mesh is None:
-            return None
-        if self.zero_size > 1:
-            return (self.mesh if self.mesh.ndim == 1 else self.mesh["zero"]).get_group()
-        return self.data_group()
-
-    def data_group(self):
-        mesh = self.data_mesh()
-        return None if mesh is None else mesh.get_group()
-
-
-def make_context(layout: Layout, device: str = "cpu") -> ParallelContext:
-    """The context for this process: the device mesh if torch.distributed is initialized."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return ParallelContext(layout=layout)
-    if dist.get_world_size() != layout.world_size:
-        raise ConfigError(
-            "parallel layout world size", layout.world_size, f"the running world size {dist.get_world_size()}"
-        )
-    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-
-    names = layout.mesh_dim_names
-    if layout.rank_order == tuple(range(layout.world_size)):
-        mesh = init_device_mesh(device, layout.mesh_shape, mesh_dim_names=names)
-    else:
-        mesh = DeviceMesh(device, layout.mesh_tensor(), mesh_dim_names=names)
-    pc = ParallelContext(layout=layout, rank=dist.get_rank(), mesh=mesh)
-    batch = tuple(n for n in names if n in ("data", "expert"))
-    if layout.size("expert") > 1 and len(batch) == 2:  # every rank, now: flattening makes a process group
-        pc.extras[EXPERT_BATCH_MESH] = mesh[batch]._flatten("data_expert")
-    return pc

@@ -1,20 +1,205 @@
-"""ATorch's ``init_distributed(backend)`` and ``create_parallel_group(groups)`` on the same layout.
+"""The parallel context: a layout's device mesh and process groups, and what the axes tell each other.
 
     init_distributed("gloo")                                   # from torchrun's environment
     pc = create_parallel_group(([("tensor", 2), ("data", 2)], None))
-    pc.mesh["tensor"], pc.data_group()
+    pc.mesh["tensor"], pc.data_group(), pc.loss_group()
 
-``create_parallel_group`` returns the :class:`~composable_atorch.runtime.layout.ParallelContext`
-(the device mesh with dimensions named from the groups) instead of filling module globals; pass
-the same groups to ``parallel_mode`` and a plan builds the same mesh.
+:func:`make_context` builds the :class:`ParallelContext` a plan's ``parallel_mode`` leaves in
+``TrainState.parallel``; ATorch's ``create_parallel_group`` returns the same object instead of
+filling module globals (pass the same groups to ``parallel_mode`` and a plan builds the same mesh).
+
+What one axis must tell another travels as typed fields of the context, derived once from the
+layout where they can be (as torchtitan's ``ParallelDims`` names its loss and batch meshes): the
+mesh the batch is split over, the group the reported loss is averaged over, which modules are
+experts and over which mesh they replicate, and a registry of what was applied to which module.
 """
 
 from __future__ import annotations
 
+import math
 import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
-from composable_atorch.errors import ConfigError
-from composable_atorch.runtime.layout import ParallelContext, make_context, plan_layout
+from composable_atorch.errors import AlreadyAppliedError, ConfigError
+from composable_atorch.runtime.layout import BATCH_DIMS, INSTANCE_DIM, SPLIT_DIMS, Layout, plan_layout
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """What expert_parallel tells ddp, fsdp and the estimate: the experts modules it split (each rank holds
+    other experts under the same names, so they are kept out of the expert x data replicas), and the mesh
+    of the ranks that hold the same experts (the data dimension; None without one)."""
+
+    modules: tuple[Any, ...]
+    replica_mesh: Any = None
+
+    @property
+    def replicas(self) -> int:
+        return 1 if self.replica_mesh is None else self.replica_mesh.size()
+
+
+@dataclass
+class AppliedRegistry:
+    """What was applied to which module, kept per module as torch's composable ``contract`` keeps it: a
+    second application of one kind to the same module is refused (:class:`AlreadyAppliedError`)."""
+
+    _entries: dict[int, tuple[Any, set[str]]] = field(default_factory=dict, repr=False)
+
+    def record(self, kind: str, module: Any) -> None:
+        _, kinds = self._entries.setdefault(id(module), (module, set()))
+        if kind in kinds:
+            raise AlreadyAppliedError(kind, module)
+        kinds.add(kind)
+
+    def kinds(self, module: Any) -> frozenset[str]:
+        entry = self._entries.get(id(module))
+        return frozenset(entry[1]) if entry is not None and entry[0] is module else frozenset()
+
+    def modules(self, kind: str) -> list[Any]:
+        return [m for m, kinds in self._entries.values() if kind in kinds]
+
+
+@dataclass
+class ParallelContext:
+    """What parallel transforms share through ``TrainState.parallel``.
+
+    ``mesh`` is None when no process group exists (a single process not launched by torchrun):
+    then data-parallel transforms have nothing to synchronize and say so in the plan's report.
+    ``grad_shard_group`` is set by a transform whose gradients are sharded outside DTensor
+    (fairscale's ShardedDataParallel), so inf checks and clipping know to reduce over it.
+    """
+
+    layout: Layout
+    rank: int = 0
+    mesh: Any = None
+    grad_shard_group: Any = None
+    #: expert_parallel's split, for the data-parallel steps and the estimate (None without one)
+    experts: ExpertLayout | None = None
+    #: a sequence split's check of the loss function train_step trains with: ``check(loss_fn, output,
+    #: inputs, targets)`` raises where the loss would not train the split as one process (None without one)
+    loss_check: Callable | None = None
+    #: what was applied to which module (see :class:`AppliedRegistry`)
+    applied: AppliedRegistry = field(default_factory=AppliedRegistry)
+    #: flattened sub-meshes by their dimension names, made once (flattening makes a process group)
+    flat_meshes: dict[tuple[str, ...], Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def distributed(self) -> bool:
+        return self.mesh is not None
+
+    @property
+    def data_size(self) -> int:
+        return self.layout.batch_split
+
+    @property
+    def data_rank(self) -> int:
+        return self.layout.batch_rank(self.rank)
+
+    @property
+    def instance_num(self) -> int:
+        """ATorch's parallel_instance_num: independent copies of the layout in the world (1 without)."""
+        return self.layout.size(INSTANCE_DIM)
+
+    @property
+    def instance_index(self) -> int:
+        return self.layout.coordinate(self.rank, INSTANCE_DIM)
+
+    @property
+    def zero_size(self) -> int:
+        """Size of the ``zero`` dimension (ZeRO sharding subgroups inside data parallelism; 1 without)."""
+        return self.layout.size("zero")
+
+    def dims(self, names) -> tuple[str, ...]:
+        """The mesh's dimensions among ``names`` whose size is > 1, in the mesh's order."""
+        return tuple(n for n in self.layout.mesh_dim_names if n in names and self.layout.size(n) > 1)
+
+    def flat_mesh(self, names: tuple[str, ...]):
+        """The 1-D mesh over ``names`` (one of them: its own; several: flattened once and kept, as torchtitan
+        flattens dp_shard x cp; every rank must ask in the same order, since flattening makes a group)."""
+        if len(names) == 1:
+            return self.mesh[names[0]]
+        if names not in self.flat_meshes:
+            self.flat_meshes[names] = self.mesh[names]._flatten("_".join(names))
+        return self.flat_meshes[names]
+
+    def data_mesh(self):
+        """The 1-D mesh over the batch dimensions (what DDP all-reduces and flat FSDP shards over):
+        ``data``, or the batch dimensions > 1 (data x zero, data x expert) flattened into one."""
+        if self.mesh is None:
+            return None
+        if self.mesh.ndim == 1:
+            return self.mesh
+        names = self.dims(BATCH_DIMS)
+        return self.flat_mesh(names) if names else self.mesh["data"]
+
+    def loss_dims(self) -> tuple[str, ...]:
+        """The dimensions whose ranks hold different samples or tokens (batch x split dims > 1, within an
+        instance): each rank's loss is the mean over its part, so the step's loss is their mean."""
+        return self.dims((*BATCH_DIMS, *SPLIT_DIMS))
+
+    def loss_group(self) -> tuple[Any, int]:
+        """``(group, size)`` the reported loss is averaged over: the loss dimensions' group (None: the whole
+        world, when they are every dimension > 1; ``size`` 1: nothing to average). Tensor and pipeline
+        ranks compute one loss together, so they are left out; instances train apart, so they are too."""
+        names = self.loss_dims()
+        size = math.prod(self.layout.size(n) for n in names)
+        if self.mesh is None or size == 1:
+            return None, size
+        if set(names) == set(self.dims(self.layout.mesh_dim_names)):
+            return None, size
+        return self.flat_mesh(names).get_group(), size
+
+    def hybrid_mesh(self):
+        """The 2-D ``(data, zero)`` = (replicate, shard) mesh torch's ``fully_shard`` takes for hybrid
+        sharding (HSDP), or None when ``zero`` or ``data`` is 1 (nothing to replicate or to shard).
+
+        Needs ``zero`` before ``data`` in ATorch's list (the mesh's data dimension before its zero one);
+        the data-parallel transforms' contracts refuse the other order before any work."""
+        if self.mesh is None or self.zero_size == 1 or self.layout.size("data") == 1:
+            return None
+        return self.mesh["data", "zero"]
+
+    def zero_group(self):
+        """The group sharding happens in: ``zero`` when it is > 1, else all batch ranks."""
+        if self.mesh is None:
+            return None
+        if self.zero_size > 1:
+            return (self.mesh if self.mesh.ndim == 1 else self.mesh["zero"]).get_group()
+        return self.data_group()
+
+    def data_group(self):
+        mesh = self.data_mesh()
+        return None if mesh is None else mesh.get_group()
+
+
+def make_context(layout: Layout, device: str = "cpu") -> ParallelContext:
+    """The context for this process: the device mesh if torch.distributed is initialized.
+
+    The sub-meshes that need a group of their own are made here, on every rank, in one order: the
+    batch mesh with an expert dimension, and the loss mesh when it is neither the world nor one dimension."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return ParallelContext(layout=layout)
+    if dist.get_world_size() != layout.world_size:
+        raise ConfigError(
+            "parallel layout world size", layout.world_size, f"the running world size {dist.get_world_size()}"
+        )
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    names = layout.mesh_dim_names
+    if layout.rank_order == tuple(range(layout.world_size)):
+        mesh = init_device_mesh(device, layout.mesh_shape, mesh_dim_names=names)
+    else:
+        mesh = DeviceMesh(device, layout.mesh_tensor(), mesh_dim_names=names)
+    pc = ParallelContext(layout=layout, rank=dist.get_rank(), mesh=mesh)
+    if layout.size("expert") > 1 and mesh.ndim > 1:
+        pc.data_mesh()
+    pc.loss_group()
+    return pc
+
 
 BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl")
 

@@ -17,12 +17,23 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from composable_atorch.errors import ParameterMappingError, RequirementError
+
+if TYPE_CHECKING:
+    from composable_atorch.runtime.mesh import ParallelContext
+
+
+class StepRunner(Protocol):
+    """What a pipeline transform returns for ``train_step`` to drive: one forward and backward of a batch
+    through its schedule, returning the step's mean loss."""
+
+    def step(self, inputs: Any, targets: Any, loss_fn: Callable) -> float: ...
+
 
 #: Prefixes wrappers insert into parameter names; stripped to compare names across wrappers.
 WRAPPER_PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_fpw_module.")
@@ -219,11 +230,24 @@ class PlanOptimizer(torch.optim.Optimizer):
     * ``step_was_skipped`` — True when the last real step was skipped (inf/nan gradients);
     * ``unscale_()`` — unscale now, before clipping by hand (the step then does not unscale again);
     * ``hooks`` — the plan's loop hooks in plan order (``hook(kind)`` filters them).
+
+    What :func:`~composable_atorch.runtime.train_step.train_step` reads, typed, travels here too:
+    ``parallel`` (the plan's :class:`~composable_atorch.runtime.mesh.ParallelContext`: the loss group,
+    a sequence split's loss check) and ``runner`` (the pipeline runner the plan's pipeline step returned).
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, hooks: list[OptimizerHook]):  # noqa: D107
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        hooks: list[OptimizerHook],
+        *,
+        parallel: ParallelContext | None = None,
+        runner: StepRunner | None = None,
+    ):  # noqa: D107
         self.optimizer = optimizer
         self.hooks = list(hooks)
+        self.parallel = parallel
+        self.runner = runner
         self.accumulation_steps = 1
         for h in self.hooks:
             self.accumulation_steps *= max(1, int(h.accumulation_steps))

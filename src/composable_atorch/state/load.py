@@ -22,7 +22,7 @@ import torch
 from composable_atorch.errors import CheckpointError, ConfigError
 from composable_atorch.runtime import resumable as _resumable
 from composable_atorch.runtime.optim import PlanOptimizer
-from composable_atorch.runtime.train_step import PIPELINE_ATTR
+from composable_atorch.runtime.train_step import runner_of
 from composable_atorch.state import inflight, verify, writes
 from composable_atorch.state.files import FORMAT, META, VERSION, _pointer_target, latest_checkpoint
 from composable_atorch.state.resumed import Resumed
@@ -52,12 +52,13 @@ def _fresh(value: Any) -> Any:
     return torch.empty_like(value) if isinstance(value, torch.Tensor) else value
 
 
-def _is_stage(model: torch.nn.Module) -> bool:
-    """A pipeline stage holds a subset of the saved model (every stage's ranks wrote their own part)."""
-    return getattr(model, PIPELINE_ATTR, None) is not None
+def _is_stage(optim) -> bool:
+    """A pipeline stage holds a subset of the saved model (every stage's ranks wrote their own part): the
+    plan's optimizer carries the pipeline's runner."""
+    return runner_of(optim) is not None
 
 
-def _check_model(model: torch.nn.Module, metadata, path: Path) -> dict[str, Any]:
+def _check_model(model: torch.nn.Module, metadata, path: Path, stage: bool) -> dict[str, Any]:
     """The model's state dict; ConfigError when its names or shapes differ from the checkpoint's.
 
     A pipeline stage may lack the checkpoint's other stages' names (at another pipeline layout
@@ -68,7 +69,7 @@ def _check_model(model: torch.nn.Module, metadata, path: Path) -> dict[str, Any]
     expert_checkpoint.to_global(model, model_sd)  # split experts as their shard of the whole, at this degree
     saved = {k[len("model.") :]: v for k, v in metadata.state_dict_metadata.items() if k.startswith("model.")}
     missing = sorted(set(model_sd) - set(saved))
-    unexpected = [] if _is_stage(model) else sorted(set(saved) - set(model_sd))
+    unexpected = [] if stage else sorted(set(saved) - set(model_sd))
     shapes = [
         f"{k} {tuple(getattr(saved[k], 'size', ()))} vs {tuple(v.shape)}"
         for k, v in model_sd.items()
@@ -244,8 +245,8 @@ def _load(path: Path, model, optim, loader, scheduler, verbose: bool, exact_resu
     dcp, sd, options = _dcp()
     reader = verify.safe_reader(path, files)
     metadata = reader.read_metadata()
-    model_sd = _check_model(model, metadata, path)
-    _check_optimizer(inner, hooks, meta["optimizer"], rank_state["hooks"], path, _is_stage(model))
+    model_sd = _check_model(model, metadata, path, _is_stage(optim))
+    _check_optimizer(inner, hooks, meta["optimizer"], rank_state["hooks"], path, _is_stage(optim))
     if meta["micro_step"] and not same_world:
         raise ConfigError(
             f"checkpoint {path}",

@@ -1,7 +1,7 @@
 """The transform families, one module (or, under ``parallel/``, one sub-package) each.
 
-Importing this package imports every family, so every built transform is in the registry.
+Importing this package imports every family, so every built transform is in the registry
+(``parallel`` imports each of its axis packages itself).
 """
 
-from composable_atorch.transforms import compile, fp8, loop, memory, modules, precision  # noqa: F401
-from composable_atorch.transforms.parallel import data, ds3d, expert, mixed, pipeline, sequence, tensor  # noqa: F401
+from composable_atorch.transforms import compile, fp8, loop, memory, modules, parallel, precision  # noqa: F401

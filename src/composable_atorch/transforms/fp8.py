@@ -212,6 +212,8 @@ class Fp8(Transform):
         if te_usable(env) is None:
             return (cls(backend="transformer_engine", exclude=("lm_head",)),)
         if TORCHAO.unmet(env, None) is None and FP8_HARDWARE.unmet(env, None) is None:
+            if search.on_paper:  # priced, not run: each of torchao's tensorwise and rowwise scaling
+                return tuple(cls(backend="torchao", exclude=("lm_head",), recipe=r) for r in RECIPES[:2])
             return (cls(backend="torchao", exclude=("lm_head",)),)
         return ()
 

@@ -53,8 +53,12 @@ class Accumulate(Transform):
 
     @classmethod
     def candidates(cls, search):
+        """2 and 4 micro-batches where they divide each rank's share of the global batch; on paper
+        (``search.on_paper``, where a plan costs an estimate, not a trial) every power of two that
+        does, down to micro-batches of one sample (the largest micro-batch that fits is the search's)."""
         per_rank = search.batch_size // max(1, search.env.world_size)
-        return tuple(cls(steps=k) for k in (2, 4) if per_rank % k == 0 and per_rank >= k)
+        steps = (2, 4) if not search.on_paper else tuple(2**i for i in range(1, per_rank.bit_length()))
+        return tuple(cls(steps=k) for k in steps if per_rank % k == 0 and per_rank >= k)
 
     def describe(self):
         return f"accumulate({self.steps} micro-batches per step)"

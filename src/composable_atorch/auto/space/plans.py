@@ -14,8 +14,9 @@ import torch
 
 from composable_atorch.core import codec
 from composable_atorch.core.plan import Plan
-from composable_atorch.core.transform import Transform, lookup
-from composable_atorch.errors import ConfigError, UnknownTransformError
+from composable_atorch.core.registry import axis_owners
+from composable_atorch.core.transform import Transform
+from composable_atorch.errors import ConfigError
 from composable_atorch.transforms.parallel.data import ParallelMode
 from composable_atorch.transforms.parallel.mixed import MixedParallel
 
@@ -32,17 +33,8 @@ def label_of(transform: Transform) -> str:
 
 
 def axis_of(name: str) -> str | None:
-    """The mesh dimension the transform ``name`` splits over, or None: the dimension its contract implies
-    a ``parallel_mode`` for (every axis implies its own: expert_parallel "expert")."""
-    try:
-        cls = lookup(name)
-    except UnknownTransformError:
-        return None
-    for implication in cls.contract.implies:
-        groups = (implication.config or {}).get("groups") if implication.name == "parallel_mode" else None
-        if groups:
-            return groups[0][0]
-    return None
+    """The mesh dimension the transform ``name`` owns (its contract's declared axis), or None."""
+    return axis_owners().get(name)
 
 
 def parallel_degree(plan: Plan, dim: str) -> int:

@@ -11,12 +11,11 @@ of the machine on NCCL (x = bytes of the full tensor; ``world`` says over how ma
 facts name the card, which selects the catalog entry the measured curves replace figures of; a
 curve that was not measured (fp8 on a card without fp8, collectives on one GPU) keeps the paper
 figure. The paper figures stay the default: an estimate uses a calibration only where this
-machine has one (:func:`calibrated_hardware`).
+machine has one (``estimate.calibrate.calibrated_hardware``).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -35,17 +34,6 @@ GEMM_SIZES = (512, 1024, 2048, 4096, 8192)
 MEMORY_SIZES = (2**16, 2**20, 2**24, 2**28)
 COMM_SIZES = (2**16, 2**20, 2**24, 2**28)
 DTYPES = ("float32", "bfloat16", "float16")
-
-
-def gpu_cache_path(device_name: str) -> Path:
-    """One file per host, card and torch version, beside the CPU calibrations."""
-    import torch
-
-    from composable_atorch.estimate.calibrate import cache_path
-
-    facts = {"host": socket.gethostname(), "gpu": device_name, "torch": torch.__version__}
-    key = hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:12]
-    return cache_path().parent / f"calibration-gpu-{key}.json"
 
 
 def _fractions(points, scale) -> tuple[tuple[float, float], ...]:
@@ -108,25 +96,6 @@ def as_hardware(cal, base: Hardware | None = None) -> Hardware:
         intra=intra,
         sources={**dict(base.sources), "calibration": where},
     )
-
-
-def calibrated_hardware() -> Hardware | None:
-    """This machine's GPU: its stored calibration where there is one, else its catalog entry, else None."""
-    import torch
-
-    name = torch.cuda.get_device_name()
-    base = for_device_name(name)
-    if base is None:
-        return None
-    path = gpu_cache_path(name)
-    if not path.exists():
-        return base
-    from composable_atorch.estimate.calibrate import CalibrationError, load
-
-    try:
-        return as_hardware(load(path), base)
-    except (CalibrationError, HardwareError):
-        return base  # an unusable file: the paper figures, as without one
 
 
 # -- measuring (on the card) ----------------------------------------------------------------------------

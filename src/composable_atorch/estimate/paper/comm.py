@@ -3,12 +3,14 @@
 Bytes each rank moves on a ring of ``n`` (nccl-tests' bus-bandwidth convention, ``S`` the full
 tensor): all-reduce ``2(n-1)/n S``, all-gather / reduce-scatter ``(n-1)/n S``, a send ``S``. The bus
 bandwidth is the link's rate times its collective efficiency (catalog). A group inside one node
-runs on the intra-node link. A group spanning nodes runs at one NIC per rank (one NIC per GPU, as
-HGX / DGX nodes have) times the network's efficiency: torch's own NCCL model
-(``torch._inductor.comm_analysis``, calibrated on H100 RoCE clusters) prices a multi-node ring at
-the per-GPU NIC rate times 0.77-1.0, not at the sum of a node's NICs that a rail-optimised ring
-could reach in theory; never above the intra-node link. All-to-all's inter-node part crosses the
-NICs only (``(n - local)/n S``).
+runs on the intra-node link. A ring spanning nodes runs one channel through each NIC of a node
+(NCCL's rings are rail-aligned: each channel crosses the node boundary at a different GPU's NIC), so
+its bus bandwidth is the NICs of the group's ranks on one node together, ``local`` x the network per
+device, times the network's efficiency, never above the intra-node link. nccl-tests measures that on
+two or three nodes of 8 A100s with 4 x 200 Gb/s HDR each (100 GB/s per node): all-reduce bus
+bandwidth 86 GB/s (NVIDIA/nccl-tests#175), 91 GB/s (#100), 85 avg / 96 peak GB/s (#119). A group with
+one rank per node (hybrid sharding's replicate dimension) has one NIC. All-to-all's inter-node part
+crosses each rank's own NIC (``(n - local)/n S``).
 
 Latency: NCCL's own tuning model (``src/graph/tuning.cc``: a base latency per algorithm and
 protocol plus one hop latency per ring step, NVLink / PCIe / network), read from the tables
@@ -85,7 +87,7 @@ def collective_s(hw: Hardware, kind: str, nbytes: float, ranks: tuple[int, ...],
         intra = (local - 1) / n * nbytes / intra_bw
         return _latency(hw, kind, n, nodes, "Simple") + max(inter, intra)
     else:
-        bus = min(intra_bw, net_bw)
+        bus = min(intra_bw, net_bw * local)  # the ring's channels cross at each local rank's NIC
     best = float("inf")
     for proto, frac in PROTOCOLS.items():
         if proto == "LL128" and nodes > 1:

@@ -1,20 +1,23 @@
-"""``mixed_parallel``: ATorch's tensor x pipeline x data parallelism in one step.
+"""``mixed_parallel``: ATorch's tensor x pipeline x data parallelism, as the steps it stands for.
 
 The degrees come from ``parallel_mode`` (``[("tensor", 2), ("pipeline", 2), ("data", 2)]``), as in
 ATorch, or from ``mixed_parallel(tensor=2, pipeline=2)`` itself (the data size absorbs the rest of
-the world; the step then lays out the mesh and splits the loader itself, which is how the auto
-search proposes parallel degrees: one candidate per factorization of the world size).
-Either way:
-tensor parallelism where the tensor size is > 1 (:class:`TensorParallel` with ``tp_plan``),
-pipeline stages where the pipeline size is > 1 (:class:`PipelineParallel`), and gradients
-averaged over the data dimension (this step owns gradient sync, as ATorch's mixed_parallel does).
-Use ``tensor_parallel | pipeline_parallel | fsdp`` to choose each engine yourself.
+the world: the auto search proposes parallel degrees this way, one candidate per factorization of
+the world size). compose() expands it (:meth:`MixedParallel.expand`) into
+
+    parallel_mode(...) | tensor_parallel(tp_plan) | [the split] | pipeline_parallel(...) or ddp()
+
+tensor parallelism where the tensor size is > 1, pipeline stages where the pipeline size is > 1
+(which average each stage's gradients over the data dimension), otherwise ddp (for tensor-parallel
+DTensor parameters: averaged over the data group before each step), as ATorch's mixed_parallel owns
+gradient sync. Each part is then checked and ordered by its own contract, as if written out:
+``tensor_parallel | pipeline_parallel | fsdp`` chooses each engine yourself.
 
 With a sequence split (``context_parallel()`` over a ``("context", n)`` dimension, or Ulysses'
-``sequence_parallel()`` over ``("sequence", n)``) this step runs it between its tensor and pipeline
-steps, where it runs composed with ``tensor_parallel | pipeline_parallel``: attention routed on
-the tensor-sharded model, stages cut from the split model. A split dimension without its
-transform is refused (each rank of it would train the same tokens).
+``sequence_parallel()`` over ``("sequence", n)``) the split's contract orders it after the tensor
+step and before the pipeline's (attention routed on the tensor-sharded model, stages cut from the
+split model). A split dimension without its transform is refused at compose time (each rank of it
+would train the same tokens).
 """
 
 from __future__ import annotations
@@ -22,21 +25,19 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from composable_atorch.core.contract import Conflict, Contract, Order, Stage
-from composable_atorch.core.transform import ApplyContext, TrainState, Transform
-from composable_atorch.errors import ConfigError, RequirementError
-from composable_atorch.runtime.layout import ParallelContext, make_context, plan_layout, refit_hint
-from composable_atorch.runtime.loader import check_global_batch, split_over_data
-from composable_atorch.runtime.optim import rebuild_optimizer
-from composable_atorch.runtime.train_step import mark_loss_group
-from composable_atorch.transforms.parallel.data.common import GRAD_SYNC, DataGradSync, broadcast_local, parallel_context
+from composable_atorch.core.contract import Conflict, Contract, Stage
+from composable_atorch.core.registry import axis_owners
+from composable_atorch.core.transform import Transform
+from composable_atorch.errors import CompositionError, ConfigError, RequirementError
+from composable_atorch.runtime.axes import DATA, PIPELINE, TENSOR
+from composable_atorch.runtime.layout import refit_hint
+from composable_atorch.transforms.parallel import sequence  # noqa: F401 - registers the sequence splits
+from composable_atorch.transforms.parallel.data import Ddp, ParallelMode
 from composable_atorch.transforms.parallel.pipeline.transform import ACCUMULATE_CONFLICT, PipelineParallel
-from composable_atorch.transforms.parallel.tensor.transform import TensorParallel, normalize_plan
+from composable_atorch.transforms.parallel.shared.sync import GRAD_SYNC
+from composable_atorch.transforms.parallel.tensor.transform import ZERO1_CONFLICT, TensorParallel, normalize_plan
 
-#: the sequence splits this step applies between its tensor and pipeline steps: transform name -> mesh dimension
-SPLITS = {"context_parallel": "context", "sequence_parallel": "sequence"}
-
-MIXED_APPLIES = "mixed_parallel applies it itself over parallel_mode's dimensions"
+MIXED_APPLIES = "mixed_parallel expands into it itself, over parallel_mode's dimensions"
 
 
 def factorizations(world: int) -> list[tuple[int, int, int]]:
@@ -60,11 +61,14 @@ def _degrees_differ(mine, pm) -> bool:
 
 
 def _has_pipeline(mine, _accumulate) -> bool:
-    """With a pipeline degree given here (the search's candidates give it).
-
-    One read from parallel_mode is refused when applied.
-    """
+    """With a pipeline degree given here (the search's candidates give it); one read from parallel_mode is
+    refused by the pipeline part's own contract."""
     return (mine.pipeline or 1) > 1
+
+
+def _has_tensor(mine, _zero1) -> bool:
+    """With a tensor degree given here; one read from parallel_mode is refused by the tensor part's contract."""
+    return (mine.tensor or 1) > 1
 
 
 @dataclass(frozen=True)
@@ -72,16 +76,12 @@ class MixedParallel(Transform):
     """Tensor x pipeline x data parallelism with degrees from ``parallel_mode``; train with ``train_step``."""
 
     name = "mixed_parallel"
+    expands = True
     contract = Contract(
         stage=Stage.TENSOR_PARALLEL,
         owns=(GRAD_SYNC,),
         roles=("model_parallel", "process_groups"),
-        reads=(*SPLITS, "pipeline_parallel", "checkpoint"),
-        orders=tuple(
-            Order(split, "mixed_parallel applies the sequence split between its tensor and pipeline steps", after=False)
-            for split in SPLITS
-        ),
-        renames=True,  # with a pipeline each rank keeps its stage's parameters only
+        uses=(TENSOR, PIPELINE, DATA),
         conflicts=(
             Conflict(
                 "parallel_mode",
@@ -99,10 +99,10 @@ class MixedParallel(Transform):
                 MIXED_APPLIES,
                 "drop pipeline_parallel (or drop mixed_parallel and compose the engines yourself)",
             ),
-            next(
-                c for c in PipelineParallel.contract.conflicts if c.other == "compile"
-            ),  # zero-bubble schedules vs compile
+            # its pipeline part's, declared here too: the search groups contending kinds by their contracts
+            next(c for c in PipelineParallel.contract.conflicts if c.other == "compile"),  # zero-bubble vs compile
             replace(ACCUMULATE_CONFLICT, when=_has_pipeline),
+            replace(ZERO1_CONFLICT, when=_has_tensor),
         ),
     )
 
@@ -137,9 +137,11 @@ class MixedParallel(Transform):
 
         A factorization whose data size does not divide the global batch is left out (the loader
         split would refuse it). The trial worker trains every plan through ``train_step``, so
-        pipeline plans are measured like any other.
+        pipeline plans are measured like any other. On paper (``search.on_paper``): :meth:`_on_paper`.
         """
         world, batch = search.env.world_size, search.batch_size
+        if search.on_paper:
+            return cls._on_paper(search)
         out = []
         for t, p, d in factorizations(world):
             if (t == 1 and p == 1) or batch % d:
@@ -148,6 +150,28 @@ class MixedParallel(Transform):
                 out.append(cls(tensor=t, pipeline=1))
                 continue
             out.extend(cls(tensor=t, pipeline=p, microbatches=m) for m in (p, 2 * p) if (batch // d) % m == 0)
+        return tuple(out)
+
+    @classmethod
+    def _on_paper(cls, search):
+        """The pipeline options priced on paper: every pipeline degree with a tensor degree up to one node's
+        devices, (stages, 2 x stages) micro-batches, and each of torch's schedules that accepts them (the
+        bubble differs per schedule; pricing one costs an estimate, not a run). Tensor degrees without a
+        pipeline are tensor_parallel's ``tensor x data`` layouts there, which a sharded engine composes with."""
+        from composable_atorch.transforms.parallel.pipeline.transform import SCHEDULES
+
+        env, batch, out = search.env, search.batch_size, []
+        for t, p, d in factorizations(env.world_size):
+            if p == 1 or t > env.processes_per_node or batch % d:
+                continue
+            for m in (p, 2 * p):
+                if (batch // d) % m:
+                    continue
+                for schedule in SCHEDULES:
+                    try:
+                        out.append(cls(tensor=t, pipeline=p, microbatches=m, schedule=schedule))
+                    except ConfigError:  # a schedule that refuses this micro-batch count
+                        continue
         return tuple(out)
 
     def resolve(self, env):
@@ -169,30 +193,63 @@ class MixedParallel(Transform):
             where = f"tensor {self.tensor or 1} x pipeline {self.pipeline or 1} x data (the rest)"
         return f"mixed_parallel({where}; {self.schedule}, {self.microbatches} microbatches)"
 
-    def _context(self, state: TrainState, ctx: ApplyContext) -> ParallelContext:
-        if isinstance(state.parallel, ParallelContext):
-            return parallel_context(state, self.name)
-        if self.tensor is None and self.pipeline is None:
-            raise RequirementError(
-                self.name,
-                "parallel degrees",
-                "compose it with parallel_mode([('tensor', t), ('pipeline', p), ('data', d)]) or give "
-                "mixed_parallel(tensor=t, pipeline=p)",
-            )
-        groups = [("tensor", self.tensor or 1), ("pipeline", self.pipeline or 1), ("data", 1)]
-        layout = plan_layout(groups, ctx.env.world_size)
-        if state.loader is not None and layout.batch_split > 1:
-            check_global_batch(state.loader, layout)  # before the mesh's groups exist
-        pc = make_context(layout, ctx.env.device)
-        state.parallel = pc
-        if state.loader is not None and (pc.data_size > 1 or pc.distributed):
-            state.loader = split_over_data(state.loader, layout, pc.rank, distributed=pc.distributed)[0]
-        state.note(
+    def _mode(self, others) -> tuple[Any, bool]:
+        """``(parallel_mode, whether it is one of the parts)``: the request's, the one this step's degrees lay
+        out (the data size absorbs the rest), or the one another step implies (read for its layout; the
+        implication adds it, with its reason)."""
+        pm = next((t for t in others if t.name == "parallel_mode"), None)
+        if pm is not None:
+            return pm, True
+        if self.tensor is not None or self.pipeline is not None:
+            groups = (("tensor", self.tensor or 1), ("pipeline", self.pipeline or 1), ("data", 1))
+            return ParallelMode(groups=groups), True
+        for t in sorted(others, key=lambda t: t.sort_key()):
+            for imp in t.contract.implies:
+                if imp.name == "parallel_mode":
+                    return ParallelMode(**imp.config), False
+        raise RequirementError(
             self.name,
-            f"layout {pc.layout.describe()}; device mesh {pc.layout.mesh_dim_names}; loader split over the data dim of "
-            f"{pc.data_size}",
+            "parallel degrees",
+            "compose it with parallel_mode([('tensor', t), ('pipeline', p), ('data', d)]) or give "
+            "mixed_parallel(tensor=t, pipeline=p)",
         )
-        return pc
+
+    def _split(self, layout, others) -> tuple:
+        """The request's sequence split, when the layout has its dimension; a split dimension without its
+        transform is refused (every rank of it would train the same tokens)."""
+        out = []
+        for name, dim in axis_owners(split=True).items():
+            split = next((t for t in others if t.name == name), None)
+            if split is None and layout.size(dim) > 1:
+                raise ConfigError(
+                    f"mixed_parallel: parallel_mode's {dim!r} dimension",
+                    layout.size(dim),
+                    f"add {name}() to the plan (it runs between the tensor and pipeline steps), or drop the {dim!r} "
+                    "dimension: without it every rank of that dimension trains the same tokens",
+                )
+            if split is not None:
+                out.append(split)
+        return tuple(out)
+
+    def expand(self, env, others):
+        """``parallel_mode | tensor_parallel | [the split] | pipeline_parallel`` (or ddp without a pipeline,
+        which owns the data-dimension gradient sync mixed_parallel owns), each part where its size is > 1."""
+        self.resolve(env)
+        pm, own = self._mode(others)
+        layout = pm.layout(env.world_size)
+        parts: list[Transform] = [pm] if own else []
+        if layout.size("tensor") > 1:
+            parts.append(TensorParallel(plan=self.tp_plan))
+        parts.extend(self._split(layout, others))
+        if layout.size("pipeline") > 1:
+            parts.append(
+                PipelineParallel(
+                    microbatches=self.microbatches, schedule=self.schedule, stages_per_rank=self.stages_per_rank
+                )
+            )
+        else:
+            parts.append(Ddp())
+        return tuple(parts)
 
     def check(self, model, degree: int = 1) -> list[str]:
         """tensor_parallel's planning check at this step's tensor degree (the search rules out a
@@ -200,53 +257,10 @@ class MixedParallel(Transform):
         degree = self.tensor or degree
         return TensorParallel(plan=self.tp_plan).check(model, degree) if degree > 1 else []
 
-    def _split(self, pc: ParallelContext, ctx: ApplyContext):
-        """The plan's sequence split (None without one); a split dimension without its transform is refused."""
-        for name, dim in SPLITS.items():
-            split = ctx.find(name)
-            if split is None and pc.layout.size(dim) > 1:
-                raise ConfigError(
-                    f"mixed_parallel: parallel_mode's {dim!r} dimension",
-                    pc.layout.size(dim),
-                    f"add {name}() to the plan (mixed_parallel applies it between its tensor and pipeline steps), or "
-                    f"drop the {dim!r} dimension: without it every rank of that dimension trains the same tokens",
-                )
-            if split is not None:
-                return split
-        return None
-
-    def apply(self, state: TrainState, ctx: ApplyContext) -> TrainState:
-        pc = self._context(state, ctx)
-        sizes = {n: pc.layout.size(n) for n in ("tensor", "pipeline", "data")}
-        split = self._split(pc, ctx)
-        tp = TensorParallel(plan=self.tp_plan)
-        pp = PipelineParallel(
-            microbatches=self.microbatches, schedule=self.schedule, stages_per_rank=self.stages_per_rank
+    def apply(self, state, ctx):
+        raise CompositionError(
+            "mixed_parallel is expanded by compose() into its parts (see explain()); apply the plan, not the step"
         )
-        # every check before any change
-        if sizes["tensor"] > 1:
-            tp.placements(state.model, sizes["tensor"])
-        # with a split, the stages are planned on the split model (its probe reference then builds the masks
-        # the split model builds), as pipeline_parallel composed after the split does
-        cut_plan = None
-        if sizes["pipeline"] > 1 and split is None:
-            cut_plan = pp.cut_plan(state.model, sizes["pipeline"], state.loader)
-        if sizes["tensor"] > 1:
-            state = tp.apply(state, ctx)
-            if state.optim is not None:  # over the DTensor parameters, before the pipeline picks its stage's
-                state.optim = rebuild_optimizer(state.optim, state.param_names, state.model)
-        if sizes["pipeline"] == 1 and pc.distributed and pc.data_size > 1:
-            group = pc.data_group()
-            broadcast_local(state.model, group)
-            state.hooks.append(DataGradSync(state.model, group, pc.data_size))
-            mark_loss_group(state.model, group, pc.data_size)  # before the split, which widens it to data x split
-            state.note(self.name, f"gradients averaged over the data dim of {pc.data_size} before each step")
-        if split is not None:  # on the tensor-sharded model, before the stages are cut (as composed separately)
-            state = split.apply(state, ctx)
-        if sizes["pipeline"] > 1:
-            state = pp.apply(state, ctx, cut_plan)  # averages its stage's gradients over the data dim
-        state.note(self.name, " x ".join(f"{n} {s}" for n, s in sizes.items()))
-        return state
 
 
 def mixed_parallel(

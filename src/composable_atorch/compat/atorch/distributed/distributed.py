@@ -67,7 +67,8 @@ def local_rank():
 
 def create_parallel_group(parallel_config, use_atorch_pipe=False, use_device_mesh=False):
     """ATorch's ``([(name, size), ...], rank_order[, multiple_instances])``: makes and records the groups."""
-    from composable_atorch.runtime.layout import make_context, plan_layout
+    from composable_atorch.runtime.layout import plan_layout
+    from composable_atorch.runtime.mesh import make_context
 
     groups_, order, multi = (list(parallel_config) + [None, False])[:3]
     world = world_size() or 1

@@ -1,9 +1,9 @@
 """Data parallelism: ``parallel_mode``, ``ddp``, ``zero1`` (``data_parallel``), ``fsdp`` and ``zero2``
-(``sharding``, on torch's FSDP2), their DeepSpeed engine variants (``deepspeed``), and the roles,
-conflict reasons and gradient-sync hooks every parallel family shares (``common``).
+(``sharding``, on torch's FSDP2), their DeepSpeed engine variants (``deepspeed``), and the conflict
+reasons, sync hooks and backend variants they share (``common``).
 
-The lowest room of ``transforms/parallel``: the tensor, pipeline, mixed and DeepSpeed 3-D families
-import from here, never the reverse.
+One axis among peers: tensor, pipeline, sequence and expert parallelism do not import it; what they
+all share is in ``transforms/parallel/shared``.
 """
 
 from composable_atorch.transforms.parallel.data import deepspeed  # noqa: F401 - registers the DeepSpeed variants

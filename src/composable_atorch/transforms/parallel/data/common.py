@@ -1,4 +1,7 @@
-"""What the data-parallel transforms share: roles, conflict reasons, sync hooks, backend variants.
+"""What the data-parallel transforms share: conflict reasons, sync hooks, backend variants.
+
+(What every parallel axis shares — the context, the gradient-sync roles, averaging over a group,
+the broadcast of local tensors, the probe — is in :mod:`composable_atorch.transforms.parallel.shared`.)
 
 ``data_parallel`` (parallel_mode, ddp, zero1), ``sharding`` (fsdp, zero2) and ``deepspeed`` (their
 DeepSpeed engine variants) all import this module and none imports another's private helpers,
@@ -24,21 +27,8 @@ import torch.distributed as dist
 from torch import nn
 
 from composable_atorch.core.contract import Conflict, Implication, Package, When
-from composable_atorch.core.transform import TrainState
-from composable_atorch.errors import ConfigError, RequirementError
-from composable_atorch.runtime.layout import ParallelContext
+from composable_atorch.errors import ConfigError
 from composable_atorch.runtime.optim import OptimizerHook
-
-#: ``ParallelContext.extras`` keys expert_parallel fills: the experts modules it split (each rank holds
-#: other experts under the same names, so ddp / fsdp keep them out of the expert x data group), and the
-#: mesh of the ranks that hold the same experts (the data dimension; None without one).
-EXPERT_MODULES = "expert_modules"
-EXPERT_REPLICA_MESH = "expert_replica_mesh"
-
-#: The role every data-parallel engine that synchronizes gradients owns (exactly one per plan).
-GRAD_SYNC = "grad_sync"
-#: The role of whoever shards the optimizer state.
-OPTIMIZER_STATE_SHARDING = "optimizer_state_sharding"
 
 # -- the conflicts between gradient-sync owners, written once ----------------------------------
 DDP_VS_FSDP = "fsdp reduce-scatters gradients itself; DDP would all-reduce them a second time"
@@ -84,29 +74,6 @@ IMPLIES_PARALLEL_MODE = Implication(
     "parallel_mode",
     "data parallelism needs the data-parallel process group and the distributed sampler parallel_mode makes",
 )
-
-
-def implies_mesh_dim(dim: str, reason: str) -> Implication:
-    """parallel_mode with a ``(dim, 2)`` dimension, added when the plan has none.
-
-    Model-parallel families (tensor, pipeline, ds3d) all need a device mesh with their dimension in
-    it: compose adds ``parallel_mode([(dim, 2), ("data", 1)])`` (the data size then absorbs the rest
-    of the world), unless a step that lays out the mesh itself (role ``process_groups``) is present.
-    """
-    return Implication(
-        "parallel_mode", reason, config={"groups": ((dim, 2), ("data", 1))}, satisfied_by=("process_groups",)
-    )
-
-
-def parallel_context(state: TrainState, who: str) -> ParallelContext:
-    """The context parallel_mode left in the state; RequirementError if the plan had none."""
-    if not isinstance(state.parallel, ParallelContext):
-        raise RequirementError(
-            who,
-            "parallel_mode earlier in the plan",
-            f"compose {who} with parallel_mode(...) (compose() adds it unless strict)",
-        )
-    return state.parallel
 
 
 class GradSyncHook(OptimizerHook):
@@ -321,29 +288,6 @@ def zero_options(options, who: str, backend: str) -> tuple:
 def options_label(options) -> str:
     """``"; cpu_offload=True, ..."`` for describe(), or ``""``."""
     return "".join(f"; {k}={v!r}" for k, v in options)
-
-
-def broadcast_local(module: nn.Module, group) -> None:
-    """Make every rank of ``group`` start from its first rank's parameters and buffers (DTensors: their shards)."""
-    with torch.no_grad():
-        for t in [*module.parameters(), *module.buffers()]:
-            dist.broadcast(t._local_tensor if hasattr(t, "_local_tensor") else t.data, group=group, group_src=0)
-
-
-class DataGradSync(OptimizerHook):
-    """Average a stage's gradients over the data dimension before the step."""
-
-    def __init__(self, module: nn.Module, group, size: int):
-        self.module, self.group, self.size = module, group, size
-
-    def before_step(self, optimizer):
-        from torch.distributed.tensor import DTensor
-
-        for p in self.module.parameters():
-            if p.grad is not None:
-                g = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
-                dist.all_reduce(g, group=self.group)
-                g.div_(self.size)
 
 
 def full_clip_grad_norm_(parameters, max_norm, norm_type=2.0) -> torch.Tensor:

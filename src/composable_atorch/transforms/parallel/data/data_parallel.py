@@ -25,32 +25,33 @@ import torch
 from composable_atorch.core.contract import Conflict, Contract, Cost, DefaultOwner, Implication, MinWorldSize, Stage
 from composable_atorch.core.transform import ApplyContext, TrainState, Transform
 from composable_atorch.errors import ConfigError
-from composable_atorch.runtime.layout import make_context, normalize_groups, plan_layout, refit_note
+from composable_atorch.runtime.layout import normalize_groups, plan_layout, refit_note
 from composable_atorch.runtime.liveness import collective_timeout, watch
 from composable_atorch.runtime.loader import check_global_batch, dataset_size, padding_note, split_over_data
+from composable_atorch.runtime.mesh import make_context
 from composable_atorch.transforms.parallel.data.common import (
     DDP_VS_FSDP,
     DDP_VS_ZERO2,
-    EXPERT_MODULES,
-    EXPERT_REPLICA_MESH,
     FAIRSCALE,
-    GRAD_SYNC,
     IMPLIES_PARALLEL_MODE,
-    OPTIMIZER_STATE_SHARDING,
     SHARDED_STATE,
     ZERO_OPTION_DEFAULTS,
-    DataGradSync,
     ExpertGradSync,
     GradSyncHook,
     HasBackends,
-    broadcast_local,
     options_label,
-    parallel_context,
     sharded_optimizer,
     zero_options,
 )
 from composable_atorch.transforms.parallel.data.meshes import hybrid_option
-from composable_atorch.transforms.parallel.data.probe import Probe, probe_unused
+from composable_atorch.transforms.parallel.shared.probe import Probe, probe_unused
+from composable_atorch.transforms.parallel.shared.sync import (
+    GRAD_SYNC,
+    OPTIMIZER_STATE_SHARDING,
+    DataGradSync,
+    broadcast_local,
+    parallel_context,
+)
 
 # ---------------------------------------------------------------------------------------------
 # parallel_mode
@@ -277,16 +278,16 @@ class Ddp(Transform):
             kwargs["device_id"] = torch.cuda.current_device()
         if not self.find_unused_parameters:
             kwargs["find_unused_parameters"] = _probe_unused(state)
-        experts = pc.extras.get(EXPERT_MODULES)
-        if experts:  # expert parallelism: experts differ per expert rank, kept out of the expert x data replicas
-            kwargs["ignored_modules"] = experts
-            params = [p for m in experts for p in m.parameters() if p.requires_grad]
-            replicas = pc.extras.get(EXPERT_REPLICA_MESH)
-            size = 1 if replicas is None else replicas.size()
-            state.hooks.append(ExpertGradSync(params, replicas, size))
+        experts = pc.experts
+        if experts is not None:  # expert parallelism: experts differ per expert rank, kept out of the replicas
+            kwargs["ignored_modules"] = list(experts.modules)
+            params = [p for m in experts.modules for p in m.parameters() if p.requires_grad]
+            size = experts.replicas
+            state.hooks.append(ExpertGradSync(params, experts.replica_mesh, size))
+            n = len(experts.modules)
             state.note(
                 self.name,
-                f"{len(experts)} experts module(s) kept out of replicate: their gradients averaged over the {size} "
+                f"{n} experts module(s) kept out of replicate: their gradients averaged over the {size} "
                 "rank(s) holding the same experts before each step",
             )
         replicate(state.model, **kwargs)

@@ -23,16 +23,10 @@ from composable_atorch.core.contract import Conflict, Contract, Cost, Package, S
 from composable_atorch.core.transform import ApplyContext, TrainState
 from composable_atorch.errors import ConfigError, RequirementError
 from composable_atorch.runtime.optim import NAME_PREFIX_ATTR, OptimizerHook
-from composable_atorch.transforms.parallel.data.common import (
-    GRAD_SYNC,
-    IMPLIES_PARALLEL_MODE,
-    OPTIMIZER_STATE_SHARDING,
-    ZERO_DIM_DEEPSPEED,
-    options_label,
-    parallel_context,
-)
+from composable_atorch.transforms.parallel.data.common import IMPLIES_PARALLEL_MODE, ZERO_DIM_DEEPSPEED, options_label
 from composable_atorch.transforms.parallel.data.data_parallel import Zero1
 from composable_atorch.transforms.parallel.data.sharding import Fsdp, Zero2
+from composable_atorch.transforms.parallel.shared.sync import GRAD_SYNC, OPTIMIZER_STATE_SHARDING, parallel_context
 from composable_atorch.transforms.policy import PRECISION_READS, PrecisionPolicy
 
 _ENGINE = "the DeepSpeed engine runs backward, gradient sync and the step itself"

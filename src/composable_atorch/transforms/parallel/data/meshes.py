@@ -9,10 +9,10 @@ layout fsdp, zero2 and zero1 offer on several nodes).
 
 from __future__ import annotations
 
-from composable_atorch.core.context import LayoutOption, NotOffered, SearchContext
-from composable_atorch.core.transform import ApplyContext, TrainState, lookup
+from composable_atorch.core.context import NotOffered, SearchContext
+from composable_atorch.core.transform import ApplyContext, TrainState
 from composable_atorch.errors import ConfigError
-from composable_atorch.transforms.parallel.data.common import EXPERT_REPLICA_MESH
+from composable_atorch.transforms.parallel.shared.options import layout_option
 
 
 def shard_mesh(pc, spec, ctx: ApplyContext, state: TrainState, who: str):
@@ -83,7 +83,7 @@ def shard_experts(experts: list, pc, kwargs: dict, state: TrainState, who: str) 
 
     if not experts:
         return
-    replicas = pc.extras.get(EXPERT_REPLICA_MESH)
+    replicas = pc.experts.replica_mesh
     if replicas is None:
         params = {p for m in experts for p in m.parameters()}
         kwargs["ignored_params"] = (kwargs.get("ignored_params") or set()) | params
@@ -99,12 +99,6 @@ def shard_experts(experts: list, pc, kwargs: dict, state: TrainState, who: str) 
 
 
 # -- the search's layouts ------------------------------------------------------------------------------
-
-
-def layout_option(dim: str, n: int, world: int, label: str, *steps, admit=None) -> LayoutOption:
-    """The search's option of ``steps`` over ``dim`` of ``n``, the data dimension the rest of ``world``."""
-    layout = lookup("parallel_mode")(groups=((dim, n), ("data", world // n)))
-    return LayoutOption(label, layout, tuple(steps), dim, n, admit)
 
 
 def hybrid_option(search: SearchContext) -> tuple:

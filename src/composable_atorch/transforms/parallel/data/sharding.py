@@ -34,12 +34,9 @@ from composable_atorch.transforms._util import matches
 from composable_atorch.transforms.parallel.data.common import (
     DDP_VS_FSDP,
     DDP_VS_ZERO2,
-    EXPERT_MODULES,
     FAIRSCALE,
     FSDP_VS_ZERO2,
-    GRAD_SYNC,
     IMPLIES_PARALLEL_MODE,
-    OPTIMIZER_STATE_SHARDING,
     SHARDED_STATE,
     ZERO_DIM_FAIRSCALE,
     ZERO_OPTION_DEFAULTS,
@@ -50,7 +47,6 @@ from composable_atorch.transforms.parallel.data.common import (
     KeepGradBuffersHook,
     give_clip_grad_norm,
     options_label,
-    parallel_context,
     sharded_optimizer,
     zero_options,
 )
@@ -64,6 +60,7 @@ from composable_atorch.transforms.parallel.data.wrap import (
     target_name,
     wrap_targets,
 )
+from composable_atorch.transforms.parallel.shared.sync import GRAD_SYNC, OPTIMIZER_STATE_SHARDING, parallel_context
 from composable_atorch.transforms.policy import PRECISION_READS, PrecisionPolicy
 
 #: fully_shard keywords the transform sets itself; the rest may pass through ``fsdp_kwargs``.
@@ -116,7 +113,7 @@ def shard(spec: Fsdp, who: str, state: TrainState, ctx: ApplyContext, *, sync_at
     kwargs["offload_policy"] = (
         CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if spec.cpu_offload else OffloadPolicy()
     )
-    experts = list(pc.extras.get(EXPERT_MODULES, ()))
+    experts = [] if pc.experts is None else list(pc.experts.modules)
     if sync_at_start:  # experts differ per expert rank: expert_parallel started them from one model already
         broadcast_module_states(model, group, skip=[p for m in experts for p in m.parameters()])
     else:

@@ -258,3 +258,44 @@ class Ds3dHook(OptimizerHook):
 
     def zero_grad(self, optimizer, set_to_none):
         return True
+
+
+def _engine_dtype(config: dict) -> str:
+    """The dtype DeepSpeed's engine trains in, read back from its config (for the plan's note)."""
+    for half in ("bf16", "fp16"):
+        if config.get(half, {}).get("enabled"):
+            return half
+    return "fp32"
+
+
+def engine_notes(pc, sizes: dict, checked, specs, pipe, builder, config: dict) -> list[str]:
+    """ds_3d_parallel's lines for explain(): this rank's stage and layers, how they were built (``checked``: what
+    the transform read from the model; ``builder``: the StageBuilder) and sharded, the engine's config."""
+    stage = pc.layout.coordinate(pc.rank, "pipeline")
+    lo, hi = pipe.parts[stage], pipe.parts[stage + 1]
+    lines = [
+        f"DeepSpeed pipeline {sizes['pipeline']} x tensor {sizes['tensor']} x data {sizes['data']}; this rank is "
+        f"stage {stage}: layers {lo}..{hi - 1} of {len(specs)} ({', '.join(repr(s) for s in specs[lo:hi])})",
+        f"{checked.patch_note}; {checked.n_blocks} {checked.block} blocks balanced over the stages; layers built "
+        "from recorded init args, seeded base_seed + layer index",
+    ]
+    if checked.dropped_head:
+        lines.append(
+            f"{checked.dropped_head} is tied to {checked.entries[0][0]}: computed by the tied embedding's logit "
+            "helper on the last stage"
+        )
+    if builder.rewrite is not None:
+        done = sorted(set(builder.rewrite_notes)) or ["no layer built on this rank"]
+        lines.append(f"module_replace on each layer as it is built: {'; '.join(done)}")
+    if checked.shard:
+        lines.append(
+            f"Megatron-style tensor sharding of {len(checked.shard)} layers over the tensor dim of {sizes['tensor']} "
+            f"({len(checked.shrink)} shrunk, {len(checked.drops)} dropouts in seeded streams)"
+        )
+    lines.append(
+        f"engine config: micro-batch {config['train_micro_batch_size_per_gpu']}, "
+        f"{config['gradient_accumulation_steps']} micro-batches per train_batch, "
+        f"ZeRO-{config['zero_optimization']['stage']}, clipping {config.get('gradient_clipping', 0)}, "
+        f"{_engine_dtype(config)}"
+    )
+    return lines

@@ -35,20 +35,14 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
-from composable_atorch.core.contract import Conflict, Contract, Cost, Package, Stage
+from composable_atorch.core.contract import Conflict, Contract, Cost, Package, Stage, mesh_dim_implication
 from composable_atorch.core.transform import ApplyContext, TrainState, Transform
 from composable_atorch.errors import ConfigError, RequirementError
+from composable_atorch.runtime.axes import DATA, PIPELINE, TENSOR
 from composable_atorch.runtime.optim import NAME_PREFIX_ATTR, named_parameters
-from composable_atorch.runtime.train_step import PIPELINE_ATTR
 from composable_atorch.transforms._util import is_function as _is_function
-from composable_atorch.transforms.parallel.data.common import (
-    GRAD_SYNC,
-    OPTIMIZER_STATE_SHARDING,
-    implies_mesh_dim,
-    parallel_context,
-)
 from composable_atorch.transforms.parallel.data.deepspeed import check_half_supported
 from composable_atorch.transforms.parallel.ds3d.build import (
     StageBuilder,
@@ -66,6 +60,7 @@ from composable_atorch.transforms.parallel.ds3d.engine import (
     Ds3dRunner,
     check_ds_config_path,
     engine_config,
+    engine_notes,
     exact_clipping,
     frozen,
     read_ds_config,
@@ -73,6 +68,7 @@ from composable_atorch.transforms.parallel.ds3d.engine import (
     topology,
 )
 from composable_atorch.transforms.parallel.ds3d.tp import RandomStream
+from composable_atorch.transforms.parallel.shared.sync import GRAD_SYNC, OPTIMIZER_STATE_SHARDING, parallel_context
 from composable_atorch.transforms.parallel.tensor.planner import TPInfo, name_matches, normalize_plan
 from composable_atorch.transforms.policy import PRECISION_READS, PrecisionPolicy
 
@@ -141,14 +137,6 @@ def _no_zero_dim(_mine, pm) -> bool:
     return any(n == "zero" and s > 1 for n, s in pm.groups) or pm.rank_order is not None
 
 
-def _engine_dtype(config: dict) -> str:
-    """The dtype DeepSpeed's engine trains in, read back from its config (for the plan's note)."""
-    for half in ("bf16", "fp16"):
-        if config.get(half, {}).get("enabled"):
-            return half
-    return "fp32"
-
-
 @dataclass(frozen=True)
 class DeepSpeed3DParallel(Transform):
     """DeepSpeed pipeline x tensor x data parallelism; degrees from ``parallel_mode`` (see the module doc)."""
@@ -164,7 +152,8 @@ class DeepSpeed3DParallel(Transform):
         renames=True,  # a stage holds its layers only, named by DeepSpeed's layer index
         cost=Cost(simulated=False),  # DeepSpeed's engine cannot run on the estimate's fake tensors
         requires=(Package(name="deepspeed", extra="deepspeed"),),
-        implies=(implies_mesh_dim("pipeline", "the pipeline, tensor and data degrees are parallel_mode's groups"),),
+        implies=(mesh_dim_implication(PIPELINE, "the pipeline, tensor and data degrees are parallel_mode's groups"),),
+        uses=(PIPELINE, TENSOR, DATA),
         conflicts=(
             Conflict("ddp", f"{_ENGINE}; DDP would all-reduce a second time", "drop ddp"),
             Conflict("fsdp", f"{_ENGINE}; FSDP would shard and reduce the same parameters again", "drop fsdp"),
@@ -340,11 +329,8 @@ class DeepSpeed3DParallel(Transform):
         return builtin, (f"built-in patchers for {family}" if family else "default patchers (no family recognised)")
 
     # -- apply ------------------------------------------------------------------------------
-    def apply(self, state: TrainState, ctx: ApplyContext) -> TrainState:
-        pc = parallel_context(state, self.name)
-        layout = pc.layout
-        sizes = {n: layout.size(n) for n in ("pipeline", "tensor", "data")}
-        model = state.model
+    def _checked(self, model, pc, sizes: dict) -> _Checked:
+        """Everything read from the model and checked before any change (typed errors first)."""
         entries, dropped_head = check_model(model, module_list(model), self.tie_first)
         patchers, patch_note = self._patchers(model, entries)
         shard, shrink, drops = self._tp_placements(model, sizes["tensor"])
@@ -359,6 +345,10 @@ class DeepSpeed3DParallel(Transform):
                 "a process group (DeepSpeed's pipeline runs in a launched job)",
                 "launch with `python -m composable_atorch launch --nproc N train.py`",
             )
+        return _Checked(entries, dropped_head, patchers, patch_note, shard, shrink, drops, block, n_blocks)
+
+    def _config(self, state: TrainState, ctx: ApplyContext, sizes: dict) -> dict:
+        """DeepSpeed's engine config derived from the plan (micro-batches, precision, clipping) and ds_config."""
         per_rank = getattr(state.loader, "batch_size", None) if state.loader is not None else None
         user = read_ds_config(self.ds_config)
         clip = ctx.find("clip_grad")
@@ -379,24 +369,22 @@ class DeepSpeed3DParallel(Transform):
                 user["optimizer"],
                 "absent: the plan passes your torch optimizer to the engine",
             )
-
         for name in ("bf16", "fp16"):
             if config.get(name, {}).get("enabled"):
                 check_half_supported(name, self.name)
-        import deepspeed
+        return config
 
-        deepspeed.init_distributed(
-            dist_backend="gloo" if ctx.env.device == "cpu" else "nccl", auto_mpi_discovery=False, verbose=False
-        )
-        topo = topology(layout)
+    def _builder(self, model, pc, sizes: dict, checked: _Checked, ctx: ApplyContext) -> StageBuilder:
+        """What builds this rank's layers: recorded init args, tensor sharding, seeded dropout streams."""
+        layout = pc.layout
         tp_rank = layout.coordinate(pc.rank, "tensor")
         coords = (layout.coordinate(pc.rank, "pipeline"), layout.coordinate(pc.rank, "data"))
-        builder = StageBuilder(
+        return StageBuilder(
             root=model,
             base_seed=self.base_seed,
-            shard=shard,
-            shrink=shrink,
-            drops=drops,
+            shard=checked.shard,
+            shrink=checked.shrink,
+            drops=checked.drops,
             tp_group=pc.mesh["tensor"].get_group() if sizes["tensor"] > 1 else None,
             tp_rank=tp_rank,
             tp_size=sizes["tensor"],
@@ -404,66 +392,67 @@ class DeepSpeed3DParallel(Transform):
             replic_stream=RandomStream(_seed(self.base_seed, "replic", *coords)),
             parallel_stream=RandomStream(_seed(self.base_seed, "parallel", *coords, tp_rank)),
         )
-        helper = self.logit_helper or (
-            vocab_parallel_logit_helper if any(k == "vocab" for k, _ in shard.values()) else default_logit_helper
+
+    def apply(self, state: TrainState, ctx: ApplyContext) -> TrainState:
+        pc = parallel_context(state, self.name)
+        sizes = {n: pc.layout.size(n) for n in ("pipeline", "tensor", "data")}
+        model = state.model
+        checked = self._checked(model, pc, sizes)
+        config = self._config(state, ctx, sizes)
+        import deepspeed
+
+        deepspeed.init_distributed(
+            dist_backend="gloo" if ctx.env.device == "cpu" else "nccl", auto_mpi_discovery=False, verbose=False
         )
-        specs = layer_specs(builder, entries, patchers, self.tie_first, helper)
+        builder = self._builder(model, pc, sizes, checked, ctx)
+        helper = self.logit_helper or (
+            vocab_parallel_logit_helper
+            if any(k == "vocab" for k, _ in checked.shard.values())
+            else default_logit_helper
+        )
+        specs = layer_specs(builder, checked.entries, checked.patchers, self.tie_first, helper)
         pipe = pipeline_module_class()(
-            layers=specs, topology=topo, loss_fn=None, block_name=block, checkpointable_layers=[block]
+            layers=specs,
+            topology=topology(pc.layout),
+            loss_fn=None,
+            block_name=checked.block,
+            checkpointable_layers=[checked.block],
         )
         optimizer = (
             None
             if state.optim is None
-            else stage_optimizer(state.optim, state.param_names, pipe, entries, self.tie_first)
+            else stage_optimizer(state.optim, state.param_names, pipe, checked.entries, self.tie_first)
         )
         engine, ds_optim, _, _ = deepspeed.initialize(
             model=pipe, optimizer=optimizer, config=config, dist_init_required=False
         )
         if self.batch_fn is not None:
             engine.set_batch_fn(self.batch_fn)
-        exact_clipping(engine, tp_rank)
+        exact_clipping(engine, builder.tp_rank)
         setattr(engine, NAME_PREFIX_ATTR, "module.")
-        runner = Ds3dRunner(engine, config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"])
-        object.__setattr__(engine, PIPELINE_ATTR, runner)
+        state.runner = Ds3dRunner(  # train_step drives it (it travels on the plan's optimizer)
+            engine, config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"]
+        )
         state.hooks.append(Ds3dHook(clips=bool(config.get("gradient_clipping"))))
         state.model, state.optim = engine, ds_optim
         state.param_names = {id(p): n for n, p in named_parameters(engine).items()}
-        stage = layout.coordinate(pc.rank, "pipeline")
-        lo, hi = pipe.parts[stage], pipe.parts[stage + 1]
-        state.note(
-            self.name,
-            f"DeepSpeed pipeline {sizes['pipeline']} x tensor {sizes['tensor']} x data {sizes['data']}; this rank is "
-            f"stage {stage}: "
-            f"layers {lo}..{hi - 1} of {len(specs)} ({', '.join(repr(s) for s in specs[lo:hi])})",
-        )
-        state.note(
-            self.name,
-            f"{patch_note}; {n_blocks} {block} blocks balanced over the stages; layers built from recorded init args, "
-            "seeded base_seed + layer index",
-        )
-        if dropped_head:
-            state.note(
-                self.name,
-                f"{dropped_head} is tied to {entries[0][0]}: computed by the tied embedding's logit helper on the last "
-                "stage",
-            )
-        if builder.rewrite is not None:
-            done = sorted(set(builder.rewrite_notes)) or ["no layer built on this rank"]
-            state.note(self.name, f"module_replace on each layer as it is built: {'; '.join(done)}")
-        if shard:
-            state.note(
-                self.name,
-                f"Megatron-style tensor sharding of {len(shard)} layers over the tensor dim of {sizes['tensor']} "
-                f"({len(shrink)} shrunk, {len(drops)} dropouts in seeded streams)",
-            )
-        state.note(
-            self.name,
-            f"engine config: micro-batch {config['train_micro_batch_size_per_gpu']}, "
-            f"{config['gradient_accumulation_steps']} micro-batches per train_batch, "
-            f"ZeRO-{config['zero_optimization']['stage']}, clipping {config.get('gradient_clipping', 0)}, "
-            f"{_engine_dtype(config)}",
-        )
+        for line in engine_notes(pc, sizes, checked, specs, pipe, builder, config):
+            state.note(self.name, line)
         return state
+
+
+class _Checked(NamedTuple):
+    """What ds_3d_parallel read from the model before any change."""
+
+    entries: list
+    dropped_head: Any
+    patchers: dict
+    patch_note: str
+    shard: dict
+    shrink: dict
+    drops: dict
+    block: str
+    n_blocks: int
 
 
 def ds_3d_parallel(config: DeepSpeed3DParallelConfig | None = None, **fields) -> DeepSpeed3DParallel:

@@ -30,18 +30,15 @@ import torch.distributed as dist
 from torch import nn
 
 from composable_atorch.core.context import NotOffered
-from composable_atorch.core.contract import Conflict, Contract, MinWorldSize, Stage
+from composable_atorch.core.contract import Conflict, Contract, Stage
 from composable_atorch.core.transform import ApplyContext, TrainState, Transform
 from composable_atorch.errors import CompositionError
-from composable_atorch.transforms.parallel.data.common import (
-    EXPERT_MODULES,
-    EXPERT_REPLICA_MESH,
-    implies_mesh_dim,
-    parallel_context,
-)
-from composable_atorch.transforms.parallel.data.meshes import layout_option
+from composable_atorch.runtime.axes import EXPERT
+from composable_atorch.runtime.mesh import ExpertLayout
 from composable_atorch.transforms.parallel.expert.dispatch import dispatch_forward
 from composable_atorch.transforms.parallel.expert.families import family, find_experts
+from composable_atorch.transforms.parallel.shared.options import layout_option
+from composable_atorch.transforms.parallel.shared.sync import parallel_context
 
 #: the attribute an expert-parallel experts module carries (its :class:`ExpertShard`)
 SHARD_ATTR = "expert_parallel"
@@ -67,10 +64,6 @@ class ExpertShard:
         return self
 
 
-def _no_expert_dim(_mine, pm) -> bool:
-    return not any(n == "expert" for n, _ in pm.groups)
-
-
 def _not_fsdp_backend(_mine, theirs) -> bool:
     return getattr(theirs, "backend", "fsdp") not in ("fsdp", "torch")
 
@@ -91,19 +84,8 @@ class ExpertParallel(Transform):
     contract = Contract(
         stage=Stage.TENSOR_PARALLEL,
         roles=("expert_parallel",),
-        requires=(MinWorldSize(minimum=2, on_unmet="skip"),),
-        implies=(
-            implies_mesh_dim(
-                "expert", "expert parallelism splits experts over the 'expert' dimension of parallel_mode's device mesh"
-            ),
-        ),
+        axis=EXPERT,
         conflicts=(
-            Conflict(
-                "parallel_mode",
-                "parallel_mode has no 'expert' dimension to split the experts over",
-                "add ('expert', n) to parallel_mode's groups, e.g. parallel_mode([('expert', 2), ('data', 1)])",
-                when=_no_expert_dim,
-            ),
             Conflict(
                 "zero1",
                 f"zero1's optimizer broadcasts each parameter from one rank of expert x data, but {SPLIT}",
@@ -194,12 +176,12 @@ class ExpertParallel(Transform):
         batch_group = pc.data_group()
         held = full = 0
         for m in found.values():
+            pc.applied.record(self.name, m)
             shard = ExpertShard(degree, rank, m.num_experts // degree, m.num_experts, group, pc.mesh["expert"])
             _keep_local(m, shard, batch_group)
             held += sum(p.numel() for p in m.parameters())
             full += sum(p.numel() for p in m.parameters()) * degree
-        pc.extras[EXPERT_MODULES] = list(found.values())
-        pc.extras[EXPERT_REPLICA_MESH] = pc.mesh["data"] if "data" in pc.layout.names else None
+        pc.experts = ExpertLayout(tuple(found.values()), pc.mesh["data"] if "data" in pc.layout.names else None)
         first = getattr(next(iter(found.values())), SHARD_ATTR)
         state.note(
             self.name,

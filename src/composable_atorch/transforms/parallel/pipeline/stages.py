@@ -16,7 +16,6 @@ import torch
 from torch import nn
 
 from composable_atorch.errors import CompositionError
-from composable_atorch.runtime.train_step import PIPELINE_ATTR
 from composable_atorch.transforms.parallel.pipeline.anatomy import Anatomy, anatomy_of
 from composable_atorch.transforms.parallel.pipeline.cutter import cut_stage, hold, share
 
@@ -65,10 +64,20 @@ def anatomy(model: nn.Module, split_paths: tuple[str, ...] = ()) -> tuple[list[n
     return (an.blocks, *an.weights(model))
 
 
-def _guard(stage: nn.Module) -> None:
-    runner = getattr(stage, PIPELINE_ATTR, None)
-    if runner is not None and not runner.running:
-        raise PipelineLoopError()
+class StageGuard:
+    """Refuses a stage's forward outside its schedule once the runner is armed (the stage checks run it
+    before). The runner holds it and says when its schedule runs; the stage's forward calls it."""
+
+    def __init__(self):
+        self.armed = False
+        self.running = False
+
+    def __call__(self, stage: nn.Module) -> None:
+        if self.armed and not self.running:
+            raise PipelineLoopError()
+
+    def __deepcopy__(self, memo):  # a copy of a stage (a probe's replica) runs on its own
+        return StageGuard()
 
 
 def numel(m: nn.Module) -> int:
@@ -108,8 +117,9 @@ def balanced_cuts(weights: list[int], stages: int, head: int = 0, tail: int = 0)
 class _GPTStage(nn.Module):
     """One stage of the built-in GPT, its submodules under their original names."""
 
-    def __init__(self, model: nn.Module, first: bool, last: bool, blocks: range):
+    def __init__(self, model: nn.Module, first: bool, last: bool, blocks: range, guard: StageGuard | None = None):
         super().__init__()
+        self.guard = guard or StageGuard()
         if first:
             self.tok, self.pos = model.tok, model.pos
         self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in blocks})
@@ -118,7 +128,7 @@ class _GPTStage(nn.Module):
         self.first, self.last = first, last
 
     def forward(self, x):
-        _guard(self)
+        self.guard(self)
         if self.first:
             x = self.tok(x) + self.pos(torch.arange(x.size(1), device=x.device))
         for block in self.blocks.values():
@@ -134,27 +144,29 @@ def _holder_forward(self, *args, **kwargs):
 
 
 def rank_modules(
-    model: nn.Module, bounds: tuple[int, ...], local: list[int], an: Anatomy | None = None
+    model: nn.Module, bounds: tuple[int, ...], local: list[int], an: Anatomy | None = None, guard=None
 ) -> tuple[nn.Module, list[nn.Module]]:
     """(the module this rank keeps, one module per local stage) for stages ``local`` of ``bounds``.
 
-    One stage per rank: the kept module is the stage. Several: the kept module holds all of this
-    rank's pieces (names unchanged) and each stage is a view over its own pieces only.
+    One stage per rank: the kept module is the stage, its forward guarded by ``guard`` (a :class:`StageGuard`
+    the runner arms). Several: the kept module holds all of this rank's pieces (names unchanged; its own
+    forward always refuses) and each stage is a view over its own pieces only.
     """
+    guard = guard or StageGuard()
     n = len(bounds) - 1
     ranges = {s: range(bounds[s], bounds[s + 1]) for s in local}
     if len(local) == 1:
         s = local[0]
         if an is None:
-            stage = _GPTStage(model, s == 0, s == n - 1, ranges[s])
+            stage = _GPTStage(model, s == 0, s == n - 1, ranges[s], guard)
         else:
-            stage = cut_stage(model, an, s == 0, s == n - 1, ranges[s], _guard)
+            stage = cut_stage(model, an, s == 0, s == n - 1, ranges[s], guard)
         return stage, [stage]
     if an is not None:
-        stages = [cut_stage(share(model), an, s == 0, s == n - 1, ranges[s], _guard) for s in local]
+        stages = [cut_stage(share(model), an, s == 0, s == n - 1, ranges[s], StageGuard()) for s in local]
         hold(model, an, 0 in local, n - 1 in local, [i for s in local for i in ranges[s]])
         model.forward = types.MethodType(_holder_forward, model)
         return model, stages
     union = [i for s in local for i in ranges[s]]
-    kept = _GPTStage(model, 0 in local, n - 1 in local, sorted(union))
+    kept = _GPTStage(model, 0 in local, n - 1 in local, sorted(union), guard)  # never run by the schedule
     return kept, [_GPTStage(model, s == 0, s == n - 1, ranges[s]) for s in local]

@@ -41,153 +41,28 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from composable_atorch.core.contract import Conflict, Contract, MinWorldSize, Stage
+from composable_atorch.core.contract import Conflict, Contract, Stage
 from composable_atorch.core.transform import ApplyContext, TrainState, Transform
 from composable_atorch.errors import ConfigError, ParameterMappingError
+from composable_atorch.runtime.axes import DATA, PIPELINE
 from composable_atorch.runtime.loader import first_length
-from composable_atorch.runtime.sequence import probing, sequence_split
-from composable_atorch.runtime.train_step import PIPELINE_ATTR, mark_loss_group
-from composable_atorch.transforms.parallel.data.common import (
-    GRAD_SYNC,
-    DataGradSync,
-    broadcast_local,
-    implies_mesh_dim,
-    parallel_context,
-)
+from composable_atorch.runtime.sequence import probing
 from composable_atorch.transforms.parallel.pipeline.check import check_stages, references
 from composable_atorch.transforms.parallel.pipeline.cutter import call_whole, inputs_of, shared_sync, tied_sync
+from composable_atorch.transforms.parallel.pipeline.runner import SCHEDULES, ZERO_BUBBLE, PipelineRunner, stage_ranks
 from composable_atorch.transforms.parallel.pipeline.stages import (  # noqa: F401 - re-exported
     KNOWN_MODELS,
     PipelineLoopError,
+    StageGuard,
     anatomy,
     anatomy_full,
     balanced_cuts,
     numel,
     rank_modules,
 )
-
-#: schedule name -> (torch class name, stage placement: "single" | "loop" | "v")
-SCHEDULES = {
-    "GPipe": ("ScheduleGPipe", "single"),
-    "1F1B": ("Schedule1F1B", "single"),
-    "Interleaved1F1B": ("ScheduleInterleaved1F1B", "loop"),
-    "LoopedBFS": ("ScheduleLoopedBFS", "loop"),
-    "InterleavedZeroBubble": ("ScheduleInterleavedZeroBubble", "loop"),
-    "ZBVZeroBubble": ("ScheduleZBVZeroBubble", "v"),
-    "DualPipeV": ("ScheduleDualPipeV", "v"),
-}
-#: schedules that split the backward into input and weight passes (torch refuses compiled stages)
-ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
-
-
-def stage_ranks(schedule: str, pp: int, per_rank: int) -> dict[int, int]:
-    """stage index -> pipeline rank, as torch's multi-stage schedules place them."""
-    from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
-
-    style = SCHEDULES[schedule][1]
-    return generate_stage_to_rank_mapping(pp, pp * per_rank, style="v" if style == "v" else "loop")
-
-
-class PipelineRunner:
-    """What train_step drives: this rank's PipelineStage(s) and a schedule per loss function."""
-
-    def __init__(
-        self,
-        stages: list,
-        n_stages: int,
-        local: list[int],
-        last_rank: int,
-        microbatches: int,
-        schedule: str,
-        pp_group,
-        data_group,
-        data_size: int,
-        shared: list | None = None,
-        an=None,
-        main: str = "",
-    ):
-        self.stages, self.n_stages, self.local, self.last_rank = stages, n_stages, local, last_rank
-        #: parameters two of this rank's stages both use (a tied weight on a V's first and last stage):
-        #: torch's schedule would divide their gradients by the microbatches once per stage; scaled here once
-        self.shared = shared
-        #: the cut's Anatomy (its ``carry``: the batch's inputs besides ``main`` the stages hand on)
-        self.an, self.main = an, main
-        self.microbatches, self.schedule_name = microbatches, schedule
-        self.pp_group, self.data_group, self.data_size = pp_group, data_group, data_size
-        #: ``(group, size)`` of a sequence split installed before the cut: its ranks' losses are parts of one
-        self.split: tuple | None = None
-        self.running = False
-        self._schedules: dict[int, Any] = {}
-
-    def _schedule(self, loss_fn):
-        from torch.distributed.pipelining import schedules
-
-        key = id(loss_fn)
-        if key not in self._schedules:
-            cls_name, placement = SCHEDULES[self.schedule_name]
-            cls = getattr(schedules, cls_name)
-            stages = self.stages[0] if placement == "single" else self.stages
-            scale = {"scale_grads": False} if self.shared else {}
-            self._schedules[key] = (cls(stages, n_microbatches=self.microbatches, loss_fn=loss_fn, **scale), loss_fn)
-        return self._schedules[key][0]
-
-    def _inputs(self, inputs) -> tuple:
-        """The first stage's positional inputs: the tensor, or a batch dict's main input and then the
-        inputs the stages carry (an attention mask, token types: every rank reads their names from
-        its own copy of the batch)."""
-        if isinstance(inputs, dict):
-            if self.an is None:
-                raise ConfigError("pipeline inputs", sorted(inputs), "a tensor for the built-in GPT")
-            main = self.main or next(iter(inputs))
-            if main not in inputs:
-                raise ConfigError("pipeline inputs", sorted(inputs), f"a dict holding the model's input {main!r}")
-            self.an.carry[:] = [k for k in inputs if k != main and inputs[k] is not None]
-            tensors = (inputs[main], *(inputs[k] for k in self.an.carry))
-        else:
-            if self.an is not None:
-                self.an.carry[:] = []
-            tensors = (inputs,)
-        for t in tensors:
-            if not isinstance(t, torch.Tensor) or t.size(0) % self.microbatches:
-                raise ConfigError(
-                    "pipeline batch",
-                    tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__,
-                    f"tensors whose batch size is a multiple of microbatches={self.microbatches}",
-                )
-        return tensors
-
-    def step(self, inputs, targets, loss_fn) -> float:
-        """Forward and backward of one global (per data rank) batch; the mean loss on every rank."""
-        tensors = self._inputs(inputs)
-        schedule = self._schedule(loss_fn)
-        losses: list[torch.Tensor] = []
-        first, last = 0 in self.local, self.n_stages - 1 in self.local
-        args = tensors if first else ()
-        kwargs = {"target": targets, "losses": losses} if last else {}
-        self.running = True
-        try:
-            schedule.step(*args, return_outputs=False, **kwargs)
-        finally:
-            self.running = False
-        for p in self.shared or ():
-            if p.grad is not None:
-                p.grad.div_(self.microbatches)
-        mean = torch.stack([v.detach().float() for v in losses]).mean() if losses else torch.zeros(())
-        dist.broadcast(mean, group=self.pp_group, group_src=self.last_rank)
-        if self.data_size > 1:
-            dist.all_reduce(mean, group=self.data_group)
-            mean /= self.data_size
-        if self.split is not None:  # each rank of a sequence split reports its part's mean
-            dist.all_reduce(mean, group=self.split[0])
-            mean /= self.split[1]
-        return float(mean)
-
-
-def _no_pipeline_dim(_mine, pm) -> bool:
-    return not any(n == "pipeline" for n, _ in pm.groups)
+from composable_atorch.transforms.parallel.shared.sync import GRAD_SYNC, DataGradSync, broadcast_local, parallel_context
 
 
 def _zero_bubble(mine, _compile) -> bool:
@@ -218,23 +93,12 @@ class PipelineParallel(Transform):
     contract = Contract(
         stage=Stage.PIPELINE_SPLIT,
         owns=(GRAD_SYNC,),
-        # ATorch drops distributed methods in one process (remove_distributed_method): skipped, with the reason
-        requires=(MinWorldSize(minimum=2, on_unmet="skip"),),
         roles=("pipeline", "model_parallel"),
         renames=True,  # each rank keeps the parameters of its stage only (names unchanged)
-        implies=(
-            implies_mesh_dim(
-                "pipeline", "pipeline stages live on the 'pipeline' dimension of parallel_mode's device mesh"
-            ),
-        ),
+        axis=PIPELINE,
+        uses=(DATA,),
         conflicts=(
             ACCUMULATE_CONFLICT,
-            Conflict(
-                "parallel_mode",
-                "parallel_mode has no 'pipeline' dimension to cut stages over",
-                "add ('pipeline', n) to parallel_mode's groups, e.g. parallel_mode([('pipeline', 2), ('data', 1)])",
-                when=_no_pipeline_dim,
-            ),
             Conflict(
                 "compile",
                 "torch's zero-bubble schedules split each backward into input and weight passes, "
@@ -356,86 +220,81 @@ class PipelineParallel(Transform):
             )
         return an, split
 
-    def apply(self, state: TrainState, ctx: ApplyContext, cut_plan=None) -> TrainState:
-        from torch.distributed.pipelining import PipelineStage
-
-        pc = parallel_context(state, self.name)
-        pp = pc.layout.size("pipeline")
-        model = state.model
-        with probing():  # the probe forwards see the model as one process runs it (a sequence split stays out)
-            an, cuts = cut_plan or self.cut_plan(model, pp, state.loader)  # checks before any change
-        if (
-            state.loader is not None
-            and getattr(state.loader, "batch_size", None)
-            and state.loader.batch_size % self.microbatches
-        ):
+    def _check_batch(self, loader) -> None:
+        if loader is not None and getattr(loader, "batch_size", None) and loader.batch_size % self.microbatches:
             raise ConfigError(
                 "loader per-rank batch",
-                state.loader.batch_size,
+                loader.batch_size,
                 f"a multiple of pipeline_parallel.microbatches={self.microbatches}",
             )
-        if not pc.distributed or pp == 1:
-            state.note(self.name, "pipeline size 1: model left whole")
-            if pc.distributed and pc.data_size > 1:  # this step owns gradient sync: the data ranks must agree
-                group = pc.data_group()
-                broadcast_local(model, group)
-                state.hooks.append(DataGradSync(model, group, pc.data_size))
-                mark_loss_group(model, group, pc.data_size)
-                state.note(self.name, f"gradients averaged over the data dim of {pc.data_size} before each step")
-            return state
+
+    def _cut(self, model: nn.Module, pc, an, cuts) -> Cut:
+        """This rank's stages of the model (cut in place where the generic cutter cuts it)."""
+        pp = pc.layout.size("pipeline")
         index = pc.layout.coordinate(pc.rank, "pipeline")
-        n_stages = pp * self.stages_per_rank
         placement = stage_ranks(self.schedule, pp, self.stages_per_rank)
         local = sorted(s for s, r in placement.items() if r == index)
         blocks = anatomy(model)[0] if an is None else an.blocks
         bounds = (0, *cuts, len(blocks))
         sizes = [sum(numel(blocks[i]) for i in range(lo, hi)) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
-        kept, stage_mods = rank_modules(model, bounds, local, an)
-        pp_group = pc.mesh["pipeline"].get_group()
-        with probing():  # every rank of the pipeline refuses when one stage does (none waits on it in training)
-            checked = check_stages(an, stage_mods, local, bounds, pp_group)
-        # a tied weight the last stage holds through its head only goes by the head's name there
-        state.param_names.update({id(p): n for n, p in kept.named_parameters()})
-        data_group = pc.data_group() if pc.data_size > 1 else None
-        if data_group is not None:
-            broadcast_local(kept, data_group)
-            state.hooks.append(DataGradSync(kept, data_group, pc.data_size))
-        tie = tied_sync(an, kept, local, n_stages, placement, pp_group)
-        if tie is not None:  # a sum over the two stages; the data average above commutes with it
-            state.hooks.append(tie)
-        common = shared_sync(an, kept, pp_group)
-        if common is not None:
-            state.hooks.append(common)
+        guard = StageGuard()
+        kept, stage_mods = rank_modules(model, bounds, local, an, guard)
+        return Cut(pp * self.stages_per_rank, placement, local, bounds, sizes, kept, stage_mods, guard)
+
+    def _runner(self, ctx: ApplyContext, pc, model: nn.Module, an, cut: Cut, pp_group) -> PipelineRunner:
+        from torch.distributed.pipelining import PipelineStage
+
         device = torch.device(ctx.env.device)
-        pstages = [
-            PipelineStage(m, s, n_stages, device, group=pp_group) for s, m in zip(local, stage_mods, strict=True)
+        n = cut.n_stages
+        stages = [
+            PipelineStage(m, s, n, device, group=pp_group) for s, m in zip(cut.local, cut.stage_mods, strict=True)
         ]
-        runner = PipelineRunner(
-            pstages,
-            n_stages,
-            local,
-            placement[n_stages - 1],
+        return PipelineRunner(
+            stages,
+            n,
+            cut.local,
+            cut.placement[n - 1],
             self.microbatches,
             self.schedule,
             pp_group,
-            data_group,
-            pc.data_size,
-            _shared(kept, stage_mods),
+            pc.loss_group(),
+            _shared(cut.kept, cut.stage_mods),
             an,
             inputs_of(model, an)[0] if an is not None else "",
+            cut.guard,
         )
-        runner.split = sequence_split(model)
-        object.__setattr__(kept, PIPELINE_ATTR, runner)  # a plain attribute, not a submodule
-        mark_loss_group(kept, data_group, pc.data_size)
+
+    def apply(self, state: TrainState, ctx: ApplyContext) -> TrainState:
+        pc = parallel_context(state, self.name)
+        pp = pc.layout.size("pipeline")
+        model = state.model
+        with probing():  # the probe forwards see the model as one process runs it (a sequence split stays out)
+            an, cuts = self.cut_plan(model, pp, state.loader)  # checks before any change
+        self._check_batch(state.loader)
+        if not pc.distributed or pp == 1:
+            return _whole(state, pc, self.name)
+        cut = self._cut(model, pc, an, cuts)
+        pp_group = pc.mesh["pipeline"].get_group()
+        with probing():  # every rank of the pipeline refuses when one stage does (none waits on it in training)
+            checked = check_stages(an, cut.stage_mods, cut.local, cut.bounds, pp_group)
+        # a tied weight the last stage holds through its head only goes by the head's name there
+        state.param_names.update({id(p): n for n, p in cut.kept.named_parameters()})
+        _sync(state, pc, an, cut, pp_group)
+        state.runner = self._runner(ctx, pc, model, an, cut, pp_group)  # train_step drives it (on the plan's optim)
         if state.optim is not None:
-            state.optim = _stage_optimizer(state.optim, state.param_names, kept)
-        state.model = kept
-        ranges = [f"{bounds[s]}..{bounds[s + 1] - 1}" for s in range(n_stages)]
+            state.optim = _stage_optimizer(state.optim, state.param_names, cut.kept)
+        state.model = cut.kept
+        state.note(self.name, self._line(model, pc, an, cut, checked))
+        return state
+
+    def _line(self, model: nn.Module, pc, an, cut: Cut, checked: str) -> str:
+        """explain()'s line for the cut: the stages, this rank's, the schedule and how gradients are kept equal."""
+        ranges = [f"{cut.bounds[s]}..{cut.bounds[s + 1] - 1}" for s in range(cut.n_stages)]
         line = (
-            f"{n_stages} stages over blocks {ranges} (block params {sizes}); this rank holds stage(s) {local}; "
-            f"{self.schedule}, {self.microbatches} microbatches; train with composable_atorch.train_step"
+            f"{cut.n_stages} stages over blocks {ranges} (block params {cut.sizes}); this rank holds stage(s) "
+            f"{cut.local}; {self.schedule}, {self.microbatches} microbatches; train with composable_atorch.train_step"
         )
-        if data_group is not None:
+        if pc.data_size > 1:
             line += f"; stage gradients averaged over the data dim of {pc.data_size}"
         if an is not None:
             line += f"; cut {type(model).__name__} at {an.path!r}, embeddings / head told apart by {an.source}"
@@ -444,8 +303,48 @@ class PipelineParallel(Transform):
             if an.shared:
                 line += f"; {an.shared} held by every stage (they feed every block), gradients summed over the pipeline"
             line += f"; {checked}"
-        state.note(self.name, line)
-        return state
+        return line
+
+
+@dataclass(frozen=True)
+class Cut:
+    """This rank's part of the cut: the stage count and placement, its stage indices, block bounds and sizes,
+    the module it keeps, one module per local stage, and the guard its runner arms."""
+
+    n_stages: int
+    placement: dict[int, int]
+    local: list[int]
+    bounds: tuple[int, ...]
+    sizes: list[int]
+    kept: nn.Module
+    stage_mods: list[nn.Module]
+    guard: StageGuard
+
+
+def _whole(state: TrainState, pc, who: str) -> TrainState:
+    """Pipeline size 1: the model is left whole; this step owns gradient sync, so the data ranks must agree."""
+    state.note(who, "pipeline size 1: model left whole")
+    if pc.distributed and pc.data_size > 1:
+        group = pc.data_group()
+        broadcast_local(state.model, group)
+        state.hooks.append(DataGradSync(state.model, group, pc.data_size))
+        state.note(who, f"gradients averaged over the data dim of {pc.data_size} before each step")
+    return state
+
+
+def _sync(state: TrainState, pc, an, cut: Cut, pp_group) -> None:
+    """The stage's gradient hooks: averaged over the data replicas, a tied weight summed over its two stages,
+    parameters every stage holds summed over the pipeline."""
+    if pc.data_size > 1:
+        group = pc.data_group()
+        broadcast_local(cut.kept, group)
+        state.hooks.append(DataGradSync(cut.kept, group, pc.data_size))
+    tie = tied_sync(an, cut.kept, cut.local, cut.n_stages, cut.placement, pp_group)
+    if tie is not None:  # a sum over the two stages; the data average above commutes with it
+        state.hooks.append(tie)
+    common = shared_sync(an, cut.kept, pp_group)
+    if common is not None:
+        state.hooks.append(common)
 
 
 def _shared(kept: nn.Module, stage_mods: list[nn.Module]) -> list | None:

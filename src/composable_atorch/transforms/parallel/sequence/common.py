@@ -8,8 +8,8 @@ process computes). That mean is taken before the optimizer step by an all-reduce
 (:class:`DataGradSync`); the data dimension is synchronized by ddp / fsdp as without the split.
 
 With model parallelism: the split is applied after ``tensor_parallel`` (it routes each rank's
-heads; the reported loss is averaged over data x the split's group), and before
-``pipeline_parallel`` (``mixed_parallel``, doing both in one step, applies the split between them),
+heads; the reported loss is averaged over data x the split's group: the parallel context's loss
+group), and before ``pipeline_parallel`` (``mixed_parallel`` expands into both, the split between them),
 whose probe forwards run with the split inert
 (:func:`composable_atorch.runtime.sequence.probing`) and whose own loss report averages over the
 split's group; transformers models get their global positions at the base model, which a
@@ -23,18 +23,13 @@ state a split leaves whole: :func:`split_refused`).
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any
 
 from composable_atorch.core.context import NotOffered, SearchContext
 from composable_atorch.core.contract import Conflict, Order
 from composable_atorch.core.transform import ApplyContext, TrainState, Transform
 from composable_atorch.errors import ConfigError
-from composable_atorch.runtime.layout import BATCH_DIMS
 from composable_atorch.runtime.loader import first_length, rebuild_loader
-from composable_atorch.runtime.sequence import mark_sequence_split
-from composable_atorch.transforms.parallel.data.common import DataGradSync, broadcast_local, parallel_context
-from composable_atorch.transforms.parallel.data.meshes import layout_option
 from composable_atorch.transforms.parallel.sequence import check as split_check
 from composable_atorch.transforms.parallel.sequence.attention import (
     Attend,
@@ -48,9 +43,11 @@ from composable_atorch.transforms.parallel.sequence.attention import (
 from composable_atorch.transforms.parallel.sequence.loss import SPLIT_ATTR, SequenceLossGuard, check_loss
 from composable_atorch.transforms.parallel.sequence.recompute import intercept_checkpointed
 from composable_atorch.transforms.parallel.sequence.shard import DataSignals, ShardCollate, check_length, shard_batch
+from composable_atorch.transforms.parallel.shared.options import layout_option
+from composable_atorch.transforms.parallel.shared.sync import DataGradSync, broadcast_local, parallel_context
 
-#: ``ParallelContext.extras`` key: the name of the split transform already applied (by mixed_parallel)
-APPLIED_KEY = "sequence_split_applied"
+#: the kind a split records in the parallel context's registry of what was applied to which module
+SPLIT_KIND = "sequence_split"
 
 NOT_WITH_MODEL_PARALLEL = "is not built together with {other} in this version (untested: {why})"
 
@@ -69,31 +66,18 @@ def model_parallel_conflicts(who: str) -> tuple[Conflict, ...]:
 
 def after_tensor_parallel(who: str) -> Order:
     """The split applies to the tensor-parallel model: the tensor planner traces the user's forward
-    untouched, and the split's loss group (set last) is the one train_step reads."""
+    untouched, and the split routes the attention of the sharded model (each rank's heads)."""
     return Order(
         "tensor_parallel",
-        f"{who} routes the attention of the tensor-sharded model (each rank's heads) and averages the loss over "
-        "data x its group, which tensor_parallel's data-only loss group would overwrite",
+        f"{who} routes the attention of the tensor-sharded model (each rank's heads); tensor_parallel's planner "
+        "traces the user's forward untouched",
     )
 
 
-def mark_split_loss_group(model, pc, dim: str) -> str | None:
-    """train_step averages the reported loss over the ranks holding different tokens: data x ``dim``.
-
-    Only needed when a model-parallel transform marked the data group alone (without one, the
-    whole world is averaged, which is the same group); the group is flattened from the mesh, as
-    torchtitan flattens data x context."""
-    from composable_atorch.runtime.train_step import LOSS_GROUP_ATTR, mark_loss_group
-
-    if getattr(model, LOSS_GROUP_ATTR, None) is None:
-        return None
-    names = tuple(n for n in pc.layout.mesh_dim_names if n in (*BATCH_DIMS, dim) and pc.layout.size(n) > 1)
-    key = "sequence_loss_mesh_" + "_".join(names)
-    if key not in pc.extras:
-        pc.extras[key] = pc.mesh[names[0]] if len(names) == 1 else pc.mesh[names]._flatten("_".join(names))
-    size = math.prod(pc.layout.size(n) for n in names)
-    mark_loss_group(model, pc.extras[key].get_group(), size)
-    return f"loss reported as the mean over {' x '.join(names)} ({size} ranks)"
+def loss_note(pc) -> str:
+    """explain()'s line for the group train_step averages the reported loss over (derived from the layout)."""
+    names = pc.loss_dims()
+    return f"loss reported as the mean over {' x '.join(names)} ({pc.loss_group()[1]} ranks)"
 
 
 def _heads(model) -> tuple[int | None, int | None]:
@@ -113,9 +97,6 @@ def apply_split(
         why = "no process group" if not pc.distributed else f"a {dim} dimension of 1 ({pc.layout.describe()})"
         state.note(who, f"{why}: every rank holds whole sequences, model left as it is")
         return state
-    if pc.extras.get(APPLIED_KEY) == who:  # mixed_parallel applied it between its tensor and pipeline steps
-        state.note(who, "applied by mixed_parallel between its tensor and pipeline steps")
-        return state
     model, balanced = state.model, kind == "context"
     # -- every check before any change --
     interface = uses_attention_interface(model)
@@ -128,7 +109,7 @@ def apply_split(
             "a forward(tokens, position_ids=None) that uses the positions it is given (each rank holds a part of "
             f"the sequence), or {who}(positions=False) for a model without positions",
         )
-    pipelined = ctx.find("pipeline_parallel") is not None or pc.layout.size("pipeline") > 1  # or mixed_parallel's
+    pipelined = ctx.find("pipeline_parallel") is not None or pc.layout.size("pipeline") > 1
     if positions and pipelined and positions_module(model) is model:
         raise ConfigError(
             f"{who} with pipeline_parallel",
@@ -173,15 +154,13 @@ def apply_split(
             shard=lambda batch, total: shard_batch(batch, rank, n, balanced, who, total),
         )
     state.note(who, skipped)
-    pc.extras[APPLIED_KEY] = who
-    _install(state, model, attend, length)
-    loss_note = mark_split_loss_group(model, pc, dim)
-    if loss_note:
-        state.note(who, loss_note)
+    pc.applied.record(SPLIT_KIND, model)
+    _install(state, pc, model, attend, length)
+    state.note(who, loss_note(pc))
     return state
 
 
-def _install(state: TrainState, model, attend: Attend, length: int | None) -> None:
+def _install(state: TrainState, pc, model, attend: Attend, length: int | None) -> None:
     """The split's state on the model, its loader split and its optimizer hooks (the loss guard, the
     gradient sync over the group)."""
     who, rank, n, balanced = attend.who, attend.rank, attend.n, attend.balanced
@@ -201,8 +180,7 @@ def _install(state: TrainState, model, attend: Attend, length: int | None) -> No
             else "a batch dict with labels is refused (the model does not compute its loss from shift_labels)",
         )
     setattr(model, SPLIT_ATTR, attend)  # for sequence_cross_entropy (a copy of the model gets a local one)
-    # for a pipeline's own loss report, and train_step's check of its loss_fn
-    mark_sequence_split(model, attend.group, n, functools.partial(check_loss, attend))
+    pc.loss_check = functools.partial(check_loss, attend)  # train_step's check of its loss_fn
     guard = SequenceLossGuard(attend, DataSignals())
     if state.loader is not None:
         loader = rebuild_loader(state.loader)

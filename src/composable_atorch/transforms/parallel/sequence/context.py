@@ -19,10 +19,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from composable_atorch.core.contract import Conflict, Contract, MinWorldSize, Stage
+from composable_atorch.core.contract import Contract, Stage
 from composable_atorch.core.transform import ApplyContext, TrainState, Transform
 from composable_atorch.errors import ConfigError
-from composable_atorch.transforms.parallel.data.common import implies_mesh_dim
+from composable_atorch.runtime.axes import CONTEXT
 from composable_atorch.transforms.parallel.sequence.common import (
     after_tensor_parallel,
     apply_split,
@@ -32,10 +32,6 @@ from composable_atorch.transforms.parallel.sequence.common import (
 )
 
 ROTATIONS = ("allgather", "ring")
-
-
-def _no_context_dim(_mine, pm) -> bool:
-    return not any(n == "context" for n, _ in pm.groups)
 
 
 @dataclass(frozen=True)
@@ -48,21 +44,8 @@ class ContextParallel(Transform):
         roles=("sequence_split",),
         reads=("checkpoint", "pipeline_parallel"),
         orders=(after_tensor_parallel("context_parallel"),),
-        requires=(MinWorldSize(minimum=2, on_unmet="skip"),),
-        implies=(
-            implies_mesh_dim(
-                "context", "context parallelism splits sequences over parallel_mode's 'context' dimension"
-            ),
-        ),
-        conflicts=(
-            Conflict(
-                "parallel_mode",
-                "parallel_mode has no 'context' dimension to split sequences over",
-                "add ('context', n) to parallel_mode's groups, e.g. parallel_mode([('context', 2), ('data', 1)])",
-                when=_no_context_dim,
-            ),
-            *model_parallel_conflicts("context_parallel"),
-        ),
+        axis=CONTEXT,
+        conflicts=model_parallel_conflicts("context_parallel"),
     )
 
     #: pass global ``position_ids`` to the model's forward (False: a model without positions)

@@ -16,10 +16,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from composable_atorch.core.contract import Conflict, Contract, MinWorldSize, Stage
-from composable_atorch.core.transform import ApplyContext, TrainState, Transform
+from composable_atorch.core.contract import Conflict, Contract, Stage
+from composable_atorch.core.transform import ApplyContext, TrainState, Transform, build
 from composable_atorch.errors import ConfigError
-from composable_atorch.transforms.parallel.data.common import implies_mesh_dim
+from composable_atorch.runtime.axes import SEQUENCE
 from composable_atorch.transforms.parallel.sequence.common import (
     after_tensor_parallel,
     apply_split,
@@ -28,10 +28,6 @@ from composable_atorch.transforms.parallel.sequence.common import (
     seed_size,
     split_options,
 )
-
-
-def _no_sequence_dim(_mine, pm) -> bool:
-    return not any(n == "sequence" for n, _ in pm.groups)
 
 
 def _sp_size_differs(mine, pm) -> bool:
@@ -60,15 +56,8 @@ class Ulysses(Transform):
         roles=("sequence_split",),
         reads=("checkpoint", "pipeline_parallel"),
         orders=(after_tensor_parallel("sequence_parallel"),),
-        requires=(MinWorldSize(minimum=2, on_unmet="skip"),),
-        implies=(implies_mesh_dim("sequence", "Ulysses splits sequences over parallel_mode's 'sequence' dimension"),),
+        axis=SEQUENCE,
         conflicts=(
-            Conflict(
-                "parallel_mode",
-                "parallel_mode has no 'sequence' dimension to split sequences over",
-                "add ('sequence', n) to parallel_mode's groups, e.g. parallel_mode([('sequence', 2), ('data', 1)])",
-                when=_no_sequence_dim,
-            ),
             Conflict(
                 "parallel_mode",
                 "sequence_parallel's sp_size is the sequence size of parallel_mode, and the two differ",
@@ -126,14 +115,16 @@ class Ulysses(Transform):
         """sp_size becomes parallel_mode's sequence size: added to its groups when they have no sequence
         dimension (the data size absorbs the rest), or parallel_mode([("sequence", sp_size), ("data", 1)])
         when the strategy has none and sp_size is not the implied 2; a different sequence size there contradicts it."""
-        from composable_atorch.transforms.parallel.data import ParallelMode
-
         sp = self.sp_size
         if sp is None:
             return transforms
-        pm = next((t for t in transforms if isinstance(t, ParallelMode)), None)
+        pm = next((t for t in transforms if t.name == "parallel_mode"), None)
         if pm is None:  # sequence 2 is what the contract's implication adds (in a world where the step runs)
-            return transforms if sp == 2 else (ParallelMode(groups=(("sequence", sp), ("data", 1))), *transforms)
+            return (
+                transforms
+                if sp == 2
+                else (build("parallel_mode", {"groups": (("sequence", sp), ("data", 1))}), *transforms)
+            )
         size = dict(pm.groups).get("sequence")
         if size is not None and size != sp:
             raise ConfigError("sequence_parallel.sp_size", sp, f"parallel_mode's sequence size {size}, or no sp_size")

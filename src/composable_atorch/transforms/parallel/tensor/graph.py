@@ -27,7 +27,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from composable_atorch.transforms.example_input import example_input  # noqa: F401 - re-exported
-from composable_atorch.transforms.parallel.data.probe import (  # noqa: F401 - re-exported
+from composable_atorch.transforms.parallel.shared.probe import (  # noqa: F401 - re-exported
     features,
     is_conv1d,
     is_linear,

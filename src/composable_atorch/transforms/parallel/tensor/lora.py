@@ -24,7 +24,7 @@ import types
 import torch
 from torch import nn
 
-from composable_atorch.transforms.parallel.data.probe import is_linear
+from composable_atorch.transforms.parallel.shared.probe import is_linear
 
 
 def is_wrapper(m: nn.Module) -> bool:

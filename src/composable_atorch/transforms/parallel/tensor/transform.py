@@ -26,7 +26,7 @@ Megatron-style sequence parallelism is this transform with ``sequence_parallel=T
 name ``sequence_parallel`` is Ulysses (``transforms/parallel/sequence``).
 Dropout streams follow the plan's ``replic_drop`` / ``parallel_drop``
 (see :mod:`.dropout`); fused (strided) layers are checkpointed in the user's unpermuted layout
-(see :mod:`.layout`). ``train_step`` averages the loss over the plan's data dimension.
+(see :mod:`.layout`). ``train_step`` averages the loss over the plan's loss group (its data dimension).
 Before the probe and the sharding every rank takes the first rank's whole weights (a model built
 without a common seed trains as rank 0's, as under ddp / fsdp).
 """
@@ -39,11 +39,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from composable_atorch.core.contract import Conflict, Contract, MinWorldSize, Stage
+from composable_atorch.core.contract import Conflict, Contract, Stage
 from composable_atorch.core.transform import ApplyContext, TrainState, Transform
 from composable_atorch.errors import ConfigError
-from composable_atorch.runtime.train_step import mark_loss_group
-from composable_atorch.transforms.parallel.data.common import broadcast_local, implies_mesh_dim, parallel_context
+from composable_atorch.runtime.axes import TENSOR
+from composable_atorch.transforms.parallel.shared.sync import broadcast_local, parallel_context
 from composable_atorch.transforms.parallel.tensor import check, lora
 from composable_atorch.transforms.parallel.tensor.dropout import sequence_sliced
 from composable_atorch.transforms.parallel.tensor.planner import (
@@ -74,8 +74,13 @@ from composable_atorch.transforms.parallel.tensor.styles import (
 # ---------------------------------------------------------------------------------------------
 
 
-def _no_tensor_dim(_mine, pm) -> bool:
-    return not any(n == "tensor" for n, _ in pm.groups)
+#: measured: ZeroRedundancyOptimizer's broadcast of a DTensor parameter raises NotImplementedError at the first step
+ZERO1_CONFLICT = Conflict(
+    "zero1",
+    "zero1's optimizer broadcasts each parameter from the rank that updated it, and torch has no broadcast rule "
+    "for tensor-parallel DTensor parameters (NotImplementedError at the first step)",
+    "shard the optimizer state with fsdp() or zero2() (FSDP2 takes DTensors: tensor x data), or drop zero1",
+)
 
 
 @dataclass(frozen=True)
@@ -94,21 +99,8 @@ class TensorParallel(Transform):
     contract = Contract(
         stage=Stage.TENSOR_PARALLEL,
         roles=("tensor_parallel", "model_parallel"),
-        # ATorch drops distributed methods in one process (remove_distributed_method): skipped, with the reason
-        requires=(MinWorldSize(minimum=2, on_unmet="skip"),),
-        implies=(
-            implies_mesh_dim(
-                "tensor", "tensor parallelism shards over the 'tensor' dimension of parallel_mode's device mesh"
-            ),
-        ),
-        conflicts=(
-            Conflict(
-                "parallel_mode",
-                "parallel_mode has no 'tensor' dimension to shard over",
-                "add ('tensor', n) to parallel_mode's groups, e.g. parallel_mode([('tensor', 2), ('data', 1)])",
-                when=_no_tensor_dim,
-            ),
-        ),
+        axis=TENSOR,
+        conflicts=(ZERO1_CONFLICT,),
     )
 
     plan: Any = "auto"
@@ -128,6 +120,30 @@ class TensorParallel(Transform):
         if isinstance(config, dict) and ("plan" in config or "sequence_parallel" in config):
             return cls(**config)
         return cls(plan=config)
+
+    @classmethod
+    def candidates(cls, search):
+        """On paper only (``search.on_paper``): one ``tensor t x data d`` layout per degree t up to the
+        devices of one node whose data size divides the global batch, so any data-parallel engine (fsdp
+        over the data dimension: 2-D parallelism) composes with it. A trial search measures tensor
+        degrees through mixed_parallel's own; its space is unchanged. Degrees above a node are not
+        offered: every tensor-parallel all-reduce blocks the compute after it, and across nodes it
+        would run at the network's speed, not the node's link."""
+        from composable_atorch.core.context import NotOffered
+        from composable_atorch.transforms.parallel.shared.options import layout_option
+
+        env = search.env
+        if not search.on_paper or env.world_size < 2:
+            return ()
+        per_node, out = env.processes_per_node, []
+        for t in search.degrees:
+            data = env.world_size // t
+            if t > per_node:
+                out.append(NotOffered(cls.name, f"tensor degrees above the {per_node} devices of a node"))
+            elif not search.batch_size % data:
+                label = f"tensor {t} x data {data}: Linear layers sharded over {t} ranks of a node, data over {data}"
+                out.append(layout_option("tensor", t, env.world_size, label, cls()))
+        return tuple(out)
 
     def describe(self):
         how = "auto plan" if self.plan == "auto" else f"{len(self.plan)} manual entries"
@@ -162,119 +178,141 @@ class TensorParallel(Transform):
         pc = parallel_context(state, self.name)
         degree = pc.layout.size("tensor")
         model = state.model
-        shard, shrink, drops, summed, notes = self._placements(model, degree)  # every check before any change
-        for note in notes:
+        placed = self._placements(model, degree)  # every check before any change
+        for note in placed.notes:
             state.note(self.name, note)
         if not pc.distributed or degree == 1:
             state.note(
                 self.name,
                 f"tensor degree {degree}{'' if pc.distributed else ', no process group'}: model left whole "
-                f"({len(shard)} layers would shard)",
+                f"({len(placed.shard)} layers would shard)",
             )
             return state
-        from torch.distributed.tensor import Replicate, Shard
-        from torch.distributed.tensor.parallel import (
-            ColwiseParallel,
-            RowwiseParallel,
-            SequenceParallel,
-            parallelize_module,
-        )
-
         mesh = pc.mesh["tensor"]
+        pc.applied.record(self.name, model)
         state.note(self.name, _from_first_rank(model, pc, mesh))
         reference, why = check.probe(model)  # the whole model's output, before any weight moves
-        modules = dict(model.named_modules())
-        tied = tied_params(model)
-        trainable = requires_grad(model)
-        sp = self.sequence_parallel
-        sequence: dict[str, int] = {}
-        styles: dict[str, Any] = {}
-        layers, adapters_whole, adapter_drops = lora.expand(shard, modules)  # LoRA wrappers: their parts
-        for n, (kind, kw) in layers.items():
-            m = modules[n]
-            stride = int(kw.get("stride", 1))
-            if stride > 1:
-                with torch.no_grad():
-                    if is_conv1d(m):
-                        perm = stride_perm(m.weight.shape[1], stride, degree)
-                        m.weight.copy_(m.weight[:, perm])
-                    else:
-                        perm = stride_perm(m.weight.shape[0], stride, degree)
-                        m.weight.copy_(m.weight[perm])
-                    if m.bias is not None:
-                        m.bias.copy_(m.bias[perm])
-                m._tp_stride_perm = perm  # global weights are stored in this order (see full_weight)
-            if kind == "vocab":
-                styles[n] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
-            elif isinstance(m, nn.Embedding):  # a per-head table: each rank keeps its heads' columns
-                styles[n] = ColwiseParallel()
-            elif is_conv1d(m):
-                styles[n] = conv1d_style(kind, sp)
-            elif kind == "col" and kw.get("gather_output"):  # a head: its logits gathered, so any loss works
-                styles[n] = ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
-            elif kind == "col":
-                styles[n] = ColwiseParallel(input_layouts=Shard(1) if sp else Replicate())
-            else:
-                styles[n] = RowwiseParallel(output_layouts=Shard(1) if sp else Replicate())
-        blocks = blocks_of(model, list(layers)) if sp else []
-        if sp:
-            if not blocks:
-                raise TensorParallelPlanError(
-                    "sequence parallelism needs the sharded layers inside a list of blocks (nn.ModuleList)", list(shard)
-                )
-            for n, m in modules.items():
-                inside = any(n.startswith(b + ".") for b in blocks)
-                if inside and (isinstance(m, nn.LayerNorm | nn.RMSNorm) or type(m).__name__.endswith("RMSNorm")):
-                    styles[n] = SequenceParallel(use_local_output=False)
-            sequence_entry_exit(modules[blocks[0]], modules[blocks[-1]], mesh, degree, sequence)
-        parallelize_module(model, mesh, styles)
-        if refreeze(model, trainable):
-            state.note(self.name, "frozen parameters (sequence-parallel norms) kept frozen after sharding")
-        for n, (kind, _) in layers.items():
-            if kind == "row" and not sp:
-                modules[n].register_forward_hook(own_output)
-        retie(model, tied, mesh, state)
-        if sp:  # an adapter kept whole runs on a sequence shard: its gradient is partial
-            summed = [*summed, *adapters_whole]
-            lora.local_inputs(model, shard)
-        sum_grads(model, summed, mesh, state)
-        for d, kind in adapter_drops:
-            if kind == "row":
-                lora.feature_sliced(d, degree, mesh.get_local_rank())
-            elif sp:
-                sequence_sliced(d, degree, mesh.get_local_rank(), sequence)
-        if adapters_whole:
-            state.note(
-                self.name,
-                f"{len(adapters_whole)} LoRA adapter layer(s) kept whole beside their sharded base "
-                "(A of a column layer, B of a row layer); the other adapter side shards with its base",
-            )
-        for n, attrs in shrink.items():
-            m = modules[n]
-            for a in attrs:
-                setattr(m, a, getattr(m, a) // degree)
-        cols = sum(1 for k, _ in layers.values() if k == "col")
-        rows = sum(1 for k, _ in layers.values() if k == "row")
-        vocab = sum(1 for k, _ in layers.values() if k == "vocab")
-        state.note(
-            self.name,
-            f"DTensor parallelize_module over the tensor dim of {degree}: {cols} colwise, {rows} rowwise, {vocab} "
-            "vocab-parallel layer(s); "
-            f"{len(shrink)} attention module(s) shrunk to heads/{degree}"
-            + (", LayerNorms sequence-parallel" if sp else ""),
-        )
-        dropout_streams(model, drops, mesh, degree, sp, sequence)
-        mark_loss_group(model, pc.data_group() if pc.data_size > 1 else None, pc.data_size)
+        layers = _shard(model, placed, mesh, degree, self.sequence_parallel, state)
+        state.note(self.name, _sharded_note(layers, placed.shrink, degree, self.sequence_parallel))
         state.note(
             self.name,
             "CPU RNG state synchronized over the tensor dim (replicated dropouts draw one process's "
-            f"masks){drop_note(drops)}",
+            f"masks){drop_note(placed.drops)}",
         )
         if reference is None:
             state.note(self.name, why)
         else:
             state.note(self.name, check.compare(model, reference, mesh.get_group(), degree, suspects(layers)))
         return state
+
+
+def _permute_strided(m: nn.Module, stride: int, degree: int) -> None:
+    """A fused (strided) layer's rows (a Conv1D's columns) reordered so each rank's shard holds its part of every
+    fused projection; the order is kept on the module (see :func:`full_weight`)."""
+    with torch.no_grad():
+        if is_conv1d(m):
+            perm = stride_perm(m.weight.shape[1], stride, degree)
+            m.weight.copy_(m.weight[:, perm])
+        else:
+            perm = stride_perm(m.weight.shape[0], stride, degree)
+            m.weight.copy_(m.weight[perm])
+        if m.bias is not None:
+            m.bias.copy_(m.bias[perm])
+    m._tp_stride_perm = perm  # global weights are stored in this order (see full_weight)
+
+
+def _layer_styles(layers: dict, modules: dict, degree: int, sp: bool) -> dict[str, Any]:
+    """torch's parallel style for each layer of the plan (fused layers permuted first)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    styles: dict[str, Any] = {}
+    for n, (kind, kw) in layers.items():
+        m = modules[n]
+        if int(kw.get("stride", 1)) > 1:
+            _permute_strided(m, int(kw["stride"]), degree)
+        if kind == "vocab":
+            styles[n] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+        elif isinstance(m, nn.Embedding):  # a per-head table: each rank keeps its heads' columns
+            styles[n] = ColwiseParallel()
+        elif is_conv1d(m):
+            styles[n] = conv1d_style(kind, sp)
+        elif kind == "col" and kw.get("gather_output"):  # a head: its logits gathered, so any loss works
+            styles[n] = ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+        elif kind == "col":
+            styles[n] = ColwiseParallel(input_layouts=Shard(1) if sp else Replicate())
+        else:
+            styles[n] = RowwiseParallel(output_layouts=Shard(1) if sp else Replicate())
+    return styles
+
+
+def _sequence_styles(model, modules, layers, shard, styles, mesh, degree) -> dict[str, int]:
+    """Sequence parallelism: the blocks' norms on their sequence shard, the residual stream split at the first
+    block and gathered after the last; returns the sequence dims the dropout streams slice."""
+    from torch.distributed.tensor.parallel import SequenceParallel
+
+    blocks = blocks_of(model, list(layers))
+    if not blocks:
+        raise TensorParallelPlanError(
+            "sequence parallelism needs the sharded layers inside a list of blocks (nn.ModuleList)", list(shard)
+        )
+    for n, m in modules.items():
+        inside = any(n.startswith(b + ".") for b in blocks)
+        if inside and (isinstance(m, nn.LayerNorm | nn.RMSNorm) or type(m).__name__.endswith("RMSNorm")):
+            styles[n] = SequenceParallel(use_local_output=False)
+    sequence: dict[str, int] = {}
+    sequence_entry_exit(modules[blocks[0]], modules[blocks[-1]], mesh, degree, sequence)
+    return sequence
+
+
+def _shard(model: nn.Module, placed: Placements, mesh, degree: int, sp: bool, state: TrainState) -> dict:
+    """Shard ``model`` as ``placed`` says (torch's ``parallelize_module``), then keep what sharding would lose:
+    frozen flags, tied weights, per-head gradients summed, LoRA adapters, head counts, dropout streams."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    who = TensorParallel.name
+    modules = dict(model.named_modules())
+    tied, trainable = tied_params(model), requires_grad(model)
+    layers, adapters_whole, adapter_drops = lora.expand(placed.shard, modules)  # LoRA wrappers: their parts
+    styles = _layer_styles(layers, modules, degree, sp)
+    sequence = _sequence_styles(model, modules, layers, placed.shard, styles, mesh, degree) if sp else {}
+    parallelize_module(model, mesh, styles)
+    if refreeze(model, trainable):
+        state.note(who, "frozen parameters (sequence-parallel norms) kept frozen after sharding")
+    for n, (kind, _) in layers.items():
+        if kind == "row" and not sp:
+            modules[n].register_forward_hook(own_output)
+    retie(model, tied, mesh, state)
+    summed = list(placed.summed)
+    if sp:  # an adapter kept whole runs on a sequence shard: its gradient is partial
+        summed = [*summed, *adapters_whole]
+        lora.local_inputs(model, placed.shard)
+    sum_grads(model, summed, mesh, state)
+    for d, kind in adapter_drops:
+        if kind == "row":
+            lora.feature_sliced(d, degree, mesh.get_local_rank())
+        elif sp:
+            sequence_sliced(d, degree, mesh.get_local_rank(), sequence)
+    if adapters_whole:
+        state.note(
+            who,
+            f"{len(adapters_whole)} LoRA adapter layer(s) kept whole beside their sharded base "
+            "(A of a column layer, B of a row layer); the other adapter side shards with its base",
+        )
+    for n, attrs in placed.shrink.items():
+        for a in attrs:
+            setattr(modules[n], a, getattr(modules[n], a) // degree)
+    dropout_streams(model, placed.drops, mesh, degree, sp, sequence)
+    return layers
+
+
+def _sharded_note(layers: dict, shrink: dict, degree: int, sp: bool) -> str:
+    count = {k: sum(1 for kind, _ in layers.values() if kind == k) for k in ("col", "row", "vocab")}
+    return (
+        f"DTensor parallelize_module over the tensor dim of {degree}: {count['col']} colwise, {count['row']} "
+        f"rowwise, {count['vocab']} vocab-parallel layer(s); {len(shrink)} attention module(s) shrunk to "
+        f"heads/{degree}" + (", LayerNorms sequence-parallel" if sp else "")
+    )
 
 
 def _from_first_rank(model: nn.Module, pc, mesh) -> str:

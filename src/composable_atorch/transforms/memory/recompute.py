@@ -289,51 +289,44 @@ def save_expensive_ops(ctx, func, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if func in saved_ops() else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def selective_contexts():
-    """A fresh pair of contexts per checkpointed call (torch's ``context_fn``): the forward's
-    caching mode and the recompute's cached mode, sharing the call's saved outputs; both let the
-    profiler's range markers through uncounted (:func:`_profiler_transparent`)."""
-    forward, recompute = create_selective_checkpoint_contexts(save_expensive_ops)
-    return _profiler_transparent(forward), _profiler_transparent(recompute)
-
-
-#: the profiler's range markers (``torch.profiler.record_function``): dispatched ops without tensors
-PROFILER_OPS = (
+#: ops that carry no tensor and compute nothing, passed through both modes uncounted: fsdp's
+#: forward-input cast (bf16 / fp16 parameters) runs in a hook under a ``record_function``, which
+#: the forward runs before the checkpoint starts and the recompute inside it
+PASSED_OPS = (
     "profiler._record_function_enter.default",
     "profiler._record_function_enter_new.default",
-    "profiler._record_function_exit.default",
     "profiler._record_function_exit._RecordFunction",
 )
 
 
 @functools.cache
-def _profiler_ops() -> frozenset:
-    return frozenset(
-        op
-        for op in map(_resolve, PROFILER_OPS)
-        if op is not None
-    )
+def passed_ops() -> frozenset:
+    return frozenset(op for op in map(_resolve, PASSED_OPS) if op is not None)
+
+
+class _PassProfilerOps:
+    """Mixed into torch's two selective-checkpoint modes: :data:`PASSED_OPS` run as they are, so a
+    profiler range opened on one side only does not read as a different forward."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in passed_ops():
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
 
 
 @functools.cache
-def _transparent_class(base: type) -> type:
-    def dispatch(self, func, types, args=(), kwargs=None):
-        if func in _profiler_ops():
-            return func(*args, **(kwargs or {}))
-        return base.__torch_dispatch__(self, func, types, args, kwargs)
-
-    return type(base.__name__, (base,), {"__torch_dispatch__": dispatch})
+def _passing(mode_class: type) -> type:
+    return type(f"ProfilerPassing{mode_class.__name__}", (_PassProfilerOps, mode_class), {})
 
 
-def _profiler_transparent(mode):
-    """``mode`` (one of torch's selective-checkpoint dispatch modes), letting the profiler's
-    ``record_function`` markers through without counting them. torch matches the recompute's ops to
-    the forward's by count per op; FSDP2 opens its ranges (``FSDP::pre_forward``,
-    ``FSDP::cast_forward_inputs``) in a block's forward pre-hook and, in the recompute, only some of
-    them, so with a mixed-precision policy the counts differed and the backward failed ("encountered
-    during backward but not found in storage"). A marker holds no tensor to save or rerun."""
-    mode.__class__ = _transparent_class(type(mode))
-    return mode
+def selective_contexts():
+    """A fresh pair of contexts per checkpointed call (torch's ``context_fn``): the forward's
+    caching mode and the recompute's cached mode, sharing the call's saved outputs, each letting
+    :data:`PASSED_OPS` through."""
+    modes = create_selective_checkpoint_contexts(save_expensive_ops)
+    for mode in modes:
+        mode.__class__ = _passing(type(mode))
+    return modes
 
 
 def describe_saved() -> str:

@@ -5,10 +5,10 @@ break optimizer rebinding and saved state dicts; the composable
 ``torch.distributed._composable.checkpoint`` works in place and keeps names, so it is the default.
 The reentrant variant (for models with ``@torch.jit.script`` parts, as ATorch notes) wraps the
 block's forward in place, which also keeps names. How each runs (and what keeps a Hugging Face
-key/value cache consistent under the recompute) is :mod:`composable_atorch.runtime.recompute`.
+key/value cache consistent under the recompute) is :mod:`composable_atorch.transforms.memory.recompute`.
 
 ``policy="selective"`` keeps the outputs of the expensive ops (matmuls, attention, reduce-scatter;
-see :mod:`composable_atorch.runtime.recompute`) and recomputes only the rest: torch's
+see :mod:`composable_atorch.transforms.memory.recompute`) and recomputes only the rest: torch's
 ``create_selective_checkpoint_contexts`` passed as the composable checkpoint's ``context_fn``
 (names kept). More memory than ``"full"``, much less than none, and a cheaper backward.
 
@@ -26,7 +26,8 @@ from dataclasses import dataclass, replace
 from composable_atorch.core.contract import Contract, Stage
 from composable_atorch.core.transform import ApplyContext, TrainState, Transform
 from composable_atorch.errors import ConfigError
-from composable_atorch.runtime.recompute import (
+from composable_atorch.transforms._util import is_block_target, outermost_matches
+from composable_atorch.transforms.memory.recompute import (
     cache_guard,
     checkpoint_first,
     describe_saved,
@@ -34,7 +35,6 @@ from composable_atorch.runtime.recompute import (
     takes_cache,
     wrap_reentrant,
 )
-from composable_atorch.transforms._util import is_block_target, outermost_matches
 
 
 def _target_name(t) -> str:
