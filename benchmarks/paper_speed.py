@@ -5,10 +5,11 @@
 The search on paper prices dozens of plans in one run, each with one ``estimate(...)`` call, so this
 is what it waits for. Each row is one call in this process (the model's modules imported once,
 before the first row): Llama-2-7B (``--model llama-7b``'s shape), sequence 4096, 4 samples per GPU,
-bf16 autocast, every decoder layer checkpointed, AdamW, priced on ``a100-80gb-sxm``. The notes say
-how each was simulated (the blocks and micro-steps simulated, extrapolated per block / micro-step).
+bf16 autocast, every decoder layer checkpointed (fsdp-compile: and compiled), AdamW, priced on
+``a100-80gb-sxm``. The notes say how each was simulated (the blocks and micro-steps simulated,
+extrapolated per block / micro-step).
 Writes benchmarks/results/paper_speed.json. Times are wall seconds on this shared 2-core machine:
-compare rows of one run, not runs of different days.
+compare rows of one run, not runs of different days (each row records the 1-minute load average).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 RESULTS = Path(__file__).parent / "results" / "paper_speed.json"
 SEQ, PER_GPU = 4096, 4
-PLANS = ("fsdp", "fsdp-selective", "hybrid", "tensor-data", "pipeline", "tensor-pipeline", "context")
+PLANS = ("fsdp", "fsdp-selective", "fsdp-compile", "hybrid", "tensor-data", "pipeline", "tensor-pipeline", "context")
 
 
 def plan(kind: str, world: int):
@@ -37,9 +38,12 @@ def plan(kind: str, world: int):
     env = Environment.detect().with_(world_size=world, device="cuda", compute_capability=(8, 0))
     policy = {"policy": "selective"} if kind == "fsdp-selective" else {}
     tail = [ca.amp("bf16"), ca.checkpoint(Layer, **policy)]
+    if kind == "fsdp-compile":
+        tail.append(ca.compile())
     parts = {
         "fsdp": [ca.fsdp(wrap=Layer)],
         "fsdp-selective": [ca.fsdp(wrap=Layer)],
+        "fsdp-compile": [ca.fsdp(wrap=Layer)],
         "hybrid": [ca.parallel_mode([("zero", 8), ("data", world // 8)]), ca.fsdp(wrap=Layer)],
         "tensor-data": [
             ca.parallel_mode([("tensor", 8), ("data", world // 8)]),
@@ -86,11 +90,13 @@ def row(kind: str, world: int) -> dict:
         criterion=criterion if pairs else None,
     )
     seconds = time.perf_counter() - t0
+    load = os.getloadavg()[0]
     how = [n for n in est.notes if "simulated with" in n or "whole model" in n or "micro-steps" in n]
     return {
         "plan": kind,
         "world": world,
         "estimate_s": seconds,
+        "load_average_1min": load,
         "step_time_s": est.step_time_s,
         "tokens_per_s_per_device": est.tokens_per_s_per_device,
         "mfu": est.mfu,
@@ -118,7 +124,8 @@ def main(argv=None) -> int:
                 flush=True,
             )
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({"assumptions": __doc__, "rows": rows}, indent=1) + "\n")
+    cpus = os.cpu_count()
+    RESULTS.write_text(json.dumps({"assumptions": __doc__, "cpus": cpus, "rows": rows}, indent=1) + "\n")
     print(f"wrote {RESULTS}")
     return 0
 

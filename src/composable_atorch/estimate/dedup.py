@@ -173,16 +173,17 @@ def whole_stages(simulate, mailbox: Mailbox | None = None, **kw) -> list[RankRun
 
 def micro_window(run_set, data: dict, compose, batch, stages: int, dedup: bool | None, notes: list[str]):
     """The runs of a plan repeating ``m`` micro-steps per optimizer step (a 1F1B or GPipe pipeline's
-    micro-batches, ``accumulate``'s steps), extrapolated from the same plan run with ``k``, ``k + 1``
-    and, where needed, ``k + 2`` micro-steps (``k``: the stages of a pipeline, 2 for accumulation)
-    where that is fewer in all; None where it is not, or where the last run is off the line.
+    micro-batches, ``accumulate``'s steps), extrapolated from the same plan run with ``k``, ``k + 1``,
+    ``k + 2``... micro-steps (``k``: the stages of a pipeline, 2 for accumulation) while that is fewer
+    in all; None where it is not, or where no window of them lies on a line.
 
     Why it holds: every micro-step runs the same ops (the trace and the FLOPs grow by one
     micro-step's worth each), and the memory is what the loop keeps between them: the gradients
-    from the first micro-step on, and a schedule's activations in flight (at most ``p`` micro-batches
-    under 1F1B, flat from ``m = p`` on; one more per micro-batch under GPipe). Memory equal at ``k``
+    from the first micro-step on, and a schedule's activations in flight (flat or one micro-batch's
+    worth more per micro-batch once the schedule reaches its steady state). Memory equal at ``k``
     and ``k + 1`` is that flat line, and two runs do; otherwise a third checks the line through the
-    first two, as :func:`shallow_run` does for depth. ``run_set(plan=, shapes=, rows=)`` simulates a
+    first two, and the window slides one micro-step on while it does not hold (a 2-stage 1F1B's first
+    stage reaches its line at 3 micro-batches, not 2). ``run_set(plan=, shapes=, rows=)`` simulates a
     composed plan on a batch of ``rows`` samples and returns its runs (one per pipeline stage);
     ``batch``: ``(shapes, global batch)``; ``compose(data)`` composes a plan dict for the simulation."""
     shapes, rows = batch
@@ -198,25 +199,33 @@ def micro_window(run_set, data: dict, compose, batch, stages: int, dedup: bool |
             plan=compose(with_repeats(data, k)), shapes=rebatched(shapes, rows, rows // m * k), rows=rows // m * k
         )
 
-    k1, k2 = first, first + 1
-    small, large = runs(k1), runs(k2)
-    if any(r.allreduce_buckets for r in large):
+    done = {first: runs(first), first + 1: runs(first + 1)}
+    if any(r.allreduce_buckets for r in done[first + 1]):
         return None
-    if all(a.by_kind == b.by_kind for a, b in zip(small, large, strict=True)):
-        notes.append(f"{what} simulated with {k1} and {k2} micro-steps (the same memory) and extrapolated to {m}")
-        return [replace(extrapolate(a, b, k1, k2, m), micro_batches=m) for a, b in zip(small, large, strict=True)]
+    if all(a.by_kind == b.by_kind for a, b in zip(done[first], done[first + 1], strict=True)):
+        notes.append(
+            f"{what} simulated with {first} and {first + 1} micro-steps (the same memory) and extrapolated to {m}"
+        )
+        return [
+            replace(extrapolate(a, b, first, first + 1, m), micro_batches=m)
+            for a, b in zip(*done.values(), strict=True)
+        ]
     k3 = first + 2
-    if k1 + k2 + k3 >= m:
-        return None
-    check = runs(k3)
-    if not all(extrapolate(a, b, k1, k2, k3).by_kind == c.by_kind for a, b, c in zip(small, large, check, strict=True)):
-        notes.append(f"{what}: all {m} micro-steps simulated (the memory was off the line over {k1}..{k3} of them)")
-        return None
-    notes.append(
-        f"{what} simulated with {k1}, {k2} and {k3} micro-steps (the line through the first two holds at the third) "
-        f"and extrapolated to {m}"
-    )
-    return [replace(extrapolate(b, c, k2, k3, m), micro_batches=m) for b, c in zip(large, check, strict=True)]
+    while sum(done) + k3 < m:
+        done[k3] = runs(k3)
+        k1, k2 = k3 - 2, k3 - 1
+        lined = zip(done[k1], done[k2], done[k3], strict=True)
+        if all(extrapolate(a, b, k1, k2, k3).by_kind == c.by_kind for a, b, c in lined):
+            notes.append(
+                f"{what} simulated with {', '.join(map(str, done))} micro-steps (the line through {k1} and {k2} "
+                f"holds at {k3}) and extrapolated to {m}"
+            )
+            return [
+                replace(extrapolate(b, c, k2, k3, m), micro_batches=m) for b, c in zip(done[k2], done[k3], strict=True)
+            ]
+        k3 += 1
+    notes.append(f"{what}: all {m} micro-steps simulated (the memory was off the line over {first}..{k3 - 1} of them)")
+    return None
 
 
 def repeated_steps(data: dict, stages: int) -> tuple[int, int, str] | None:
