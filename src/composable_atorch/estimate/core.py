@@ -12,8 +12,10 @@ and the data ranks equal copies.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+from dataclasses import dataclass
 from typing import Any
 
 from composable_atorch.core import untrusted
@@ -22,10 +24,11 @@ from composable_atorch.core.plan import Plan
 from composable_atorch.core.transform import Transform
 from composable_atorch.environment import Environment
 from composable_atorch.errors import CompositionError, ConfigError
+from composable_atorch.estimate import dedup as dd
 from composable_atorch.estimate import paper
 from composable_atorch.estimate.inputs import EstimateError, check_batch, check_world_size, meta_model
+from composable_atorch.estimate.paper.price import layout_degrees
 from composable_atorch.estimate.paper.setup import check_nodes, paper_step, target_hardware
-from composable_atorch.estimate.pipeline import Mailbox
 from composable_atorch.estimate.result import Estimate, RankCost
 from composable_atorch.estimate.simulate import simulate_rank
 
@@ -121,10 +124,47 @@ def estimate(
     are priced with this machine's calibration (:mod:`.steptime`; ``calibration``: a
     :class:`~.calibrate.Calibration`, default the cached one, measured once per machine).
 
-    ``dedup``: simulate the model's repeated blocks at two small depths and extrapolate
-    (:mod:`.dedup`; the same memory, a fraction of the time); None does so from
-    ``dedup.AUTO_FROM`` blocks on; pipeline plans are always simulated whole.
+    ``dedup``: extrapolate from a few repeated blocks or micro-steps (:mod:`.dedup`: the same estimate in
+    a fraction of the time); None does so from ``dedup.AUTO_FROM`` blocks on, False never.
     """
+    world_size = check_arguments(world_size, steps, device, criterion, step_time)
+    global_batch = check_batch(batch)
+    model = meta_model(model)
+    notes: list[str] = []
+    target = resolve_target(plan, world_size, device, step_time, hardware, nodes, calibration, notes)
+    runtime_estimator = step_time == RUNTIME_ESTIMATOR and device == "cuda"
+    sim_kw = dict(loss_fn=loss_fn, optimizer=optimizer, steps=steps, criterion=criterion, step_time=runtime_estimator)
+    runs = simulate_runs(target, model, (batch, global_batch), sim_kw, dedup, notes)
+    run = runs[0]
+    notes += compile_notes(run, target.modelled, target.on_paper)
+    ranks, extra = memory_report(runs, target, world_size, notes)
+    timing, usage = step_timing(runs, target, model, (batch, global_batch), notes, extra)
+    if not target.on_paper and timing is None and run.step_time_s is None:
+        extra["step_time_reason"] = no_step_time_reason(step_time, device)
+    notes, hw = list(dict.fromkeys(notes)), target.hardware  # a note each simulated window repeats, once
+    return Estimate(
+        ranks=ranks,
+        world_size=world_size,
+        device=device,
+        steps=tuple(target.sim_plan.names),
+        notes=tuple(notes),
+        step_time_s=timing.seconds if timing is not None else max_or_none(r.step_time_s for r in runs),
+        step_time_mode=(PAPER if target.on_paper else MODELLED) if timing is not None else run.step_time_mode,
+        step_time=timing,
+        flops=max_or_none(r.flops for r in runs),
+        micro_batch=run.micro_batch,
+        micro_batches=run.micro_batches,
+        extra=extra,
+        hardware=None if hw is None else hw.name,
+        nodes=target.nodes,
+        device_memory=None if hw is None else int(hw.memory_bytes),
+        utilization=usage,
+    )
+
+
+def check_arguments(world_size, steps, device, criterion, step_time) -> int:
+    """The world size, once every plain argument of :func:`estimate` is checked: a typed error
+    naming the fix before any model is built or plan composed."""
     world_size = check_world_size(world_size)
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ConfigError("steps", steps, "a positive int: the training steps measured after the warm-up")
@@ -134,31 +174,53 @@ def estimate(
         raise ConfigError("criterion", type(criterion).__name__, "None or a function (output, targets) -> loss")
     if step_time not in (True, False, RUNTIME_ESTIMATOR):
         raise ConfigError("step_time", step_time, f"True (priced on paper on CUDA), False, or {RUNTIME_ESTIMATOR!r}")
-    global_batch = check_batch(batch)
-    model = meta_model(model)
+    return world_size
+
+
+@dataclass
+class Target:
+    """The plan twice (:func:`resolve_target`): composed for the device asked for, which is what is
+    checked and priced, and for the fake CPU world it is simulated in (compile is never run on fake
+    tensors: the step is simulated eagerly and priced by the fusion rule)."""
+
+    #: the plan as a dict, and the objects of a plan given as an object (its own names, see core.codec)
+    data: dict
+    own: tuple
+    target_plan: Plan
+    sim_env: Environment
+    sim_plan: Plan
+    hardware: Any
+    nodes: int | None
+    #: priced on paper (a GPU's figures), or with this CPU's calibration (``modelled``), or neither
+    on_paper: bool
+    modelled: bool
+    setting: Any
+    calibration: Any
+    #: DDP's buckets counted the whole step (CUDA's allocator) or from the backward on (the CPU trial)
+    whole_step: bool
+
+
+def resolve_target(plan, world_size: int, device: str, step_time, hardware, nodes, calibration, notes) -> Target:
+    """The plan composed for the target and for the simulation, with the hardware and the pricing
+    they need; a world size or node count the plan cannot use is refused here, before any work."""
     data = as_plan_dict(plan)
     # a plan handed over as an object names its own classes: read back against them (core.codec)
     own = () if not isinstance(plan, Plan | Transform) else (plan if isinstance(plan, Plan) else compose(plan))
     own = own.named_objects() if own else ()
-    notes: list[str] = []
     on_paper = step_time is True and device == "cuda"
     hw = target_hardware(hardware) if on_paper or hardware is not None else None
     nodes = check_nodes(nodes, world_size, hw)
     here = Environment.detect().with_(world_size=world_size, nodes=nodes)
-    target = (
+    capability = (hw.compute_capability if hw else (8, 0)) if device == "cuda" else None
+    target_env = (
         here.with_(hardware=hw)
         if here.device == device
-        else here.with_(
-            device=device,
-            compute_capability=(hw.compute_capability if hw else (8, 0)) if device == "cuda" else None,
-            hardware=hw,
-        )
+        else here.with_(device=device, compute_capability=capability, hardware=hw)
     )
-    target_plan = compose_for(data, target, own)
-    # compile is never run on fake tensors: the step is simulated eagerly and priced by the fusion rule
-    sim_plan = compose_for(data, here.with_(device="cpu", compute_capability=None), own)
+    target_plan = compose_for(data, target_env, own)
+    sim_env = here.with_(device="cpu", compute_capability=None)
+    sim_plan = compose_for(data, sim_env, own)
     refuse_undeclared(sim_plan)
-    setting = paper.setting_for(target_plan, hw, world_size, nodes) if on_paper else None
     if target_plan.names != sim_plan.names:
         notes.append(
             f"on {device} the plan has steps {list(target_plan.names)}; simulated on the CPU: {list(sim_plan.names)}"
@@ -168,114 +230,114 @@ def estimate(
             "simulated with fake CPU tensors: the CUDA caching allocator's rounding and fragmentation, "
             "cuBLAS/NCCL workspaces and the CUDA context are not counted"
         )
+    modelled = bool(step_time) and device == "cpu"
+    if modelled and calibration is None:
+        from composable_atorch.estimate.calibrate import calibration as cached
+
+        calibration = cached()
+    setting = paper.setting_for(target_plan, hw, world_size, nodes) if on_paper else None
     # DDP's gradient buckets (the contract's grad_copies) live in its C++ reducer from its
     # construction on: on CUDA max_memory_allocated counts them the whole step (added to the peak
     # here); the CPU trial's MemTracker first sees them when the backward writes into them, so on
     # the CPU the simulation holds them from the backward on (simulate.buckets_from_backward)
     whole_step = device == "cuda"
-    mailbox = Mailbox()
-    modelled = step_time and device == "cpu"
-    if modelled and calibration is None:
-        from composable_atorch.estimate.calibrate import calibration as cached
+    return Target(
+        data, own, target_plan, sim_env, sim_plan, hw, nodes, on_paper, modelled, setting, calibration, whole_step
+    )
 
-        calibration = cached()
 
-    def simulate(rank: int, model=model):
+def simulate_runs(target: Target, model, batch: tuple, sim_kw: dict, dedup, notes: list[str]) -> list:
+    """The runs that stand for every rank: rank 0 (or one rank per pipeline stage, in stage order),
+    each priced on paper where asked. Where it is cheaper they are extrapolated (:mod:`.dedup`): from
+    fewer micro-steps of the same plan (a linear pipeline schedule, accumulation), and without a
+    pipeline from truncated copies of the model's repeated blocks. ``batch``: (shapes, global batch)."""
+
+    def simulate(rank: int, model=model, plan=target.sim_plan, shapes=batch[0], rows=batch[1], mailbox=None):
         run = simulate_rank(
-            sim_plan,
+            plan,
             model,
-            batch,
-            global_batch=global_batch,
+            shapes,
+            global_batch=rows,
             rank=rank,
-            loss_fn=loss_fn,
-            optimizer=optimizer,
-            steps=steps,
-            step_time=step_time == RUNTIME_ESTIMATOR and device == "cuda",
-            buckets_in_backward=not whole_step,
-            criterion=criterion,
+            buckets_in_backward=not target.whole_step,
             mailbox=mailbox,
-            trace_ops=paper.OrderedTrace if on_paper else modelled,
+            trace_ops=paper.OrderedTrace if target.on_paper else target.modelled,
+            **sim_kw,
         )
-        if on_paper:
-            run.paper = paper.price_run(run, setting)
+        if target.on_paper:
+            run.paper = paper.price_run(run, target.setting)
         return run
 
-    run = shallow_run(simulate, model, dedup, notes)
-    deduped = run is not None
-    run = run if run is not None else simulate(0)  # rank 0 holds stage 0 of any layout
-    runs = [run]
-    if run.stage_of_rank is not None:  # the other stages in stage order: each reads the one before's metadata
-        for s in range(1, max(run.stage_of_rank) + 1):
-            runs.append(simulate(run.stage_of_rank.index(s)))
-        notes.append(
-            f"pipeline: {len(runs)} stages, one rank simulated per stage (tensor and data ranks of a stage hold "
-            "equal shares); stage metadata handed on in stage order (the fake group's P2P carries no values)"
-        )
-    for name in run.skipped:
+    stages = layout_degrees(target.sim_plan).get("pipeline", 1)
+
+    def run_set(**kw):
+        if stages > 1:
+            return dd.whole_stages(simulate, **kw)
+        one = functools.partial(simulate, **kw)
+        return [dd.shallow_run(one, model, dedup, notes) or one(0)]
+
+    compose_sim = functools.partial(compose_for, env=target.sim_env, allow=target.own)
+    runs = dd.micro_window(run_set, target.data, compose_sim, batch, stages, dedup, notes) or run_set()
+    if stages > 1:
+        notes.append(dd.stage_note(len(runs)))
+    for name in runs[0].skipped:
         notes.append(f"{name} cannot run in the fake world: left out, its cost added from its contract")
-    notes += compile_notes(run, modelled, on_paper)
-    costs = [to_rank_cost(r.by_kind, r.extra_temporary if whole_step else 0, stage=r.stage) for r in runs]
+    return runs
+
+
+def memory_report(runs: list, target: Target, world_size: int, notes: list[str]) -> tuple[list[RankCost], dict]:
+    """Each rank's cost (its stage's run under a pipeline, rank 0's otherwise) and the tracker's
+    categories for ``extra``; DDP's buckets join the peak for the span the target counts them."""
+    run = runs[0]
+    costs = [to_rank_cost(r.by_kind, r.extra_temporary if target.whole_step else 0, stage=r.stage) for r in runs]
     ranks = [costs[s] for s in run.stage_of_rank] if run.stage_of_rank is not None else [costs[0]] * world_size
+    extra: dict = {"memtracker": run.by_kind}
     if run.extra_temporary:
+        extra["ddp_bucket_bytes"] = run.extra_temporary
         notes.append(
             f"DDP's gradient buckets ({run.extra_temporary / 2**20:.1f} MiB) are in the peak "
             + (
                 "for the whole step (allocated when DDP is built)"
-                if whole_step
+                if target.whole_step
                 else "from the backward on (where the CPU trial's MemTracker first sees them; on CUDA: the whole step)"
             )
         )
-    extra = (
-        {"memtracker": run.by_kind, "ddp_bucket_bytes": run.extra_temporary}
-        if run.extra_temporary
-        else {"memtracker": run.by_kind}
-    )
     if len(runs) > 1:
         extra["memtracker_by_stage"] = [r.by_kind for r in runs]
-    timing = modelled_step_time(runs, calibration, world_size) if modelled else None
-    usage = None
-    if on_paper:
-        timing, usage = paper_step(runs, setting, model, batch, global_batch, notes, extra)
-    elif timing is not None:
-        notes.append(
-            f"step time: the simulated step's ops priced with this machine's calibration "
-            f"(compute {timing.compute:.4f} s, comm {timing.comm:.4f} s, overhead {timing.overhead:.4f} s"
-            + (f", pipeline bubble {timing.bubble:.4f} s" if timing.bubble else "")
-            + ")"
-        )
-        from composable_atorch.estimate.steptime import sequence_note
+    return ranks, extra
 
-        # an extrapolated run holds the attention calls of a truncated model: no line rather than a short one
-        line = None if deduped else sequence_note(run.sequence, calibration)
-        if line is not None:
-            notes.append(line)
-            extra["sequence_traffic"] = line
-    elif run.step_time_s is None:
-        extra["step_time_reason"] = (
-            "step_time=False"
-            if step_time is False
-            else "torch's RuntimeEstimator needs a CUDA device (none here)"
-            if device == "cuda"
-            else "torch's RuntimeEstimator models CUDA devices only"
-        )
-    return Estimate(
-        ranks=ranks,
-        world_size=world_size,
-        device=device,
-        steps=tuple(sim_plan.names),
-        notes=tuple(notes),
-        step_time_s=timing.seconds if timing is not None else max_or_none(r.step_time_s for r in runs),
-        step_time_mode=(PAPER if on_paper else MODELLED) if timing is not None else run.step_time_mode,
-        step_time=timing,
-        flops=max_or_none(r.flops for r in runs),
-        micro_batch=run.micro_batch,
-        micro_batches=run.micro_batches,
-        extra=extra,
-        hardware=None if hw is None else hw.name,
-        nodes=nodes,
-        device_memory=None if hw is None else int(hw.memory_bytes),
-        utilization=usage,
+
+def step_timing(runs: list, target: Target, model, batch: tuple, notes: list[str], extra: dict):
+    """``(timing, utilization)``: priced on paper for a GPU, or with this machine's calibration on
+    the CPU (with the sequence split's traffic line), or ``(None, None)``."""
+    if target.on_paper:
+        return paper_step(runs, target.setting, model, batch[0], batch[1], notes, extra)
+    if not target.modelled:
+        return None, None
+    timing = modelled_step_time(runs, target.calibration, target.target_plan.env.world_size)
+    notes.append(
+        f"step time: the simulated step's ops priced with this machine's calibration "
+        f"(compute {timing.compute:.4f} s, comm {timing.comm:.4f} s, overhead {timing.overhead:.4f} s"
+        + (f", pipeline bubble {timing.bubble:.4f} s" if timing.bubble else "")
+        + ")"
     )
+    from composable_atorch.estimate.steptime import sequence_note
+
+    # an extrapolated run holds the attention calls of a truncated model: no line rather than a short one
+    line = None if runs[0].extrapolated else sequence_note(runs[0].sequence, target.calibration)
+    if line is not None:
+        notes.append(line)
+        extra["sequence_traffic"] = line
+    return timing, None
+
+
+def no_step_time_reason(step_time, device: str) -> str:
+    """Why the estimate has no step time (``extra['step_time_reason']``)."""
+    if step_time is False:
+        return "step_time=False"
+    if device == "cuda":
+        return "torch's RuntimeEstimator needs a CUDA device (none here)"
+    return "torch's RuntimeEstimator models CUDA devices only"
 
 
 def refuse_undeclared(plan: Plan) -> None:
@@ -320,36 +382,6 @@ def compile_notes(run, modelled: bool, on_paper: bool = False) -> list[str]:
             "save them, which usually saves a little: for that part the figure is usually an upper bound)"
         )
     return notes
-
-
-def shallow_run(simulate, model, dedup: bool | None, notes: list[str]):
-    """Rank 0's run extrapolated from truncated copies of the model (:mod:`.dedup`), or None when the
-    model has no repeated blocks worth it, ``dedup`` is False, the plan is a pipeline, or the check
-    depth is not where the line through the first two puts it (the memory peak moved from one
-    phase of the step to another as blocks were added: then the whole model is simulated)."""
-    from composable_atorch.estimate import dedup as dd
-
-    found = dd.find_blocks(model) if dedup is not False else None
-    if found is None or found[1] <= dd.DEPTHS[-1] or (dedup is None and found[1] < dd.AUTO_FROM):
-        return None
-    name, n = found
-    runs = []
-    for depth in dd.DEPTHS:
-        runs.append(simulate(0, dd.truncated(model, name, depth)))
-        if runs[-1].stage_of_rank is not None:
-            return None
-        if runs[-1].allreduce_buckets:  # DDP's bucket stand-ins: their layout over the parameters is not per block
-            notes.append(f"{n} identical blocks: DDP's gradient buckets span blocks, so the whole model is simulated")
-            return None
-    (k1, k2, k3), (small, large, check) = dd.DEPTHS, runs
-    if dd.extrapolate(small, large, k1, k2, k3).by_kind != check.by_kind:
-        notes.append(f"{n} identical blocks: the memory peak changes phase with depth, so the whole model is simulated")
-        return None
-    notes.append(
-        f"{n} identical blocks in {name or 'the model'}: simulated with {k1}, {k2} and {k3} (the line through "
-        f"the first two holds at the third), extrapolated per block"
-    )
-    return dd.extrapolate(large, check, k2, k3, n)
 
 
 MODELLED = "calibrated op trace (composable_atorch.estimate.steptime)"

@@ -26,12 +26,16 @@ from dataclasses import replace
 
 import torch
 
+from composable_atorch.estimate.inputs import rebatched
+from composable_atorch.estimate.pipeline import Mailbox
 from composable_atorch.estimate.simulate import BUCKET_CAPS, RankRun
 from composable_atorch.estimate.steptime import OpTrace
 
-#: the depths simulated (the third checks the line through the first two), and the depth from
-#: which truncating pays (9 blocks simulated in all)
+#: the first depths simulated (the third checks the line through the first two), the deepest the
+#: window slides to (then 2 + 3 + 4 + 5 + 6 = 20 blocks have been simulated), and the depth from
+#: which truncating pays (9 blocks simulated when the first window holds)
 DEPTHS = (2, 3, 4)
+LAST_DEPTH = 6
 AUTO_FROM = 8
 
 
@@ -107,6 +111,7 @@ def extrapolate(small: RankRun, large: RankRun, k1: int, k2: int, n: int) -> Ran
         total -= buckets[-1]
     return replace(
         large,
+        extrapolated=True,
         by_kind=by_kind,
         peak=by_kind.get("Total", 0),
         grad_bytes=_int_line(small.grad_bytes, large.grad_bytes, k1, k2, n),
@@ -118,4 +123,143 @@ def extrapolate(small: RankRun, large: RankRun, k1: int, k2: int, n: int) -> Ran
         step_time_s=None
         if small.step_time_s is None or large.step_time_s is None
         else max(0.0, _line(small.step_time_s, large.step_time_s, k1, k2, n)),
+    )
+
+
+def shallow_run(simulate, model, dedup: bool | None, notes: list[str]):
+    """Rank 0's run extrapolated from truncated copies of the model (:mod:`.dedup`), or None when the
+    model has no repeated blocks worth it, ``dedup`` is False, or no three consecutive depths up to
+    ``dedup.LAST_DEPTH`` lie on one line (the memory peak kept moving from one phase of the step to
+    another as blocks were added: then the whole model is simulated). The window of depths slides
+    one block deeper at a time: a peak in the backward of the first interior block needs a first,
+    an interior and a last block apart at every depth of the window (a context split's backward
+    peaks in its second block)."""
+    found = find_blocks(model) if dedup is not False else None
+    if found is None or found[1] <= DEPTHS[-1] or (dedup is None and found[1] < AUTO_FROM):
+        return None
+    name, n = found
+    runs = {}
+    for depth in range(DEPTHS[0], min(LAST_DEPTH, n - 1) + 1):
+        runs[depth] = simulate(0, truncated(model, name, depth))
+        if runs[depth].allreduce_buckets:  # DDP's bucket stand-ins: their layout over the parameters is not per block
+            notes.append(f"{n} identical blocks: DDP's gradient buckets span blocks, so the whole model is simulated")
+            return None
+        window = tuple(range(depth - len(DEPTHS) + 1, depth + 1))
+        if window[0] < DEPTHS[0]:
+            continue
+        (k1, k2, k3), (small, large, check) = window, [runs[k] for k in window]
+        if extrapolate(small, large, k1, k2, k3).by_kind == check.by_kind:
+            notes.append(
+                f"{n} identical blocks in {name or 'the model'}: simulated with {', '.join(map(str, runs))} blocks "
+                f"(the line through {k1} and {k2} holds at {k3}), extrapolated per block"
+            )
+            return extrapolate(large, check, k2, k3, n)
+    notes.append(
+        f"{n} identical blocks: the memory peak moves with depth up to {max(runs)} blocks, so the whole model is "
+        "simulated"
+    )
+    return None
+
+
+def whole_stages(simulate, mailbox: Mailbox | None = None, **kw) -> list[RankRun]:
+    """One simulated rank per pipeline stage, in stage order (each reads the metadata the stage
+    before sent: ``mailbox``); rank 0 holds stage 0 of any layout."""
+    mailbox = mailbox if mailbox is not None else Mailbox()
+    runs = [simulate(0, mailbox=mailbox, **kw)]
+    for s in range(1, max(runs[0].stage_of_rank) + 1):
+        runs.append(simulate(runs[0].stage_of_rank.index(s), mailbox=mailbox, **kw))
+    return runs
+
+
+def micro_window(run_set, data: dict, compose, batch, stages: int, dedup: bool | None, notes: list[str]):
+    """The runs of a plan repeating ``m`` micro-steps per optimizer step (a 1F1B or GPipe pipeline's
+    micro-batches, ``accumulate``'s steps), extrapolated from the same plan run with ``k``, ``k + 1``,
+    ``k + 2``... micro-steps (``k``: the stages of a pipeline, 2 for accumulation) while that is fewer
+    in all; None where it is not, or where no window of them lies on a line.
+
+    Why it holds: every micro-step runs the same ops (the trace and the FLOPs grow by one
+    micro-step's worth each), and the memory is what the loop keeps between them: the gradients
+    from the first micro-step on, and a schedule's activations in flight (flat or one micro-batch's
+    worth more per micro-batch once the schedule reaches its steady state). Memory equal at ``k``
+    and ``k + 1`` is that flat line, and two runs do; otherwise a third checks the line through the
+    first two, and the window slides one micro-step on while it does not hold (a 2-stage 1F1B's first
+    stage reaches its line at 3 micro-batches, not 2). ``run_set(plan=, shapes=, rows=)`` simulates a
+    composed plan on a batch of ``rows`` samples and returns its runs (one per pipeline stage);
+    ``batch``: ``(shapes, global batch)``; ``compose(data)`` composes a plan dict for the simulation."""
+    shapes, rows = batch
+    found = repeated_steps(data, stages)
+    if dedup is False or found is None:
+        return None
+    m, first, what = found
+    if 2 * first + 1 >= m or rows % m:
+        return None
+
+    def runs(k: int) -> list[RankRun]:
+        return run_set(
+            plan=compose(with_repeats(data, k)), shapes=rebatched(shapes, rows, rows // m * k), rows=rows // m * k
+        )
+
+    done = {first: runs(first), first + 1: runs(first + 1)}
+    if any(r.allreduce_buckets for r in done[first + 1]):
+        return None
+    if all(a.by_kind == b.by_kind for a, b in zip(done[first], done[first + 1], strict=True)):
+        notes.append(
+            f"{what} simulated with {first} and {first + 1} micro-steps (the same memory) and extrapolated to {m}"
+        )
+        return [
+            replace(extrapolate(a, b, first, first + 1, m), micro_batches=m)
+            for a, b in zip(*done.values(), strict=True)
+        ]
+    k3 = first + 2
+    while sum(done) + k3 < m:
+        done[k3] = runs(k3)
+        k1, k2 = k3 - 2, k3 - 1
+        lined = zip(done[k1], done[k2], done[k3], strict=True)
+        if all(extrapolate(a, b, k1, k2, k3).by_kind == c.by_kind for a, b, c in lined):
+            notes.append(
+                f"{what} simulated with {', '.join(map(str, done))} micro-steps (the line through {k1} and {k2} "
+                f"holds at {k3}) and extrapolated to {m}"
+            )
+            return [
+                replace(extrapolate(b, c, k2, k3, m), micro_batches=m) for b, c in zip(done[k2], done[k3], strict=True)
+            ]
+        k3 += 1
+    notes.append(f"{what}: all {m} micro-steps simulated (the memory was off the line over {first}..{k3 - 1} of them)")
+    return None
+
+
+def repeated_steps(data: dict, stages: int) -> tuple[int, int, str] | None:
+    """``(micro-steps, first of the window, what)`` of a plan dict repeating micro-steps linearly
+    (:func:`micro_window`), None for one that does not (an interleaved or zero-bubble schedule)."""
+    for t in data.get("transforms") or ():
+        config = t.get("config") or {}
+        if isinstance(config.get("microbatches"), int) and "schedule" in config and stages > 1:
+            if config["schedule"] not in LINEAR_SCHEDULES:
+                return None
+            return config["microbatches"], stages, f"the {config['schedule']} schedule"
+        if t.get("name") == "accumulate" and isinstance(config.get("steps"), int):
+            return config["steps"], 2, "gradient accumulation"
+    return None
+
+
+def with_repeats(data: dict, k: int) -> dict:
+    """The plan dict with its micro-steps (:func:`repeated_steps`) set to ``k``."""
+    out = copy.deepcopy(data)
+    for t in out.get("transforms") or ():
+        config = t.get("config") or {}
+        if isinstance(config.get("microbatches"), int) and "schedule" in config:
+            config["microbatches"] = k
+        elif t.get("name") == "accumulate" and isinstance(config.get("steps"), int):
+            config["steps"] = k
+    return out
+
+
+#: schedules whose per-stage cost is linear in the micro-batches from ``m = p`` on (see :func:`pipeline_runs`)
+LINEAR_SCHEDULES = ("1F1B", "GPipe")
+
+
+def stage_note(n: int) -> str:
+    return (
+        f"pipeline: {n} stages, one rank simulated per stage (tensor and data ranks of a stage hold "
+        "equal shares); stage metadata handed on in stage order (the fake group's P2P carries no values)"
     )

@@ -103,6 +103,25 @@ def fake_batch(batch: Any, global_batch: int, micro: int) -> Any:
     return batch
 
 
+def rebatched(batch: Any, rows: int, new: int) -> Any:
+    """The batch with its leading dim ``rows`` (the global batch) made ``new``, as shapes (meta tensors
+    for tensors given)."""
+    if isinstance(batch, torch.Tensor) or _shape_leaf(batch):
+        shape = list(batch.shape if isinstance(batch, torch.Tensor) else batch)
+        if shape and shape[0] == rows:
+            shape[0] = new
+        return (
+            torch.empty(shape, dtype=batch.dtype, device="meta")
+            if isinstance(batch, torch.Tensor)
+            else torch.Size(shape)
+        )
+    if isinstance(batch, dict):
+        return {k: rebatched(v, rows, new) for k, v in batch.items()}
+    if isinstance(batch, list | tuple):
+        return type(batch)(rebatched(v, rows, new) for v in batch)
+    return batch
+
+
 def default_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
     """The loss when none is given: an HF-style output's ``.loss`` (dict batches are passed as
     keywords), or next-token cross-entropy for ``(inputs, targets)``."""

@@ -136,3 +136,14 @@ def _dynamic_vote(stages, has_backward, p2p_done) -> None:
 
     for stage in stages:
         stage._inference_mode = InferenceMode.DYNAMIC
+
+
+def criterion_loss(criterion):
+    """``loss_fn(model, batch)`` from ``criterion(output, targets)`` (batches of ``(inputs, targets)``),
+    as :func:`composable_atorch.train_step` trains a plan without a pipeline."""
+
+    def loss_fn(model, batch):
+        inputs, targets = split_batch(batch)
+        return criterion(model(inputs), targets)
+
+    return loss_fn

@@ -28,6 +28,7 @@ priced by :class:`Fusion`'s rule.
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from dataclasses import asdict, dataclass
 
@@ -393,3 +394,50 @@ def sequence_note(sequence, cal) -> str | None:
         f"{name}: {what}: {sent / 2**20:.2f} MiB per rank per step, "
         f"{price_traffic(traffic, cal, n):.4f} s of the step's comm"
     )
+
+
+@contextlib.contextmanager
+def recorded_attention(model):
+    """A sequence split's attention calls while the block runs, as ``(kind, rotation, degree, calls)``
+    (None without a split): the sizes its collectives move are counted from them
+    (``steptime.sequence_traffic``). The split's one attention object is switched to a recording
+    subclass for the block, and back."""
+    from composable_atorch.transforms.parallel.sequence.loss import SPLIT_ATTR
+
+    attend = getattr(model, SPLIT_ATTR, None)
+    if attend is None or getattr(attend, "n", 1) <= 1:
+        yield None
+        return
+    calls: list[AttendCall] = []
+    base = type(attend)
+
+    def call(self, q, k, v, **kw):
+        calls.append(AttendCall(_local_bytes(q), _local_bytes(k), q.size(1), k.size(1), k.numel()))
+        return base.__call__(self, q, k, v, **kw)
+
+    attend.__class__ = type("Recorded" + base.__name__, (base,), {"__call__": call})
+    try:
+        yield (attend.kind, attend.rotation, attend.n, calls)
+    finally:
+        attend.__class__ = base
+
+
+def _local_bytes(t: torch.Tensor) -> int:
+    t = t.to_local() if hasattr(t, "to_local") else t
+    return t.numel() * t.element_size()
+
+
+def runtime_of(step) -> tuple[float | None, str | None]:
+    """torch's RuntimeEstimator (roofline cost model) over one step; it needs a CUDA device."""
+    if not torch.cuda.is_available():
+        return None, None
+    from torch.distributed._tools.runtime_estimator import RuntimeEstimator
+
+    mode = "operator-level-cost-model"
+    try:
+        est = RuntimeEstimator()
+        with est(estimate_mode_type=mode):
+            step()
+        return est.total_runtime / 1e3, f"torch RuntimeEstimator {mode}"
+    except Exception:  # noqa: BLE001 - no estimate rather than a wrong one
+        return None, None

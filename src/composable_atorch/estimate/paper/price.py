@@ -189,21 +189,31 @@ def step(ranks: list[RankStep], setting: Setting, microbatches: int) -> Step:
     )
 
 
+def layout_degrees(plan) -> dict[str, int]:
+    """The plan's mesh dimensions above 1 (parallel_mode's groups; a pipeline or tensor degree
+    ``mixed_parallel`` sets itself), read from the steps' configs."""
+    dims: dict[str, int] = {}
+    for t in plan.transforms:
+        config = t.config()
+        for key in ("pipeline", "tensor"):
+            if isinstance(config.get(key), int) and config[key] > 1:
+                dims.setdefault(key, config[key])
+        for group in config.get("groups") or ():
+            if isinstance(group, list | tuple) and len(group) == 2 and isinstance(group[1], int) and group[1] > 1:
+                dims[str(group[0])] = group[1]
+    return dims
+
+
 def setting_for(plan, hardware: Hardware, world: int, nodes: int) -> Setting:
     """The pricing knobs a composed plan sets: compile, and a pipeline's schedule and degree."""
-    schedule, pp, per_rank, dims = "1F1B", 1, 1, {}
+    schedule, per_rank = "1F1B", 1
     for t in plan.transforms:
         config = t.config()
         if "schedule" in config and config.get("schedule") in schedules.SCHEDULES:
             schedule = config["schedule"]
             per_rank = int(config.get("stages_per_rank") or 1)
-        for key in ("pipeline",):
-            if isinstance(config.get(key), int) and config[key] > 1:
-                pp = config[key]
-        for group in config.get("groups") or ():
-            if isinstance(group, list | tuple) and len(group) == 2 and isinstance(group[1], int) and group[1] > 1:
-                dims[str(group[0])] = group[1]
-    pp = dims.get("pipeline", pp)
+    dims = layout_degrees(plan)
+    pp = dims.get("pipeline", 1)
     whole = [d for d, n in dims.items() if n == world]
     return Setting(
         hardware=hardware,

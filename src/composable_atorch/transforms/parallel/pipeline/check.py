@@ -123,7 +123,7 @@ def reference(model: nn.Module, an: Anatomy, call, padded: bool = True, length: 
     (unpadded where the padded probe fails); None when it cannot run (weights not real, input unknown).
     Sets ``an.shared`` and ``an.block_returns`` from what it sees."""
     params = list(model.parameters())
-    if not params or any(p.is_meta or hasattr(p, "to_local") for p in params):
+    if not params or any(p.is_meta or hasattr(p, "to_local") for p in params) or estimating(model):
         return None
     example = probe_input(model, an, probe_length(model, length), rows=PROBE_ROWS)
     if example is None:
@@ -157,6 +157,15 @@ def reference(model: nn.Module, an: Anatomy, call, padded: bool = True, length: 
     if returns and isinstance(returns[0], tuple | list):
         an.block_returns = len(returns[0])
     return ref
+
+
+def estimating(model: nn.Module) -> bool:
+    """Whether the model is on fake tensors (``estimate`` applies the plan there): no values to
+    compare, and a comparison of fake values cannot be computed (``allclose`` needs data)."""
+    from torch._guards import detect_fake_mode
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return detect_fake_mode() is not None or any(isinstance(p, FakeTensor) for p in model.parameters())
 
 
 def references(model: nn.Module, an: Anatomy, call, length: int | None = None) -> list[Reference]:
@@ -355,6 +364,8 @@ def check_stages(an: Anatomy | None, stage_mods: list[nn.Module], local: list[in
     if an is None:
         return ""
     if not an.references:
+        if any(estimating(m) for m in stage_mods):
+            return "per-layer inputs not checked against the whole model (fake tensors: the plan is being estimated)"
         return "per-layer inputs not checked against the whole model (its probe forward could not run)"
     error: StageMismatchError | None = None
     try:

@@ -23,17 +23,30 @@ from composable_atorch.transforms.example_input import (  # noqa: F401 - re-expo
 
 def replica(model: nn.Module, grad: bool = False) -> nn.Module:
     """A CPU copy of ``model`` with zero weights (nothing copied from the real ones; parameters
-    require grad only with ``grad``)."""
+    require grad only with ``grad``). A model of fake tensors (``estimate`` applies the plan on them)
+    gets a replica of fake tensors in the same fake mode: only shapes are read, and a real copy
+    would allocate the whole model's weights for a plan that is only being estimated."""
     memo = {}
-    for t in (*model.parameters(), *model.buffers()):
-        if id(t) in memo:
-            continue
-        z = torch.zeros(t.shape, dtype=t.dtype, device="cpu")
-        if isinstance(t, nn.Parameter):
-            memo[id(t)] = nn.Parameter(z, requires_grad=grad and t.requires_grad)
-        else:
-            memo[id(t)] = z
+    with _fake_mode_of(model):
+        for t in (*model.parameters(), *model.buffers()):
+            if id(t) in memo:
+                continue
+            z = torch.zeros(t.shape, dtype=t.dtype, device="cpu")
+            if isinstance(t, nn.Parameter):
+                memo[id(t)] = nn.Parameter(z, requires_grad=grad and t.requires_grad)
+            else:
+                memo[id(t)] = z
     return copy.deepcopy(model, memo)
+
+
+def _fake_mode_of(model: nn.Module):
+    """The fake mode of the model's fake parameters, or a null context for a real model."""
+    import contextlib
+
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    fake = next((p for p in model.parameters() if isinstance(p, FakeTensor)), None)
+    return fake.fake_mode if fake is not None else contextlib.nullcontext()
 
 
 def run(model: nn.Module, example) -> None:
