@@ -42,6 +42,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import composable_atorch
+import composable_atorch.cli.estimate
 
 RESULTS = Path(__file__).parent / "results" / "memory.json"
 PLANS = ("ddp", "zero1", "zero2", "fsdp")
@@ -135,17 +136,8 @@ def activation_bytes(model: torch.nn.Module, tokens: torch.Tensor) -> dict[str, 
 #         stage the library's own cut puts it in (PipelineParallel.cuts: anatomy + balanced_cuts).
 # The meta way also runs the gloo rows on the tiny model, and the table says whether it matched.
 
-LLAMA_7B = dict(
-    hidden_size=4096,
-    intermediate_size=11008,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    num_key_value_heads=32,
-    vocab_size=32000,
-    max_position_embeddings=4096,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=False,
-)
+#: Llama-2-7B's published shape, as ``--model llama-7b`` names it
+LLAMA_7B = {**composable_atorch.cli.estimate.LLAMA_7B, "tie_word_embeddings": False}
 LLAMA_TINY = dict(
     hidden_size=128,
     intermediate_size=256,

@@ -82,18 +82,11 @@ TORCHTITAN = [
     ((4, 131072), (1071, 84.0)),
     ((8, 262144), (548, 84.5)),
 ]
-LLAMA31_8B = dict(
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    vocab_size=128256,
-    max_position_embeddings=131072,
-    rope_theta=500000.0,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=False,
-)
+def llama31_8b() -> dict:
+    """Llama 3.1 8B: Llama-3-8B's published shape (``--model llama3-8b``) with its 128k positions."""
+    from composable_atorch.cli.estimate import LLAMA3_8B
+
+    return {**LLAMA3_8B, "max_position_embeddings": 131072, "tie_word_embeddings": False}
 
 
 def atorch_flops(global_batch: int, lora: bool) -> float:
@@ -262,7 +255,7 @@ def titan_row(cp: int, seq: int, bound: str):
     shape = torch.Size([dp, seq])
     return estimate(
         ca.compose(*parts, env=env),
-        lambda: AutoModelForCausalLM.from_config(LlamaConfig(**LLAMA31_8B)),
+        lambda: AutoModelForCausalLM.from_config(LlamaConfig(**llama31_8b())),
         (shape, shape),  # (tokens, next tokens), as torchtitan's loader gives them and context_parallel needs
         world_size=world,
         device="cuda",
