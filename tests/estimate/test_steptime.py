@@ -171,3 +171,61 @@ def test_the_attention_backward_has_its_own_curve_and_older_calibrations_fall_ba
     slow["curves"]["sdpa_bwd_float32"] = [[1.0, 4e-9], [1e12, 4e-9 * 1e12]]
     assert price_op(Calibration.from_dict(slow), "sdpa_bwd", "float32", bwd) == pytest.approx(4 * bwd * RATE["sdpa"])
     assert trace.flops() >= bwd
+
+
+def here(cal: Calibration, **machine) -> Calibration:
+    """``cal`` as a replay calibration measured on this machine (or one with ``machine`` changed)."""
+    data = cal.to_dict() | {"replay": True, "machine": calibrate.machine_facts(1) | machine}
+    return Calibration.from_dict(data)
+
+
+def test_replay_is_used_only_by_a_replay_calibration_of_this_cpu():
+    cal = synthetic()
+    assert not cal.replays_here()  # recorded / made-up calibrations price by their curves (tests stay exact)
+    assert here(cal).replays_here()
+    assert Calibration.from_dict(here(cal).to_dict()).replay  # the flag survives the JSON round trip
+    assert not here(cal, host="another-host").replays_here()
+    assert not here(cal, torch="0.0").replays_here()
+
+
+def test_replayed_kernels_replace_their_curve_price(monkeypatch):
+    """Each eager kernel re-run here costs what it took (a stub here: no timing) instead of its curve;
+    collectives and the framework's per-op cost are untouched."""
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+    trace = OpTrace()
+    with trace:
+        model(torch.randn(8, 16)).sum().backward()
+    cal = here(synthetic())
+    by_curve = trace.price(cal, replay=False)
+    assert trace.replays and sum(trace.replays.values()) == trace.op_count
+    took = {}
+    monkeypatch.setattr(calibrate, "replay_seconds", lambda func, spec, threads=1: took.setdefault(str(func), 1e-3))
+    replayed = trace.price(cal)
+    assert "aten.gelu_backward.default" in took and "aten.mm.default" in took
+    assert replayed["compute"] == pytest.approx(1e-3 * trace.op_count)
+    assert replayed["overhead"] == by_curve["overhead"] and replayed["comm"] == by_curve["comm"]
+    # an op that cannot be re-run (None) keeps its curve price
+    monkeypatch.setattr(calibrate, "replay_seconds", lambda func, spec, threads=1: None)
+    assert trace.price(cal) == pytest.approx(by_curve)
+
+
+def test_replay_reruns_an_op_at_its_shapes_and_remakes_strided_and_index_arguments():
+    x = torch.randn(4, 1).expand(4, 8)  # stride 0: remade without writing one element twice
+    spec = calibrate.op_spec((x, 0, torch.tensor([2, 3, 1])), {})
+    tree, leaves = spec
+    assert leaves[0] == ("tensor", (4, 8), (1, 0), torch.float32) and leaves[2][3] == torch.int64
+    seconds = calibrate.replay_seconds(torch.ops.aten.index_select.default, spec)
+    assert seconds is not None and seconds > 0
+    assert calibrate.replay_seconds(torch.ops.aten.index_select.default, spec) == seconds  # memoised
+    assert calibrate.op_spec((torch.ones(2), object()), {}) is None  # e.g. a process group: not remade
+    bad = calibrate.op_spec((torch.ones(2, 3), torch.ones(5, 7)), {})
+    assert calibrate.replay_seconds(torch.ops.aten.mm.default, bad) is None  # cannot run: its curve prices it
+
+
+def test_block_dedup_gives_the_full_estimate_when_replaying(monkeypatch):
+    """The deduplicated estimate extrapolates the replayed calls too: equal to the full simulation."""
+    monkeypatch.setattr(calibrate, "replay_seconds", lambda func, spec, threads=1: 1e-4 * (1 + len(str(func)) % 7))
+    plan = ca.ddp() | ca.checkpoint(Block)
+    full = est(plan, DEEP, calibration=here(synthetic()), dedup=False)
+    short = est(plan, DEEP, calibration=here(synthetic()), dedup=True)
+    assert short.step_time_s == pytest.approx(full.step_time_s, rel=1e-6)

@@ -101,6 +101,10 @@ def extrapolate(small: RankRun, large: RankRun, k1: int, k2: int, n: int) -> Ran
             if count:
                 ops[key] = count
         trace.ops, trace.op_count = ops, _int_line(small.trace.op_count, large.trace.op_count, k1, k2, n)
+        for key in set(small.trace.replays) | set(large.trace.replays):
+            count = _int_line(small.trace.replays.get(key, 0), large.trace.replays.get(key, 0), k1, k2, n)
+            if count:
+                trace.replays[key] = count
         trace.fused_ops = _int_line(small.trace.fused_ops, large.trace.fused_ops, k1, k2, n)
         trace.fused_kernels = _int_line(small.trace.fused_kernels, large.trace.fused_kernels, k1, k2, n)
     total = _int_line(sum(small.allreduce_buckets), sum(large.allreduce_buckets), k1, k2, n)

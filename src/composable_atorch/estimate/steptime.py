@@ -127,6 +127,9 @@ class OpTrace(TorchDispatchMode):
         self.fusion = Fusion(fused) if fused else None
         #: memory-bound ops of compiled regions, and the fused kernels they were counted as
         self.fused_ops = self.fused_kernels = 0
+        #: ``(key in ops, op, calibrate.op_spec) -> calls``: what an estimate on this CPU may re-run
+        #: to price the op at its own shapes (:meth:`price`); eager kernels only, not fused runs
+        self.replays: Counter = Counter()
 
     def __enter__(self):
         if self.fusion is not None:
@@ -174,16 +177,23 @@ class OpTrace(TorchDispatchMode):
                     # took no less time for it
                     kind = "sdpa_bwd" if name.endswith("_backward") else "sdpa"
                 self._close_run()  # a compiler calls the matmul kernels as they are: the same FLOPs
-                self.op_count += 1
-                self.ops[(kind, dtype, float(flops))] += 1
+                self._count((kind, dtype, float(flops)), func, args, kwargs)
                 return
         size = float(_sum_bytes((args, out)))
         if region:
             self._extend_run(region, dtype, size)
             return
         self._close_run()
+        self._count(("memory", dtype, size), func, args, kwargs)
+
+    def _count(self, key, func, args, kwargs) -> None:
+        from composable_atorch.estimate.calibrate import op_spec
+
         self.op_count += 1
-        self.ops[("memory", dtype, size)] += 1
+        self.ops[key] += 1
+        spec = op_spec(args, kwargs)
+        if spec is not None:
+            self.replays[(key, func, spec)] += 1
 
     def _extend_run(self, region, dtype: str, size: float) -> None:
         """A memory-bound op of a compiled region joins the run of such ops it follows (:class:`Fusion`)."""
@@ -204,10 +214,17 @@ class OpTrace(TorchDispatchMode):
         self.op_count += 1
         self.ops[("memory", dtype, size)] += 1
 
-    def price(self, cal, world: int = 2) -> dict[str, float]:
-        """Seconds by part: ``compute`` (kernels), ``comm`` (collectives), ``overhead`` (framework per op)."""
+    def price(self, cal, world: int = 2, replay: bool | None = None) -> dict[str, float]:
+        """Seconds by part: ``compute`` (kernels), ``comm`` (collectives), ``overhead`` (framework per op).
+
+        ``replay`` (default: where the calibration is a replay one of this CPU,
+        ``Calibration.replays_here``): a kernel whose curve price is small is re-run here at its own
+        shapes (``calibrate.replay_seconds``) and priced at what it took."""
         parts = {"compute": 0.0, "comm": 0.0, "overhead": self.op_count * cal.per_op_s}
-        for (kind, dtype, size), n in self.ops.items():
+        ops = Counter(self.ops)
+        if replay if replay is not None else cal.replays_here():
+            parts["compute"] += self._replayed(cal, ops)
+        for (kind, dtype, size), n in ops.items():
             if kind == "p2p_recv":  # a receive running beside a send of its size is in the send's price
                 n = max(0, n - self.ops.get(("p2p", dtype, size), 0))
             # a collective's key holds its group's size where the trace saw it (else the whole world)
@@ -215,6 +232,21 @@ class OpTrace(TorchDispatchMode):
             w = int(dtype) if comm and dtype.isdigit() else world
             parts["comm" if comm else "compute"] += n * price_op(cal, kind, "" if comm else dtype, size, w)
         return parts
+
+    def _replayed(self, cal, ops: Counter) -> float:
+        """Seconds of the kernels re-run here; their calls leave ``ops`` (priced by curve no more)."""
+        from composable_atorch.estimate.calibrate import REPLAY_MAX_S, replay_seconds
+
+        threads, seconds = int(cal.machine.get("threads", 1)), 0.0
+        for (key, func, spec), n in self.replays.items():
+            n = min(n, ops[key])
+            if n <= 0 or price_op(cal, *key) > REPLAY_MAX_S:
+                continue
+            took = replay_seconds(func, spec, threads)
+            if took is not None:
+                seconds += n * took
+                ops[key] -= n
+        return seconds
 
     def flops(self) -> int:
         return int(sum(size * n for (kind, _, size), n in self.ops.items() if kind in ("mm", "sdpa", "sdpa_bwd")))

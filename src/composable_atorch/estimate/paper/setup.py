@@ -23,7 +23,7 @@ def target_hardware(hardware) -> Hardware:
     import torch
 
     if torch.cuda.is_available():
-        from composable_atorch.estimate.calibrate import calibrated_hardware
+        from composable_atorch.estimate.paper.calibrate import calibrated_hardware
 
         found = calibrated_hardware()
         if found is not None:
