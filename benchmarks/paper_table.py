@@ -36,7 +36,8 @@ FSDP + CP + torch.compile + Float8, local batch 1, full activation checkpointing
 the Grand Teton H100 (96 GB HBM2e, 2.4 TB/s, 500 W). Its doc says its peak lies between the H100
 SXM's and the H100 NVL's and is not known exactly, so each row is priced with both (upper: SXM
 989 / 1979 TFLOP/s bf16 / fp8; lower: NVL 835 / 1670). The plan: the library's
-``context_parallel`` (all-gather rotation, torchtitan's default then) over ``context``, ``fsdp`` on
+``context_parallel`` (all-gather rotation, torchtitan's default then; each causal chunk attends
+through torch's lower-right ``CausalBias``, priced as the flash kernel's causal FLOPs) over ``context``, ``fsdp`` on
 the data dimension, bf16 autocast with FSDP mixed precision, checkpointing every decoder layer,
 ``compile`` (priced by its fusion rule), ``fp8(recipe="tensorwise")`` on every Linear but the
 head; AdamW. TPS/GPU compared with ``tokens_per_s_per_device``, memory with the simulated peak.

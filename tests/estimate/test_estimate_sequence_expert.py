@@ -2,7 +2,7 @@
 
 The MoE families (tests/zoo/moe.py) run ``grouped_mm`` on 3-D expert weights, whose fake
 registration takes bf16 only: estimate routes fake tensors through transformers' own fallback
-(estimate/moe.py).
+(estimate/kernels.py).
 """
 
 from __future__ import annotations

@@ -212,3 +212,29 @@ def test_ddp_over_a_data_dimension_of_1_adds_no_buckets():
     assert "ddp" in plan.names
     est = predict(plan_json("ring"), "user", 64, step_time=False)
     assert "ddp_bucket_bytes" not in est.extra and not any("DDP" in n or "ddp(" in n for n in est.notes), est.notes
+
+
+@pytest.mark.parametrize("cuda", [True, False])
+def test_causal_chunks_priced_as_flash_on_a_cuda_target(cuda):
+    """context_parallel's causal chunks (a lower-right bias each) traced for a CUDA target: no masked
+    attention, and the forward's attention FLOPs after the causal halving are the scores each chunk's
+    queries see (the flash kernel's work); traced for the CPU: torch's materialized masks, every score."""
+    from composable_atorch.estimate import paper
+    from composable_atorch.estimate.inputs import meta_model
+    from composable_atorch.estimate.simulate import simulate_rank
+
+    plan = ca.compose(*split("context"), env=ca.Environment.detect().with_(world_size=2))
+    shape = torch.Size([BATCH, 64])
+    run = simulate_rank(
+        plan, meta_model(lambda: build("user", 64)), (shape, shape), global_batch=BATCH, rank=0,
+        loss_fn=loss_fn, optimizer=adamw, trace_ops=paper.OrderedTrace, cuda=cuda,
+    )  # fmt: skip
+    forward = [e for e in run.trace.events if e.kind == "sdpa"]
+    s, per_score = 16, 4 * BATCH * 4 * 8  # rank 0's chunks: [0, 16) and [48, 64); 4 FLOPs x batch x heads x dim
+    seen = 2 * per_score * sum(s * (end - s / 2) for end in (16, 64))  # 2 layers
+    work = sum(e.size * (0.5 if e.causal else 1.0) for e in forward)
+    if cuda:
+        assert not any(e.mask for e in run.trace.events if e.kind in ("sdpa", "sdpa_bwd"))
+        assert work == pytest.approx(seen)
+    else:
+        assert any(e.mask for e in forward) and work > seen

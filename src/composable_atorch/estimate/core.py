@@ -262,6 +262,7 @@ def simulate_runs(target: Target, model, batch: tuple, sim_kw: dict, dedup, note
             buckets_in_backward=not target.whole_step,
             mailbox=mailbox,
             trace_ops=paper.OrderedTrace if target.on_paper else target.modelled,
+            cuda=target.target_plan.env.device == "cuda",
             **sim_kw,
         )
         if target.on_paper:

@@ -31,7 +31,7 @@ from composable_atorch.core.plan import Plan
 from composable_atorch.core.transform import ApplyContext, TrainState
 from composable_atorch.errors import CompositionError, ConfigError
 from composable_atorch.estimate.inputs import EstimateError, default_loss, fake_batch, make_optimizer, materialize
-from composable_atorch.estimate.moe import fake_grouped_mm
+from composable_atorch.estimate.kernels import fake_grouped_mm, flash_lower_right
 from composable_atorch.estimate.pipeline import (
     NEEDS_CRITERION,
     Mailbox,
@@ -264,6 +264,7 @@ def simulate_rank(
     criterion=None,
     mailbox: Mailbox | None = None,
     trace_ops: bool | type = False,
+    cuda: bool = False,
 ) -> RankRun:
     """Simulate ``rank`` of ``plan`` (composed for the fake world's size) on a fresh copy of the
     model's shapes; the model passed in is not changed. ``steps``: training steps tracked after the
@@ -274,12 +275,13 @@ def simulate_rank(
     caller (``extra_temporary``). A pipeline stage trains through its schedule with
     ``criterion(output, targets)``; ``mailbox`` carries the stage metadata from the stages simulated
     before (:mod:`.pipeline`). ``trace_ops``: the last tracked step also records its ops for the
-    step-time model (:mod:`.steptime`); a trace class (``paper.OrderedTrace``) records them with it."""
+    step-time model (:mod:`.steptime`); a trace class (``paper.OrderedTrace``) records them with it.
+    ``cuda``: a CUDA target's kernels where they differ from the CPU's (:mod:`.kernels`)."""
     loss_fn = loss_fn or (criterion_loss(criterion) if criterion is not None else default_loss)
     with fake_world(plan.env.world_size, rank), no_compiler():
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         setup = setup_rank(plan, model, optimizer, global_batch, rank, criterion, mailbox, fake)
-        with fake, fake_grouped_mm():
+        with fake, fake_grouped_mm(), flash_lower_right(cuda):
             step = training_step(setup, batch, global_batch, loss_fn, criterion, buckets_in_backward)
             warm_up(step, WARMUP if warmup is None else warmup)
             run = tracked_run(setup, step, steps, trace_ops)

@@ -23,13 +23,15 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import CausalBias, CausalVariant
 from torch.overrides import TorchFunctionMode
 
 from composable_atorch.errors import ConfigError
 from composable_atorch.runtime.sequence import is_probing
+from composable_atorch.transforms.parallel.sequence.check import check_heads, check_ring
 from composable_atorch.transforms.parallel.sequence.comm import gather_sequence, heads_to_sequence, sequence_to_heads
 from composable_atorch.transforms.parallel.sequence.ring import ring_attention
-from composable_atorch.transforms.parallel.sequence.shard import all_positions, chunk_positions
+from composable_atorch.transforms.parallel.sequence.shard import all_positions, chunk_bounds, chunk_positions
 
 #: attribute an attention module carries: its :class:`Attend`
 ATTR = "_composable_sequence_attend"
@@ -102,12 +104,15 @@ class Attend:
             check_ring(self.who, dropout=dropout, softcap=softcap, sinks=sinks)
             k, v = _repeat_heads(k, q.size(1)), _repeat_heads(v, q.size(1))
             return ring_attention(q, k, v, self.group, self.rank, self.n, causal=causal, scale=scale, window=window)
-        # all-gather of keys and values (exact; one collective, then one attention over global positions)
-        k_all = _repeat_heads(gather_sequence(k, self.group, self.n), q.size(1))
-        v_all = _repeat_heads(gather_sequence(v, self.group, self.n), q.size(1))
+        # all-gather of keys and values (exact; one collective, then attention over global positions)
+        k_all, v_all = gather_sequence(k, self.group, self.n), gather_sequence(v, self.group, self.n)
         length = q.size(2)
-        q_pos = chunk_positions(self.rank, self.n, length, True, q.device)
         k_pos = all_positions(self.n, length, True, q.device)
+        if causal and window is None and softcap is None and sinks is None:
+            bounds = chunk_bounds(self.rank, self.n, length, True)
+            return attend_causal_chunks(q, k_all, v_all, k_pos, bounds, scale, dropout)
+        k_all, v_all = _repeat_heads(k_all, q.size(1)), _repeat_heads(v_all, q.size(1))
+        q_pos = chunk_positions(self.rank, self.n, length, True, q.device)
         return attend_exact(q, k_all, v_all, q_pos, k_pos, causal, scale, dropout, window, softcap, sinks)
 
     def _ulysses(self, q, k, v, causal, scale, dropout, window, softcap, sinks):
@@ -123,6 +128,41 @@ class Attend:
         pos = torch.arange(qh.size(2), device=q.device)  # whole sequences in order after the all-to-all
         out = attend_exact(qh, kh, vh, pos, pos, causal, scale, dropout, window, softcap, sinks)
         return heads_to_sequence(out, self.group, self.n)
+
+
+#: the storage of :func:`lower_right`'s biases: SDPA reads only their variant and lengths
+_NO_STORAGE = torch.empty(0, device="meta")
+
+
+def lower_right(q_len: int, kv_len: int) -> CausalBias:
+    """torch's lower-right causal bias (``causal_lower_right(q_len, kv_len)``: query ``i`` sees keys up to
+    ``kv_len - q_len + i``), which SDPA runs as the flash kernel's causal mode on CUDA and materializes
+    elsewhere. Built over an empty meta tensor: the public factory gives the bias a ``[2, q_len, kv_len]``
+    float32 host tensor as its storage (34 GB at 16k x 262k tokens), and cannot be called under a
+    TorchDispatchMode (FakeTensorMode, FlopCounterMode: the raw tensor is already wrapped)."""
+    bias = torch.Tensor._make_subclass(CausalBias, _NO_STORAGE)
+    bias.variant, bias.seq_len_q, bias.seq_len_kv = CausalVariant.LOWER_RIGHT, q_len, kv_len
+    return bias
+
+
+def attend_causal_chunks(q, k_all, v_all, k_pos, bounds, scale, dropout) -> torch.Tensor:
+    """Causal attention of this rank's contiguous query chunks (global ``[start, end)`` each, in local
+    order) over the gathered keys, without a mask over them: the keys are put in global order, and chunk
+    ``[start, end)`` attends over keys ``[0, end)`` with :func:`lower_right`, what the flash kernel
+    computes causally (no masked block). The exact path (:func:`attend_exact`, a ``(local queries, all
+    keys)`` mask) stays for what this cannot say: a sliding window (a band, not a lower-right triangle),
+    capped logits and sinks (the eager computation, which no fused kernel has)."""
+    order = torch.argsort(k_pos)
+    keys = _repeat_heads(k_all.index_select(2, order), q.size(1))
+    values = _repeat_heads(v_all.index_select(2, order), q.size(1))
+    outs, at = [], 0
+    for start, end in bounds:
+        chunk = q[:, :, at : at + end - start]
+        at += end - start
+        mask = lower_right(end - start, end)
+        kv = keys[:, :, :end], values[:, :, :end]
+        outs.append(F.scaled_dot_product_attention(chunk, *kv, attn_mask=mask, dropout_p=dropout, scale=scale))
+    return torch.cat(outs, dim=2)
 
 
 def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, window) -> torch.Tensor | None:
@@ -159,30 +199,6 @@ def attend_exact(q, k, v, q_pos, k_pos, causal, scale, dropout, window=None, sof
     if dropout:
         probs = F.dropout(probs, p=dropout)
     return torch.matmul(probs, v)
-
-
-def check_ring(who: str, *, dropout=0.0, softcap=None, sinks=None) -> None:
-    """What the ring's merged partial softmaxes cannot compute (the all-gather rotation can)."""
-    for name, value, why in (
-        ("attention dropout", dropout, "no dropout on its probabilities"),
-        ("attention logit softcapping", softcap, "CPU flash blocks without a logit cap"),
-        ("attention sinks", sinks, "no sink term in its merged denominators"),
-    ):
-        if isinstance(value, torch.Tensor) or value:
-            shown = f"tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else value
-            raise ConfigError(
-                f"{who}: {name}",
-                shown,
-                f"context_parallel(rotation='allgather') or sequence_parallel: the ring merges partial softmaxes "
-                f"and has {why}" + ("" if name != "attention dropout" else " (or attention dropout 0.0)"),
-            )
-
-
-def check_heads(heads: int, n: int, who: str) -> None:
-    if heads % n:
-        raise ConfigError(
-            f"{who}: attention heads", heads, f"a multiple of the sequence size {n} (Ulysses splits the heads)"
-        )
 
 
 # -- transformers' attention interface ------------------------------------------------------------

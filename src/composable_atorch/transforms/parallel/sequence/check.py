@@ -13,6 +13,9 @@ the split model on each rank's part; the parts must equal the whole's rows at th
 :func:`takes_shift_labels`: whether a transformers causal LM given ``labels`` computes its loss from the
 ``shift_labels`` and ``num_items_in_batch`` the loader's split gives it (transformers' ``ForCausalLMLoss``
 does; a family that shifts by hand or adds other terms does not), so its ``labels`` batches can train.
+
+:func:`check_ring` / :func:`check_heads`: the attention features the ring cannot merge, and Ulysses'
+head count, refused before any step.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from composable_atorch.errors import CompositionError, SequenceSplitMismatchError
+from composable_atorch.errors import CompositionError, ConfigError, SequenceSplitMismatchError
 from composable_atorch.transforms.numerics import evaluating, output_tensor, tolerance
 from composable_atorch.transforms.parallel.sequence.shard import IGNORE_INDEX, NUM_ITEMS, SHIFT_LABELS, chunk_positions
 
@@ -159,3 +162,27 @@ def takes_shift_labels(model: nn.Module, *, group, n: int, length: int | None, s
         pass
     dist.all_reduce(diff, op=dist.ReduceOp.MAX, group=group)
     return bool(float(diff) <= 1e-5)
+
+
+def check_ring(who: str, *, dropout=0.0, softcap=None, sinks=None) -> None:
+    """What the ring's merged partial softmaxes cannot compute (the all-gather rotation can)."""
+    for name, value, why in (
+        ("attention dropout", dropout, "no dropout on its probabilities"),
+        ("attention logit softcapping", softcap, "CPU flash blocks without a logit cap"),
+        ("attention sinks", sinks, "no sink term in its merged denominators"),
+    ):
+        if isinstance(value, torch.Tensor) or value:
+            shown = f"tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else value
+            raise ConfigError(
+                f"{who}: {name}",
+                shown,
+                f"context_parallel(rotation='allgather') or sequence_parallel: the ring merges partial softmaxes "
+                f"and has {why}" + ("" if name != "attention dropout" else " (or attention dropout 0.0)"),
+            )
+
+
+def check_heads(heads: int, n: int, who: str) -> None:
+    if heads % n:
+        raise ConfigError(
+            f"{who}: attention heads", heads, f"a multiple of the sequence size {n} (Ulysses splits the heads)"
+        )

@@ -34,12 +34,12 @@ from composable_atorch.transforms.parallel.sequence import check as split_check
 from composable_atorch.transforms.parallel.sequence.attention import (
     Attend,
     SequenceHooks,
-    check_heads,
     forward_takes,
     positions_module,
     route_transformers,
     uses_attention_interface,
 )
+from composable_atorch.transforms.parallel.sequence.check import check_heads
 from composable_atorch.transforms.parallel.sequence.loss import SPLIT_ATTR, SequenceLossGuard, check_loss
 from composable_atorch.transforms.parallel.sequence.recompute import intercept_checkpointed
 from composable_atorch.transforms.parallel.sequence.shard import DataSignals, ShardCollate, check_length, shard_batch

@@ -37,14 +37,18 @@ SHIFT_IN_DATA = (
 )
 
 
+def chunk_bounds(rank: int, n: int, local_len: int, balanced: bool) -> list[tuple[int, int]]:
+    """The global ``[start, end)`` of each contiguous chunk rank ``rank`` of ``n`` holds, in its local order."""
+    if not balanced:
+        return [(rank * local_len, (rank + 1) * local_len)]
+    s = local_len // 2
+    return [(rank * s, (rank + 1) * s), ((2 * n - 1 - rank) * s, (2 * n - rank) * s)]
+
+
 def chunk_positions(rank: int, n: int, local_len: int, balanced: bool, device=None) -> torch.Tensor:
     """The global positions of the ``local_len`` tokens rank ``rank`` of ``n`` holds (int64, 1-D)."""
-    if not balanced:
-        return torch.arange(rank * local_len, (rank + 1) * local_len, device=device)
-    s = local_len // 2
-    first = torch.arange(rank * s, (rank + 1) * s, device=device)
-    second = torch.arange((2 * n - 1 - rank) * s, (2 * n - rank) * s, device=device)
-    return torch.cat([first, second])
+    bounds = chunk_bounds(rank, n, local_len, balanced)
+    return torch.cat([torch.arange(start, end, device=device) for start, end in bounds])
 
 
 def all_positions(n: int, local_len: int, balanced: bool, device=None) -> torch.Tensor:

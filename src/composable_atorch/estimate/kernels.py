@@ -1,0 +1,86 @@
+"""Kernels a fake CPU step would run otherwise than the target device does, pointed at what it runs.
+
+* transformers 5 mixtures of experts: their experts run ``torch.nn.functional.grouped_mm`` where torch
+  has it; on the CPU its kernel takes fp32, but torch's fake (meta) registration of ``grouped_mm``
+  accepts bf16 only, so an fp32 MoE model cannot be simulated as it runs. Transformers' own fallback
+  (``transformers::grouped_mm_fallback``, registered with a fake implementation) computes the same
+  products with the same output shapes, so while a step is simulated the dispatcher is pointed at it
+  for fake tensors (:func:`fake_grouped_mm`).
+* a lower-right causal bias (``torch.nn.attention.bias``, context parallelism's chunks over the keys before
+  them): on CUDA SDPA runs it as the flash kernel's causal mode, no mask held, only the visible blocks
+  computed; on the CPU torch materializes the ``(q, k)`` mask and computes every score. For a CUDA
+  target the simulated step computes it as two flash calls with the same FLOPs and no mask
+  (:func:`flash_lower_right`): the keys every query sees, unmasked, and the square diagonal with
+  ``is_causal``. Only its kernels' key lengths differ from the one CUDA call (their efficiency is read
+  at those lengths). Numerically it is not the attention: fake tensors only.
+
+Real tensors are untouched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.nn.attention.bias import CausalBias, CausalVariant
+
+
+@contextlib.contextmanager
+def fake_grouped_mm():
+    """Within: transformers' grouped-mm check answers False for fake weights (the fallback runs)."""
+    try:
+        from transformers.integrations import moe
+    except ImportError:  # no transformers (or no MoE support in it): nothing to route
+        yield
+        return
+    original = getattr(moe, "_can_use_grouped_mm", None)
+    if original is None:
+        yield
+        return
+
+    def can_use(input, weight, offs):
+        if isinstance(weight, FakeTensor) or isinstance(input, FakeTensor):
+            return False
+        return original(input, weight, offs)
+
+    moe._can_use_grouped_mm = can_use
+    try:
+        yield
+    finally:
+        moe._can_use_grouped_mm = original
+
+
+def _as_flash(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """The two flash calls a lower-right bias's FLOPs are (module doc), or None for any other call."""
+    lower_right = isinstance(attn_mask, CausalBias) and attn_mask.variant == CausalVariant.LOWER_RIGHT
+    if not (lower_right and isinstance(query, FakeTensor)) or is_causal:
+        return None
+    cut = attn_mask.seq_len_kv - attn_mask.seq_len_q
+    if cut <= 0:  # square: torch itself calls SDPA with is_causal
+        return None
+    kw = {"dropout_p": dropout_p, "scale": scale, "enable_gqa": enable_gqa}
+    seen = F.scaled_dot_product_attention(query, key[..., :cut, :], value[..., :cut, :], **kw)
+    diagonal = F.scaled_dot_product_attention(query, key[..., cut:, :], value[..., cut:, :], is_causal=True, **kw)
+    return seen + diagonal
+
+
+@contextlib.contextmanager
+def flash_lower_right(cuda: bool):
+    """Within, for a CUDA target (``cuda``): a fake lower-right causal SDPA as the flash kernel's work.
+    The bias's own dispatch is replaced, not a mode entered: a checkpoint's recompute in the backward
+    must compute the same way (torch function modes do not reach it)."""
+    if not cuda:
+        yield
+        return
+    original = CausalBias.__dict__["_dispatch"]
+
+    def dispatch(*args, **kwargs):
+        out = _as_flash(*args, **kwargs)
+        return original.__func__(*args, **kwargs) if out is None else out
+
+    CausalBias._dispatch = staticmethod(dispatch)
+    try:
+        yield
+    finally:
+        CausalBias._dispatch = original
