@@ -10,7 +10,7 @@ import torch
 
 import composable_atorch as ca
 from composable_atorch.auto.workload import GPTTask
-from composable_atorch.estimate import calibrate, estimate
+from composable_atorch.estimate import calibrate, estimate, kernels
 from composable_atorch.estimate.calibrate import Calibration, CalibrationError, Curve
 from composable_atorch.estimate.steptime import OpTrace
 from composable_atorch.models import Block
@@ -199,32 +199,32 @@ def test_replayed_kernels_replace_their_curve_price(monkeypatch):
     by_curve = trace.price(cal, replay=False)
     assert trace.replays and sum(trace.replays.values()) == trace.op_count
     took = {}
-    monkeypatch.setattr(calibrate, "replay_seconds", lambda func, spec, threads=1: took.setdefault(str(func), 1e-3))
+    monkeypatch.setattr(kernels, "replay_seconds", lambda func, spec, threads=1: took.setdefault(str(func), 1e-3))
     replayed = trace.price(cal)
     assert "aten.gelu_backward.default" in took and "aten.mm.default" in took
     assert replayed["compute"] == pytest.approx(1e-3 * trace.op_count)
     assert replayed["overhead"] == by_curve["overhead"] and replayed["comm"] == by_curve["comm"]
     # an op that cannot be re-run (None) keeps its curve price
-    monkeypatch.setattr(calibrate, "replay_seconds", lambda func, spec, threads=1: None)
+    monkeypatch.setattr(kernels, "replay_seconds", lambda func, spec, threads=1: None)
     assert trace.price(cal) == pytest.approx(by_curve)
 
 
 def test_replay_reruns_an_op_at_its_shapes_and_remakes_strided_and_index_arguments():
     x = torch.randn(4, 1).expand(4, 8)  # stride 0: remade without writing one element twice
-    spec = calibrate.op_spec((x, 0, torch.tensor([2, 3, 1])), {})
+    spec = kernels.op_spec((x, 0, torch.tensor([2, 3, 1])), {})
     tree, leaves = spec
     assert leaves[0] == ("tensor", (4, 8), (1, 0), torch.float32) and leaves[2][3] == torch.int64
-    seconds = calibrate.replay_seconds(torch.ops.aten.index_select.default, spec)
+    seconds = kernels.replay_seconds(torch.ops.aten.index_select.default, spec)
     assert seconds is not None and seconds > 0
-    assert calibrate.replay_seconds(torch.ops.aten.index_select.default, spec) == seconds  # memoised
-    assert calibrate.op_spec((torch.ones(2), object()), {}) is None  # e.g. a process group: not remade
-    bad = calibrate.op_spec((torch.ones(2, 3), torch.ones(5, 7)), {})
-    assert calibrate.replay_seconds(torch.ops.aten.mm.default, bad) is None  # cannot run: its curve prices it
+    assert kernels.replay_seconds(torch.ops.aten.index_select.default, spec) == seconds  # memoised
+    assert kernels.op_spec((torch.ones(2), object()), {}) is None  # e.g. a process group: not remade
+    bad = kernels.op_spec((torch.ones(2, 3), torch.ones(5, 7)), {})
+    assert kernels.replay_seconds(torch.ops.aten.mm.default, bad) is None  # cannot run: its curve prices it
 
 
 def test_block_dedup_gives_the_full_estimate_when_replaying(monkeypatch):
     """The deduplicated estimate extrapolates the replayed calls too: equal to the full simulation."""
-    monkeypatch.setattr(calibrate, "replay_seconds", lambda func, spec, threads=1: 1e-4 * (1 + len(str(func)) % 7))
+    monkeypatch.setattr(kernels, "replay_seconds", lambda func, spec, threads=1: 1e-4 * (1 + len(str(func)) % 7))
     plan = ca.ddp() | ca.checkpoint(Block)
     full = est(plan, DEEP, calibration=here(synthetic()), dedup=False)
     short = est(plan, DEEP, calibration=here(synthetic()), dedup=True)

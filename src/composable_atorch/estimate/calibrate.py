@@ -12,7 +12,7 @@ traffic (bytes moved), and all-reduce / all-gather / reduce-scatter at world 2 (
 tensor), plus the framework's cost per dispatched op (autograd, module hooks: what a tiny model's
 step is made of). Measured with the trial's thread count (the trial worker runs one thread per rank).
 Where the curves are too coarse (a memory-bound op's time depends on the op, not only its bytes), an
-estimate on this same CPU re-runs each small op at its own shapes instead (:func:`replay_seconds`).
+estimate on this same CPU re-runs each small op at its own shapes instead (``kernels.replay_seconds``).
 
 The cache is JSON (never pickle) under the user's cache dir, one file per machine (host, CPU, torch
 version, threads): a file that does not read back as a calibration is a :class:`CalibrationError`
@@ -104,7 +104,7 @@ class Calibration:
     per_op_s: float
     world: int = 2
     machine: dict = field(default_factory=dict)
-    #: measured with :func:`replay_seconds` (``per_op_s`` is then what remains beyond the replayed
+    #: measured with ``kernels.replay_seconds`` (``per_op_s`` is then what remains beyond the replayed
     #: kernels): an estimate on this CPU re-runs each small op at its own shapes (:meth:`replays_here`)
     replay: bool = False
 
@@ -178,6 +178,15 @@ def cache_path(threads: int = 1) -> Path:
     return root / f"calibration-{key}.json"
 
 
+def gpu_cache_path(device_name: str) -> Path:
+    """One file per host, card and torch version, beside the CPU calibrations."""
+    import torch
+
+    facts = {"host": socket.gethostname(), "gpu": device_name, "torch": torch.__version__}
+    key = hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:12]
+    return cache_path().parent / f"calibration-gpu-{key}.json"
+
+
 def load(path: str | os.PathLike) -> Calibration:
     try:
         with open(path) as f:
@@ -218,7 +227,7 @@ def calibration(
 
             if not torch.cuda.is_available():
                 gpu.measure()  # raises the EstimateError naming the fix
-            path = gpu.gpu_cache_path(torch.cuda.get_device_name())
+            path = gpu_cache_path(torch.cuda.get_device_name())
         measure_now = lambda: Calibration.from_dict(gpu.measure(), "GPU measurement")  # noqa: E731
     path = Path(path) if path is not None else cache_path(threads)
     if not recalibrate:
@@ -417,81 +426,3 @@ def measure(threads: int = 1, world: int = 2) -> Calibration:
             "replay": True,
         }
     )
-
-
-# -- replaying one op ------------------------------------------------------------------------------
-#: an op is re-run only where its curve price is at most this (a 7B model's GEMMs stay on the curves)
-REPLAY_MAX_S = 0.05
-REPLAY_MAX_BYTES = 2**28
-_REPLAYED: dict = {}
-
-
-def op_spec(args, kwargs):
-    """An op's arguments as a tree holding no tensor (each ``(shape, stride, dtype)``); None if unmakeable."""
-    import torch
-    from torch.utils._pytree import tree_flatten
-
-    leaves, tree = tree_flatten((args, kwargs))
-    spec = []
-    for x in leaves:
-        if isinstance(x, torch.Tensor):
-            spec.append(("tensor", tuple(x.shape), tuple(x.stride()), x.dtype))
-        elif isinstance(x, torch.device):
-            spec.append(("device",))
-        elif x is None or isinstance(x, int | float | bool | str | torch.dtype | torch.layout | torch.memory_format):
-            spec.append(("value", x))
-        else:
-            return None
-    return tree, tuple(spec)
-
-
-def _remade(leaf):
-    import torch
-
-    if leaf[0] == "device":
-        return torch.device("cpu")
-    if leaf[0] == "value":
-        return leaf[1]
-    shape, stride, dtype = leaf[1:]
-    size = 1 + sum((n - 1) * st for n, st in zip(shape, stride)) if all(shape) else 0
-    if dtype.is_floating_point:  # positive values: a sqrt or log takes its usual path, not NaN's
-        storage = (torch.rand(size) + 0.5).to(dtype)
-    else:  # index 0 is in range for every gather, embedding and loss target
-        storage = torch.zeros(size, dtype=dtype)
-    return storage.as_strided(shape, stride)
-
-
-def replay_seconds(func, spec, threads: int = 1, min_s: float = 0.003) -> float | None:
-    """Seconds ``func`` takes here on fresh tensors of ``spec``'s shapes (:func:`op_spec`), memoised;
-    None where it cannot run so (the op is then priced by its curve).
-
-    Why: on a CPU a memory-bound op's time depends on the op more than on its bytes (measured: gelu's
-    backward, a layer norm, a log-softmax 4-7x an add moving as many), an attention's on its shape
-    and mask; the estimate runs where the trial will, so it asks the CPU itself."""
-    import torch
-    from torch.utils._pytree import tree_unflatten
-
-    tree, leaves = spec
-    key = (str(func), leaves, threads)
-    if key in _REPLAYED:
-        return _REPLAYED[key]
-    nbytes = sum(math.prod(leaf[1]) * leaf[3].itemsize for leaf in leaves if leaf[0] == "tensor")
-    seconds = None
-    if nbytes <= REPLAY_MAX_BYTES:
-        before = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
-            args, kwargs = tree_unflatten([_remade(leaf) for leaf in leaves], tree)
-            with torch.no_grad():
-                func(*args, **kwargs)
-                n, start = 0, time.perf_counter()
-                while time.perf_counter() - start < min_s or n < 3:
-                    func(*args, **kwargs)
-                    n += 1
-                seconds = (time.perf_counter() - start) / n
-        except Exception:  # noqa: BLE001 - an op that needs real values (indices, shapes): its curve
-            seconds = None
-        finally:
-            torch.set_num_threads(before)
-    _REPLAYED[key] = seconds
-    return seconds

@@ -14,12 +14,15 @@
   ``is_causal``. Only its kernels' key lengths differ from the one CUDA call (their efficiency is read
   at those lengths). Numerically it is not the attention: fake tensors only.
 
-Real tensors are untouched.
+Real tensors are untouched by those. And the other way round, for an estimate on this very CPU: a
+traced kernel re-run on real tensors of its shapes, to time it (:func:`replay_seconds`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
+import time
 
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
@@ -84,3 +87,80 @@ def flash_lower_right(cuda: bool):
         yield
     finally:
         CausalBias._dispatch = original
+
+
+#: an op is re-run only where its curve price is at most this (a 7B model's GEMMs stay on the curves)
+REPLAY_MAX_S = 0.05
+REPLAY_MAX_BYTES = 2**28
+_REPLAYED: dict = {}
+
+
+def op_spec(args, kwargs):
+    """An op's arguments as a tree holding no tensor (each ``(shape, stride, dtype)``); None if unmakeable."""
+    import torch
+    from torch.utils._pytree import tree_flatten
+
+    leaves, tree = tree_flatten((args, kwargs))
+    spec = []
+    for x in leaves:
+        if isinstance(x, torch.Tensor):
+            spec.append(("tensor", tuple(x.shape), tuple(x.stride()), x.dtype))
+        elif isinstance(x, torch.device):
+            spec.append(("device",))
+        elif x is None or isinstance(x, int | float | bool | str | torch.dtype | torch.layout | torch.memory_format):
+            spec.append(("value", x))
+        else:
+            return None
+    return tree, tuple(spec)
+
+
+def _remade(leaf):
+    import torch
+
+    if leaf[0] == "device":
+        return torch.device("cpu")
+    if leaf[0] == "value":
+        return leaf[1]
+    shape, stride, dtype = leaf[1:]
+    size = 1 + sum((n - 1) * st for n, st in zip(shape, stride)) if all(shape) else 0
+    if dtype.is_floating_point:  # positive values: a sqrt or log takes its usual path, not NaN's
+        storage = (torch.rand(size) + 0.5).to(dtype)
+    else:  # index 0 is in range for every gather, embedding and loss target
+        storage = torch.zeros(size, dtype=dtype)
+    return storage.as_strided(shape, stride)
+
+
+def replay_seconds(func, spec, threads: int = 1, min_s: float = 0.003) -> float | None:
+    """Seconds ``func`` takes here on fresh tensors of ``spec``'s shapes (:func:`op_spec`), memoised;
+    None where it cannot run so (the op is then priced by its curve).
+
+    Why: on a CPU a memory-bound op's time depends on the op more than on its bytes (measured: gelu's
+    backward, a layer norm, a log-softmax 4-7x an add moving as many), an attention's on its shape
+    and mask; the estimate runs where the trial will, so it asks the CPU itself."""
+    import torch
+    from torch.utils._pytree import tree_unflatten
+
+    tree, leaves = spec
+    key = (str(func), leaves, threads)
+    if key in _REPLAYED:
+        return _REPLAYED[key]
+    nbytes = sum(math.prod(leaf[1]) * leaf[3].itemsize for leaf in leaves if leaf[0] == "tensor")
+    seconds = None
+    if nbytes <= REPLAY_MAX_BYTES:
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            args, kwargs = tree_unflatten([_remade(leaf) for leaf in leaves], tree)
+            with torch.no_grad():
+                func(*args, **kwargs)
+                n, start = 0, time.perf_counter()
+                while time.perf_counter() - start < min_s or n < 3:
+                    func(*args, **kwargs)
+                    n += 1
+                seconds = (time.perf_counter() - start) / n
+        except Exception:  # noqa: BLE001 - an op that needs real values (indices, shapes): its curve
+            seconds = None
+        finally:
+            torch.set_num_threads(before)
+    _REPLAYED[key] = seconds
+    return seconds

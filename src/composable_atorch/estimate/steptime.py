@@ -127,7 +127,7 @@ class OpTrace(TorchDispatchMode):
         self.fusion = Fusion(fused) if fused else None
         #: memory-bound ops of compiled regions, and the fused kernels they were counted as
         self.fused_ops = self.fused_kernels = 0
-        #: ``(key in ops, op, calibrate.op_spec) -> calls``: what an estimate on this CPU may re-run
+        #: ``(key in ops, op, kernels.op_spec) -> calls``: what an estimate on this CPU may re-run
         #: to price the op at its own shapes (:meth:`price`); eager kernels only, not fused runs
         self.replays: Counter = Counter()
 
@@ -187,7 +187,7 @@ class OpTrace(TorchDispatchMode):
         self._count(("memory", dtype, size), func, args, kwargs)
 
     def _count(self, key, func, args, kwargs) -> None:
-        from composable_atorch.estimate.calibrate import op_spec
+        from composable_atorch.estimate.kernels import op_spec
 
         self.op_count += 1
         self.ops[key] += 1
@@ -219,7 +219,7 @@ class OpTrace(TorchDispatchMode):
 
         ``replay`` (default: where the calibration is a replay one of this CPU,
         ``Calibration.replays_here``): a kernel whose curve price is small is re-run here at its own
-        shapes (``calibrate.replay_seconds``) and priced at what it took."""
+        shapes (``kernels.replay_seconds``) and priced at what it took."""
         parts = {"compute": 0.0, "comm": 0.0, "overhead": self.op_count * cal.per_op_s}
         ops = Counter(self.ops)
         if replay if replay is not None else cal.replays_here():
@@ -235,7 +235,7 @@ class OpTrace(TorchDispatchMode):
 
     def _replayed(self, cal, ops: Counter) -> float:
         """Seconds of the kernels re-run here; their calls leave ``ops`` (priced by curve no more)."""
-        from composable_atorch.estimate.calibrate import REPLAY_MAX_S, replay_seconds
+        from composable_atorch.estimate.kernels import REPLAY_MAX_S, replay_seconds
 
         threads, seconds = int(cal.machine.get("threads", 1)), 0.0
         for (key, func, spec), n in self.replays.items():

@@ -11,12 +11,11 @@ of the machine on NCCL (x = bytes of the full tensor; ``world`` says over how ma
 facts name the card, which selects the catalog entry the measured curves replace figures of; a
 curve that was not measured (fp8 on a card without fp8, collectives on one GPU) keeps the paper
 figure. The paper figures stay the default: an estimate uses a calibration only where this
-machine has one (:func:`calibrated_hardware`).
+machine has one (``estimate.paper.setup.calibrated_hardware``).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -229,34 +228,3 @@ def measure(timeout: float = 300.0) -> dict:
         },
         "curves": curves,
     }
-
-
-def gpu_cache_path(device_name: str) -> Path:
-    """One file per host, card and torch version, beside the CPU calibrations."""
-    import torch
-
-    from composable_atorch.estimate.calibrate import cache_path
-
-    facts = {"host": socket.gethostname(), "gpu": device_name, "torch": torch.__version__}
-    key = hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:12]
-    return cache_path().parent / f"calibration-gpu-{key}.json"
-
-
-def calibrated_hardware():
-    """This machine's GPU (a ``hardware.Hardware``): its stored calibration where there is one, else its catalog
-    entry, else None."""
-    import torch
-
-    from composable_atorch.estimate.calibrate import CalibrationError, load
-
-    name = torch.cuda.get_device_name()
-    base = for_device_name(name)
-    if base is None:
-        return None
-    path = gpu_cache_path(name)
-    if not path.exists():
-        return base
-    try:
-        return as_hardware(load(path), base)
-    except (CalibrationError, HardwareError):
-        return base  # an unusable file: the paper figures, as without one

@@ -23,8 +23,6 @@ def target_hardware(hardware) -> Hardware:
     import torch
 
     if torch.cuda.is_available():
-        from composable_atorch.estimate.paper.calibrate import calibrated_hardware
-
         found = calibrated_hardware()
         if found is not None:
             return found
@@ -86,3 +84,25 @@ def paper_step(runs, setting, model, batch, global_batch: int, notes: list, extr
     )
     extra["paper"] = {"hardware": hw.name, "nodes": setting.nodes, **total.to_dict(), **usage.to_dict()}
     return timing, usage
+
+
+def calibrated_hardware():
+    """This machine's GPU (a ``hardware.Hardware``): its stored calibration where there is one, else its catalog
+    entry, else None."""
+    import torch
+
+    from composable_atorch.estimate.calibrate import CalibrationError, gpu_cache_path, load
+    from composable_atorch.estimate.paper.calibrate import as_hardware
+    from composable_atorch.hardware import HardwareError, for_device_name
+
+    name = torch.cuda.get_device_name()
+    base = for_device_name(name)
+    if base is None:
+        return None
+    path = gpu_cache_path(name)
+    if not path.exists():
+        return base
+    try:
+        return as_hardware(load(path), base)
+    except (CalibrationError, HardwareError):
+        return base  # an unusable file: the paper figures, as without one
