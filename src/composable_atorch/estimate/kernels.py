@@ -89,9 +89,10 @@ def flash_lower_right(cuda: bool):
         CausalBias._dispatch = original
 
 
-#: an op is re-run only where its curve price is at most this (a 7B model's GEMMs stay on the curves)
-REPLAY_MAX_S = 0.05
-REPLAY_MAX_BYTES = 2**28
+#: an op is re-run only where its curve price is at most this and its argument tensors hold at most
+#: REPLAY_MAX_BYTES: a 7B model's ops stay on the curves (re-running them took 30 s of a 32 s estimate)
+REPLAY_MAX_S = 0.01
+REPLAY_MAX_BYTES = 2**25
 _REPLAYED: dict = {}
 
 
