@@ -20,12 +20,14 @@ and adds one :class:`Event` per counted op:
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakIdKeyDictionary
 
 from composable_atorch.estimate.steptime import COMM_KINDS, OpTrace
 
@@ -118,6 +120,11 @@ class OrderedTrace(OpTrace):
         self._hooks: list = []
         self._fake_on_entry = None
         self._fp8_depth = 0  # inside a float8 Linear's forward (torchao's Float8Linear)
+        #: a serial number per tensor the events read or write, held weakly. Not ``id()``: a freed
+        #: tensor's id is reused by a later one, which made fused runs share tensors they did not
+        #: (the same plan priced up to 6% apart from run to run, by the allocator's reuse)
+        self._serials = WeakIdKeyDictionary()
+        self._next_serial = itertools.count()
 
     def __enter__(self):
         from torch._guards import active_fake_mode
@@ -190,9 +197,15 @@ class OrderedTrace(OpTrace):
             dtype,
             size,
             backward=backward,
-            reads=tuple((id(t), _nbytes([t])) for t in ins),
-            writes=tuple((id(t), _nbytes([t])) for t in outs),
+            reads=tuple((self._serial(t), _nbytes([t])) for t in ins),
+            writes=tuple((self._serial(t), _nbytes([t])) for t in outs),
         )
+
+    def _serial(self, t) -> int:
+        serial = self._serials.get(t)
+        if serial is None:
+            serial = self._serials[t] = next(self._next_serial)
+        return serial
 
 
 def _square(mask, query, seq: int) -> bool:
