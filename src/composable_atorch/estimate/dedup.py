@@ -88,6 +88,16 @@ def _int_line(a: int, b: int, k1: int, k2: int, n: int) -> int:
     return max(0, round(_line(a, b, k1, k2, n)))
 
 
+def _counts_line(small: Counter, large: Counter, k1: int, k2: int, n: int) -> Counter:
+    """Each key's count at ``n`` blocks on the line through its counts at ``k1`` and ``k2``."""
+    counts = Counter()
+    for key in set(small) | set(large):
+        count = _int_line(small.get(key, 0), large.get(key, 0), k1, k2, n)
+        if count:
+            counts[key] = count
+    return counts
+
+
 def extrapolate(small: RankRun, large: RankRun, k1: int, k2: int, n: int) -> RankRun:
     """The run of the ``n``-block model from the runs of its ``k1``- and ``k2``-block copies."""
     kinds = set(small.by_kind) | set(large.by_kind)
@@ -95,16 +105,9 @@ def extrapolate(small: RankRun, large: RankRun, k1: int, k2: int, n: int) -> Ran
     trace = None
     if small.trace is not None and large.trace is not None:
         trace = OpTrace()
-        ops = Counter()
-        for key in set(small.trace.ops) | set(large.trace.ops):
-            count = _int_line(small.trace.ops.get(key, 0), large.trace.ops.get(key, 0), k1, k2, n)
-            if count:
-                ops[key] = count
-        trace.ops, trace.op_count = ops, _int_line(small.trace.op_count, large.trace.op_count, k1, k2, n)
-        for key in set(small.trace.replays) | set(large.trace.replays):
-            count = _int_line(small.trace.replays.get(key, 0), large.trace.replays.get(key, 0), k1, k2, n)
-            if count:
-                trace.replays[key] = count
+        trace.ops = _counts_line(small.trace.ops, large.trace.ops, k1, k2, n)
+        trace.replays = _counts_line(small.trace.replays, large.trace.replays, k1, k2, n)
+        trace.op_count = _int_line(small.trace.op_count, large.trace.op_count, k1, k2, n)
         trace.fused_ops = _int_line(small.trace.fused_ops, large.trace.fused_ops, k1, k2, n)
         trace.fused_kernels = _int_line(small.trace.fused_kernels, large.trace.fused_kernels, k1, k2, n)
     total = _int_line(sum(small.allreduce_buckets), sum(large.allreduce_buckets), k1, k2, n)

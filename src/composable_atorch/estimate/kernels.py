@@ -24,9 +24,11 @@ import contextlib
 import math
 import time
 
+import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.nn.attention.bias import CausalBias, CausalVariant
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 
 @contextlib.contextmanager
@@ -97,10 +99,8 @@ _REPLAYED: dict = {}
 
 
 def op_spec(args, kwargs):
-    """An op's arguments as a tree holding no tensor (each ``(shape, stride, dtype)``); None if unmakeable."""
-    import torch
-    from torch.utils._pytree import tree_flatten
-
+    """An op's arguments as a tree holding no tensor (each ``(shape, stride, dtype)``); None where they
+    cannot be remade (a process group) or hold more than REPLAY_MAX_BYTES (never re-run: not kept)."""
     leaves, tree = tree_flatten((args, kwargs))
     spec = []
     for x in leaves:
@@ -112,12 +112,16 @@ def op_spec(args, kwargs):
             spec.append(("value", x))
         else:
             return None
+    if _tensor_bytes(spec) > REPLAY_MAX_BYTES:
+        return None
     return tree, tuple(spec)
 
 
-def _remade(leaf):
-    import torch
+def _tensor_bytes(leaves) -> int:
+    return sum(math.prod(leaf[1]) * leaf[3].itemsize for leaf in leaves if leaf[0] == "tensor")
 
+
+def _remade(leaf):
     if leaf[0] == "device":
         return torch.device("cpu")
     if leaf[0] == "value":
@@ -138,16 +142,12 @@ def replay_seconds(func, spec, threads: int = 1, min_s: float = 0.003) -> float 
     Why: on a CPU a memory-bound op's time depends on the op more than on its bytes (measured: gelu's
     backward, a layer norm, a log-softmax 4-7x an add moving as many), an attention's on its shape
     and mask; the estimate runs where the trial will, so it asks the CPU itself."""
-    import torch
-    from torch.utils._pytree import tree_unflatten
-
     tree, leaves = spec
     key = (str(func), leaves, threads)
     if key in _REPLAYED:
         return _REPLAYED[key]
-    nbytes = sum(math.prod(leaf[1]) * leaf[3].itemsize for leaf in leaves if leaf[0] == "tensor")
     seconds = None
-    if nbytes <= REPLAY_MAX_BYTES:
+    if _tensor_bytes(leaves) <= REPLAY_MAX_BYTES:
         before = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 from collections import Counter
 from dataclasses import asdict, dataclass
+from typing import ClassVar
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -120,6 +121,10 @@ class OpTrace(TorchDispatchMode):
     ``fused``: the modules a fusing compiler (inductor) compiles; the step runs eagerly and their
     ops are counted as compiled (:class:`Fusion`)."""
 
+    #: whether calls are kept for re-running (:meth:`price` on this CPU); a trace priced on declared
+    #: hardware (``paper.OrderedTrace``) never re-runs its ops here and keeps none
+    records_replays: ClassVar[bool] = True
+
     def __init__(self, fused=()):
         super().__init__()
         self.ops: Counter = Counter()
@@ -191,7 +196,7 @@ class OpTrace(TorchDispatchMode):
 
         self.op_count += 1
         self.ops[key] += 1
-        spec = op_spec(args, kwargs)
+        spec = op_spec(args, kwargs) if self.records_replays else None
         if spec is not None:
             self.replays[(key, func, spec)] += 1
 

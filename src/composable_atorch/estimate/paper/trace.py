@@ -111,6 +111,8 @@ def _arg(func, args, kwargs, name: str, default=None):
 class OrderedTrace(OpTrace):
     """OpTrace plus the ordered :class:`Event` list (see the module doc)."""
 
+    records_replays = False  # priced on declared hardware, never re-run on this CPU
+
     def __init__(self):
         super().__init__()
         self.ops = _Recording()
