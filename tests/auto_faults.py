@@ -116,3 +116,19 @@ class StubbornGPT(GPT):
                 time.sleep(0.5)
             except Exception:  # noqa: BLE001, S112 - the point: a user's retry loop
                 continue
+
+
+class StartedWith:
+    """A model factory that builds the small GPT only where this process *started* with (or, with
+    ``present=False``, without) ``needle`` in its environment (``/proc/self/environ``, what glibc
+    reads at start), and raises naming what it found otherwise."""
+
+    def __init__(self, needle: str, present: bool = True):
+        self.needle, self.present = needle, present
+
+    def __call__(self):
+        with open("/proc/self/environ", "rb") as f:
+            start = [e.decode(errors="replace") for e in f.read().split(b"\0") if e.startswith(b"GLIBC_TUNABLES=")]
+        if any(self.needle in e for e in start) != self.present:
+            raise RuntimeError(f"started with {start or 'no GLIBC_TUNABLES'}")
+        return GPT(GPTConfig(seq_len=16, d_model=32, n_layer=2, n_head=2))

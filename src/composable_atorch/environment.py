@@ -192,3 +192,35 @@ def _nodes(world: int) -> int:
     except ValueError:
         return 1
     return world // local if 0 < local <= world and world % local == 0 else 1
+
+
+#: glibc's malloc as a training process on the CPU wants it: blocks up to 32 MiB (glibc's largest
+#: mmap threshold) come from the heap, and freed memory stays with the process (trim threshold
+#: 16 GiB). By default glibc maps a large block fresh and returns freed heap to the system, so the
+#: activations of every step are allocated on pages the kernel must fault in and zero again.
+#: Measured on this project's 2-core CI machine (a user GPT, d 256, 4 blocks, 8 x 128 tokens per
+#: rank): one process's bf16 step 158 -> 122 ms (18,000 page faults and 28 ms of kernel time per step
+#: -> none), fp32 310 -> 290-307 ms; two DDP ranks' bf16 step 175 -> 155 ms. Torch's own CPU launcher
+#: (``torch.backends.xeon.run_cpu``) swaps in jemalloc or tcmalloc for the same reason.
+CPU_MALLOC_TUNABLES = ("glibc.malloc.mmap_threshold=33554432", "glibc.malloc.trim_threshold=17179869184")
+#: ``COMPOSABLE_ATORCH_MALLOC=default`` keeps glibc's own malloc settings in the ranks the library starts
+MALLOC_ENV = "COMPOSABLE_ATORCH_MALLOC"
+_MALLOC_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_ARENA_MAX")
+
+
+def cpu_malloc_environment(environ=None) -> dict[str, str]:
+    """``{"GLIBC_TUNABLES": ...}`` for the ranks the library starts to train on the CPU (the launcher's,
+    a search's trials): :data:`CPU_MALLOC_TUNABLES` after whatever tunables ``environ`` already has.
+    Empty where it does not apply: not glibc, the user already set malloc's tunables or preloads
+    another allocator (their choice wins), or :data:`MALLOC_ENV` is ``default``. Read at a process's
+    start, so it goes into the environment a rank starts with."""
+    import platform
+
+    environ = os.environ if environ is None else environ
+    if environ.get(MALLOC_ENV, "").strip().lower() == "default" or platform.libc_ver()[0] != "glibc":
+        return {}
+    current = environ.get("GLIBC_TUNABLES", "")
+    preload = environ.get("LD_PRELOAD", "")
+    if "glibc.malloc." in current or any(k in environ for k in _MALLOC_SETTINGS) or "malloc" in preload:
+        return {}
+    return {"GLIBC_TUNABLES": ":".join([t for t in current.split(":") if t] + list(CPU_MALLOC_TUNABLES))}

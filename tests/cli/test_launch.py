@@ -211,3 +211,23 @@ def test_a_stopped_rank_ends_the_job_naming_the_rank_and_its_host(tmp_path, monk
     # torchrun's SIGTERM reached the stopped rank at once (launch follows it with SIGCONT), where it
     # used to wait 30 s for the SIGKILL
     assert "Signal 15 (SIGTERM) received by PID" in result.stderr and "SIGKILL" not in result.stderr
+
+
+def test_ranks_on_a_machine_without_cuda_get_mallocs_training_tunables_the_users_own_win(monkeypatch):
+    from composable_atorch.environment import CPU_MALLOC_TUNABLES, MALLOC_ENV
+
+    ns = launch.parser().parse_args(["--nproc", "2", "t.py"])
+    for name in ("GLIBC_TUNABLES", MALLOC_ENV, "LD_PRELOAD", "MALLOC_ARENA_MAX"):
+        monkeypatch.delenv(name, raising=False)
+    assert launch.rank_environment(ns)["GLIBC_TUNABLES"] == ":".join(CPU_MALLOC_TUNABLES)
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.pthread.rseq=0")  # another tunable of the user's is kept
+    assert launch.rank_environment(ns)["GLIBC_TUNABLES"] == ":".join(("glibc.pthread.rseq=0", *CPU_MALLOC_TUNABLES))
+    for name, value in (
+        ("GLIBC_TUNABLES", "glibc.malloc.arena_max=2"),
+        ("MALLOC_ARENA_MAX", "2"),
+        ("LD_PRELOAD", "/usr/lib/libjemalloc.so.2"),
+        (MALLOC_ENV, "default"),
+    ):
+        with monkeypatch.context() as m:
+            m.setenv(name, value)
+            assert "GLIBC_TUNABLES" not in launch.rank_environment(ns), name

@@ -173,6 +173,20 @@ def test_the_attention_backward_has_its_own_curve_and_older_calibrations_fall_ba
     assert trace.flops() >= bwd
 
 
+def test_zero1s_broadcasts_have_their_own_curve_and_older_calibrations_price_them_as_all_gathers():
+    """ZeRO-1 broadcasts every updated parameter from its owner: many small collectives, whose floor on
+    the all-gather curve priced them at 3x what they took here; priced on the broadcast curve where
+    the calibration measured one."""
+    old = synthetic()
+    assert "broadcast" not in old.curves
+    by_all_gather = est(ca.zero1(), calibration=old).step_time.comm
+    slow = old.to_dict()
+    slow["curves"]["broadcast"] = [[1.0, 3 * RATE["comm"]], [1e12, 3 * RATE["comm"] * 1e12]]
+    by_broadcast = est(ca.zero1(), calibration=Calibration.from_dict(slow)).step_time.comm
+    ddp = est(ca.ddp(), calibration=old).step_time.comm  # the gradients' all-reduce, which zero1 also runs
+    assert by_broadcast - ddp == pytest.approx(3 * (by_all_gather - ddp)) and by_all_gather > ddp
+
+
 def here(cal: Calibration, **machine) -> Calibration:
     """``cal`` as a replay calibration measured on this machine (or one with ``machine`` changed)."""
     data = cal.to_dict() | {"replay": True, "machine": calibrate.machine_facts(1) | machine}
@@ -220,6 +234,22 @@ def test_replay_reruns_an_op_at_its_shapes_and_remakes_strided_and_index_argumen
     assert kernels.op_spec((torch.ones(2), object()), {}) is None  # e.g. a process group: not remade
     bad = kernels.op_spec((torch.ones(2, 3), torch.ones(5, 7)), {})
     assert kernels.replay_seconds(torch.ops.aten.mm.default, bad) is None  # cannot run: its curve prices it
+
+
+def test_replay_times_an_op_over_argument_copies_that_outgrow_the_last_level_cache():
+    """Each call reads tensors the other calls pushed out of the cache, as in a training step (the
+    op's tensors last touched many ops before); a tiny op's copies stay few enough to fit a core's cache."""
+    llc = kernels.last_level_cache_bytes()
+    assert llc > 0
+    for nbytes in (2**16, 2**20, 2**23):
+        copies = kernels.replay_copies(nbytes)
+        assert copies * nbytes >= 2 * llc or copies == kernels.REPLAY_MAX_COPIES
+    assert kernels.replay_copies(4 * llc) == 1 and kernels.replay_copies(8) == kernels.REPLAY_MAX_COPIES
+    x = torch.randn(4, 1).expand(4, 8)
+    remade = kernels._remade(kernels.op_spec((x,), {})[1][0], 3)
+    assert [t.stride() for t in remade] == [(1, 0)] * 3  # each keeps the traced layout
+    assert len({t.untyped_storage().data_ptr() for t in remade}) == 3  # over its own storage
+    assert all(torch.equal(t, remade[0]) for t in remade)
 
 
 def test_block_dedup_gives_the_full_estimate_when_replaying(monkeypatch):

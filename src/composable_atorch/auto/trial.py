@@ -31,6 +31,7 @@ from composable_atorch.auto.policy import TrialSettings
 from composable_atorch.auto.worker import RankSpec, rank_main
 from composable_atorch.auto.workload import Workload
 from composable_atorch.core.plan import Plan
+from composable_atorch.environment import cpu_malloc_environment
 
 
 @dataclass
@@ -99,15 +100,23 @@ def marked(marker: str):
 
     # multiprocessing's shared helper starts with the first spawn: it must not carry a trial's marker
     resource_tracker.ensure_running()
-    previous = os.environ.get(MARKER_ENV)
-    os.environ[MARKER_ENV] = marker
-    try:
+    with started_with({MARKER_ENV: marker}):
         yield marker
+
+
+@contextlib.contextmanager
+def started_with(settings: dict[str, str]):
+    """Processes started inside have ``settings`` in their environment; this one's is restored after."""
+    previous = {k: os.environ.get(k) for k in settings}
+    os.environ.update(settings)
+    try:
+        yield
     finally:
-        if previous is None:
-            os.environ.pop(MARKER_ENV, None)
-        else:
-            os.environ[MARKER_ENV] = previous
+        for key, value in previous.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def _marked_pids(marker: str) -> list[int]:
@@ -182,7 +191,7 @@ def _spawn(spec_for: Callable[[str], RankSpec], world: int, timeout: float, on_p
         procs = [ctx.Process(target=rank_main, args=(r, spec, progress), name=f"trial-rank{r}") for r in range(world)]
         failure = None
         try:
-            with marked(marker):
+            with marked(marker), started_with(rank_malloc_environment()):
                 for p in procs:
                     p.start()
             deadline = start + timeout
@@ -225,6 +234,14 @@ def _spawn(spec_for: Callable[[str], RankSpec], world: int, timeout: float, on_p
                 progress.cancel_join_thread()
         results = [_read(tmp, r) for r in range(world)]
     return results, failure, time.monotonic() - start
+
+
+def rank_malloc_environment() -> dict[str, str]:
+    """A trial's ranks on the CPU run with glibc's malloc tuned for training, as the launcher's do
+    (``environment.CPU_MALLOC_TUNABLES``): a trial measures the step a launched run will take."""
+    import torch
+
+    return {} if torch.cuda.is_available() else cpu_malloc_environment()
 
 
 def run_trial(plan_json: str, workload: Workload, settings: TrialSettings, trusted: tuple = ()) -> TrialResult:

@@ -1,8 +1,9 @@
 """``python -m composable_atorch launch``: run a training script on N processes, over torchrun.
 
 A thin layer over ``torch.distributed.run`` (torchrun): it checks the arguments up front, picks
-the rendezvous, gives every rank ``OMP_NUM_THREADS=1`` unless you set it, and returns the exit
-status. The script reads ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` and calls
+the rendezvous, gives every rank ``OMP_NUM_THREADS=1`` unless you set it (and, on a machine
+without CUDA, glibc's malloc tuned for training: ``environment.CPU_MALLOC_TUNABLES``), and returns
+the exit status. The script reads ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` and calls
 ``torch.distributed.init_process_group()`` as with torchrun itself.
 
 One machine::
@@ -55,6 +56,7 @@ import os
 import sys
 
 from composable_atorch.cli import elastic
+from composable_atorch.environment import cpu_malloc_environment
 from composable_atorch.runtime.liveness import DEFAULT_HEARTBEAT_S, DEFAULT_TIMEOUT_S, HEARTBEAT_ENV, TIMEOUT_ENV
 
 PROG = "python -m composable_atorch launch"
@@ -125,7 +127,16 @@ def rank_environment(ns: argparse.Namespace) -> dict[str, str]:
         env[HEARTBEAT_ENV] = repr(ns.heartbeat)
     else:
         env[HEARTBEAT_ENV] = os.environ.get(HEARTBEAT_ENV) or repr(DEFAULT_HEARTBEAT_S)
-    return {k: v for k, v in env.items() if k in (TIMEOUT_ENV, HEARTBEAT_ENV) or k not in os.environ}
+    env = {k: v for k, v in env.items() if k in (TIMEOUT_ENV, HEARTBEAT_ENV) or k not in os.environ}
+    if not _cuda_here():  # ranks training on the CPU: glibc's malloc tuned (environment.CPU_MALLOC_TUNABLES)
+        env.update(cpu_malloc_environment())
+    return env
+
+
+def _cuda_here() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def parser() -> argparse.ArgumentParser:

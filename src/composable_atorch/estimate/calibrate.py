@@ -51,7 +51,9 @@ CURVES = {
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
 #: curves measured since the first calibrations: read when present, else the step-time model falls back
 #: (the attention backward to the attention curve); a file without them is still a calibration
-OPTIONAL_CURVES = {"sdpa_bwd_float32": "flops", "sdpa_bwd_bfloat16": "flops"}
+#: curves older calibrations lack (their ops are then priced as before: an attention backward on the
+#: forward's curve, a broadcast on the all-gather's)
+OPTIONAL_CURVES = {"sdpa_bwd_float32": "flops", "sdpa_bwd_bfloat16": "flops", "broadcast": "bytes"}
 
 
 class CalibrationError(EstimateError):
@@ -172,8 +174,9 @@ def machine_facts(threads: int) -> dict:
 def cache_path(threads: int = 1) -> Path:
     """``$COMPOSABLE_ATORCH_CACHE`` or ``~/.cache/composable_atorch``, one file per machine and thread count."""
     root = Path(os.environ.get("COMPOSABLE_ATORCH_CACHE") or Path.home() / ".cache" / "composable_atorch")
-    # "replay": calibrations measured before per-op replay are left behind (measured again once)
-    facts = machine_facts(threads) | {"replay": 1}
+    # "replay": calibrations measured before per-op replay (1), or before
+    # its calls were timed in turns over copies of their arguments (2), are left behind (measured again once)
+    facts = machine_facts(threads) | {"replay": 2}
     key = hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:12]
     return root / f"calibration-{key}.json"
 
@@ -353,7 +356,7 @@ def _comm_rank(rank: int, world: int, init_file: str, out: str) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    result = {name: [] for name in COLLECTIVES}
+    result = {name: [] for name in (*COLLECTIVES, "broadcast")}
     for nbytes in COMM_SIZES:
         n = nbytes // 4
         full, part = torch.ones(n), torch.ones(n // world)
@@ -361,6 +364,9 @@ def _comm_rank(rank: int, world: int, init_file: str, out: str) -> None:
             "all_reduce": lambda full=full: dist.all_reduce(full),
             "all_gather": lambda full=full, part=part: dist.all_gather_into_tensor(full, part),
             "reduce_scatter": lambda full=full, part=part: dist.reduce_scatter_tensor(part, full),
+            # ZeRO-1 broadcasts each updated parameter from its owner: on the all-gather curve (its
+            # floor measured 1-2 ms here in a loop) 53 small ones were priced at 100 ms, 3x what they took
+            "broadcast": lambda full=full: dist.broadcast(full, 0),
         }
         for name, op in ops.items():
             for _ in range(2):

@@ -89,8 +89,10 @@ def _collective(name: str) -> str | None:
     n = name.replace("_", "")
     if "allreduce" in n:
         return "all_reduce"
-    if "allgather" in n or "broadcast" in n:
+    if "allgather" in n:
         return "all_gather"
+    if "broadcast" in n:
+        return "broadcast"
     if "reducescatter" in n:
         return "reduce_scatter"
     if "alltoall" in n:
@@ -293,7 +295,7 @@ class Fusion:
         return frozenset(inside) if inside else None
 
 
-COMM_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p", "p2p_recv")
+COMM_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p", "p2p_recv", "broadcast")
 
 
 def ring_factor(kind: str, world: int) -> float:
@@ -316,6 +318,9 @@ def price_op(cal, kind: str, dtype: str, size: float, world: int = 2) -> float:
         return cal.curve("all_gather")(2 * size)
     if kind == "all_to_all":  # priced on the all-gather curve (the calibration has no all-to-all of its own)
         return cal.curve("all_gather")(size * ring_factor(kind, world))
+    if kind == "broadcast":  # a rank receives the whole tensor at any world (pipelined); older calibrations
+        # have no broadcast curve: the all-gather's at the same bytes
+        return cal.curve("broadcast" if "broadcast" in cal.curves else "all_gather")(size)
     if kind in COMM_KINDS:
         return cal.curve(kind)(size * ring_factor(kind, world))
     return cal.curve("memory")(size)

@@ -32,6 +32,7 @@ CURVE = {
     "all_to_all": "all_to_all",
     "p2p": "send_recv",
     "p2p_recv": "send_recv",
+    "broadcast": "all_gather",  # NCCL's broadcast moves the tensor once per rank, as an all-gather's bus bytes
 }
 #: protocol -> fraction of the bus bandwidth it reaches (NCCL tuning.cc: LL moves 8-byte flags with
 #: each 8 bytes of data, LL128 120 of every 128 bytes)
@@ -54,7 +55,7 @@ def moved(kind: str, nbytes: float, n: int) -> float:
     """Bytes each rank sends for ``kind`` over ``n`` ranks (bus-bandwidth convention)."""
     if kind == "all_reduce":
         return 2.0 * (n - 1) / n * nbytes
-    if kind in ("p2p", "p2p_recv"):
+    if kind in ("p2p", "p2p_recv", "broadcast"):  # nccl-tests: a broadcast's bus bytes are the tensor's
         return nbytes
     return (n - 1) / n * nbytes
 

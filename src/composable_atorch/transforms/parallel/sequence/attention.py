@@ -19,16 +19,18 @@ from __future__ import annotations
 import inspect
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import CausalBias, CausalVariant
 from torch.overrides import TorchFunctionMode
 
 from composable_atorch.errors import ConfigError
 from composable_atorch.runtime.sequence import is_probing
 from composable_atorch.transforms.parallel.sequence.check import check_heads, check_ring
+
+if TYPE_CHECKING:
+    from torch.nn.attention.bias import CausalBias
 from composable_atorch.transforms.parallel.sequence.comm import gather_sequence, heads_to_sequence, sequence_to_heads
 from composable_atorch.transforms.parallel.sequence.ring import ring_attention
 from composable_atorch.transforms.parallel.sequence.shard import all_positions, chunk_bounds, chunk_positions
@@ -139,7 +141,10 @@ def lower_right(q_len: int, kv_len: int) -> CausalBias:
     ``kv_len - q_len + i``), which SDPA runs as the flash kernel's causal mode on CUDA and materializes
     elsewhere. Built over an empty meta tensor: the public factory gives the bias a ``[2, q_len, kv_len]``
     float32 host tensor as its storage (34 GB at 16k x 262k tokens), and cannot be called under a
-    TorchDispatchMode (FakeTensorMode, FlopCounterMode: the raw tensor is already wrapped)."""
+    TorchDispatchMode (FakeTensorMode, FlopCounterMode: the raw tensor is already wrapped).
+    Imported here: ``torch.nn.attention.bias`` imports dynamo, 0.9 s of every process's start."""
+    from torch.nn.attention.bias import CausalBias, CausalVariant
+
     bias = torch.Tensor._make_subclass(CausalBias, _NO_STORAGE)
     bias.variant, bias.seq_len_q, bias.seq_len_kv = CausalVariant.LOWER_RIGHT, q_len, kv_len
     return bias
