@@ -77,7 +77,7 @@ def test_study_at_world_2_records_crash_and_hang_and_leaves_no_process(tmp_path)
         world_size=2,
         batch_size=8,
         excluded=all_but("amp", "accumulate"),
-        trial_timeout=20,  # the hang is waited for; an ok trial took 2 s in CI, 10 s at load 5 here
+        trial_timeout=12,  # the hang is waited for; an ok trial took 2 s in CI, 10 s at load 5 here
         seed=0,
         progress=False,
         runner=runner,
