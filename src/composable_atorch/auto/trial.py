@@ -10,6 +10,8 @@ holds token ids), where a sample counts once however many ranks trained on it
 the parent kills every rank's process group on failure or timeout, and then every process that
 inherited the trial's marker (:func:`marked`, :func:`reap`): a child that left the group with its
 own ``os.setsid()`` still carries the marker in its environment, so nothing is left behind.
+On a machine without CUDA the ranks start with glibc's malloc tuned for training, as the launcher's
+do (:func:`rank_malloc_environment`): a trial measures the step a launched run takes.
 """
 
 from __future__ import annotations
