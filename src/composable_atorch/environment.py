@@ -209,15 +209,19 @@ _MALLOC_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_
 
 
 def cpu_malloc_environment(environ=None) -> dict[str, str]:
-    """``{"GLIBC_TUNABLES": ...}`` for the ranks the library starts to train on the CPU (the launcher's,
-    a search's trials): :data:`CPU_MALLOC_TUNABLES` after whatever tunables ``environ`` already has.
-    Empty where it does not apply: not glibc, the user already set malloc's tunables or preloads
-    another allocator (their choice wins), or :data:`MALLOC_ENV` is ``default``. Read at a process's
-    start, so it goes into the environment a rank starts with."""
+    """``{"GLIBC_TUNABLES": ...}`` for the ranks the library starts (the launcher's, a search's trials)
+    on a machine without CUDA: :data:`CPU_MALLOC_TUNABLES` after whatever tunables ``environ`` already
+    has. Empty where it does not apply: CUDA here (not measured there), not glibc, the user already set
+    malloc's tunables or preloads another allocator (their choice wins), or :data:`MALLOC_ENV` is
+    ``default``. Read at a process's start, so it goes into the environment a rank starts with."""
     import platform
+
+    import torch
 
     environ = os.environ if environ is None else environ
     if environ.get(MALLOC_ENV, "").strip().lower() == "default" or platform.libc_ver()[0] != "glibc":
+        return {}
+    if torch.cuda.is_available():
         return {}
     current = environ.get("GLIBC_TUNABLES", "")
     preload = environ.get("LD_PRELOAD", "")

@@ -231,3 +231,8 @@ def test_ranks_on_a_machine_without_cuda_get_mallocs_training_tunables_the_users
         with monkeypatch.context() as m:
             m.setenv(name, value)
             assert "GLIBC_TUNABLES" not in launch.rank_environment(ns), name
+    with monkeypatch.context() as m:  # a CUDA machine keeps glibc's defaults (the tuning was measured on CPUs)
+        import torch
+
+        m.setattr(torch.cuda, "is_available", lambda: True)
+        assert "GLIBC_TUNABLES" not in launch.rank_environment(ns)

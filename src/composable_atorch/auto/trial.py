@@ -11,7 +11,7 @@ the parent kills every rank's process group on failure or timeout, and then ever
 inherited the trial's marker (:func:`marked`, :func:`reap`): a child that left the group with its
 own ``os.setsid()`` still carries the marker in its environment, so nothing is left behind.
 On a machine without CUDA the ranks start with glibc's malloc tuned for training, as the launcher's
-do (:func:`rank_malloc_environment`): a trial measures the step a launched run takes.
+do (``environment.cpu_malloc_environment``): a trial measures the step a launched run takes.
 """
 
 from __future__ import annotations
@@ -193,7 +193,8 @@ def _spawn(spec_for: Callable[[str], RankSpec], world: int, timeout: float, on_p
         procs = [ctx.Process(target=rank_main, args=(r, spec, progress), name=f"trial-rank{r}") for r in range(world)]
         failure = None
         try:
-            with marked(marker), started_with(rank_malloc_environment()):
+            # on the CPU, glibc's malloc tuned as the launcher's ranks have it: a trial measures their step
+            with marked(marker), started_with(cpu_malloc_environment()):
                 for p in procs:
                     p.start()
             deadline = start + timeout
@@ -236,14 +237,6 @@ def _spawn(spec_for: Callable[[str], RankSpec], world: int, timeout: float, on_p
                 progress.cancel_join_thread()
         results = [_read(tmp, r) for r in range(world)]
     return results, failure, time.monotonic() - start
-
-
-def rank_malloc_environment() -> dict[str, str]:
-    """A trial's ranks on the CPU run with glibc's malloc tuned for training, as the launcher's do
-    (``environment.CPU_MALLOC_TUNABLES``): a trial measures the step a launched run will take."""
-    import torch
-
-    return {} if torch.cuda.is_available() else cpu_malloc_environment()
 
 
 def run_trial(plan_json: str, workload: Workload, settings: TrialSettings, trusted: tuple = ()) -> TrialResult:

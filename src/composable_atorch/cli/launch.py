@@ -128,15 +128,8 @@ def rank_environment(ns: argparse.Namespace) -> dict[str, str]:
     else:
         env[HEARTBEAT_ENV] = os.environ.get(HEARTBEAT_ENV) or repr(DEFAULT_HEARTBEAT_S)
     env = {k: v for k, v in env.items() if k in (TIMEOUT_ENV, HEARTBEAT_ENV) or k not in os.environ}
-    if not _cuda_here():  # ranks training on the CPU: glibc's malloc tuned (environment.CPU_MALLOC_TUNABLES)
-        env.update(cpu_malloc_environment())
+    env.update(cpu_malloc_environment())  # ranks training on the CPU: glibc's malloc tuned for it
     return env
-
-
-def _cuda_here() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def parser() -> argparse.ArgumentParser:
