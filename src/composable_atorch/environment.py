@@ -219,9 +219,8 @@ def cpu_malloc_environment(environ=None) -> dict[str, str]:
     import torch
 
     environ = os.environ if environ is None else environ
-    if environ.get(MALLOC_ENV, "").strip().lower() == "default" or platform.libc_ver()[0] != "glibc":
-        return {}
-    if torch.cuda.is_available():
+    opted_out = environ.get(MALLOC_ENV, "").strip().lower() == "default"
+    if opted_out or platform.libc_ver()[0] != "glibc" or torch.cuda.is_available():
         return {}
     current = environ.get("GLIBC_TUNABLES", "")
     preload = environ.get("LD_PRELOAD", "")

@@ -50,9 +50,8 @@ CURVES = {
 }
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
 #: curves measured since the first calibrations: read when present, else the step-time model falls back
-#: (the attention backward to the attention curve); a file without them is still a calibration
-#: curves older calibrations lack (their ops are then priced as before: an attention backward on the
-#: forward's curve, a broadcast on the all-gather's)
+#: (an attention backward to the attention curve, a broadcast to the all-gather's); a file without them
+#: is still a calibration
 OPTIONAL_CURVES = {"sdpa_bwd_float32": "flops", "sdpa_bwd_bfloat16": "flops", "broadcast": "bytes"}
 
 
@@ -174,8 +173,8 @@ def machine_facts(threads: int) -> dict:
 def cache_path(threads: int = 1) -> Path:
     """``$COMPOSABLE_ATORCH_CACHE`` or ``~/.cache/composable_atorch``, one file per machine and thread count."""
     root = Path(os.environ.get("COMPOSABLE_ATORCH_CACHE") or Path.home() / ".cache" / "composable_atorch")
-    # "replay": calibrations measured before per-op replay (1), or before
-    # its calls were timed in turns over copies of their arguments (2), are left behind (measured again once)
+    # "replay": calibrations measured before per-op replay (1), or before its calls were timed in turns
+    # over copies of their arguments (2), are left behind (measured again once)
     facts = machine_facts(threads) | {"replay": 2}
     key = hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:12]
     return root / f"calibration-{key}.json"

@@ -201,12 +201,12 @@ def replay_copies(nbytes: int) -> int:
 @functools.cache
 def last_level_cache_bytes(default: int = 2**25) -> int:
     """The largest CPU cache's size (Linux sysfs), or ``default`` (32 MiB) where it cannot be read."""
-    import glob
+    from pathlib import Path
 
     sizes = []
-    for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+    for path in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
         try:
-            text = open(path).read().strip().upper()
+            text = path.read_text().strip().upper()
         except OSError:
             continue
         scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)

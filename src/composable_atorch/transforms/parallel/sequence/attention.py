@@ -28,12 +28,12 @@ from torch.overrides import TorchFunctionMode
 from composable_atorch.errors import ConfigError
 from composable_atorch.runtime.sequence import is_probing
 from composable_atorch.transforms.parallel.sequence.check import check_heads, check_ring
-
-if TYPE_CHECKING:
-    from torch.nn.attention.bias import CausalBias
 from composable_atorch.transforms.parallel.sequence.comm import gather_sequence, heads_to_sequence, sequence_to_heads
 from composable_atorch.transforms.parallel.sequence.ring import ring_attention
 from composable_atorch.transforms.parallel.sequence.shard import all_positions, chunk_bounds, chunk_positions
+
+if TYPE_CHECKING:
+    from torch.nn.attention.bias import CausalBias
 
 #: attribute an attention module carries: its :class:`Attend`
 ATTR = "_composable_sequence_attend"
