@@ -172,18 +172,49 @@ def test_search_on_paper_needs_a_gpu_environment():
         search(workload(), on_paper=True, env=env(), trial=object())
 
 
-def test_a_model_too_large_to_probe_here_gets_no_tensor_parallel_plans(monkeypatch):
-    """tensor_parallel's planner traces a zero-weight copy of the model in this machine's memory: over the
-    threshold (0 here) it is not offered, said in a note, and the pipeline axis keeps no tensor degree."""
-    from composable_atorch.auto.onpaper import axes
+def big_llama():
+    """A 6.2B-parameter Llama (25 GB of fp32 weights: more than this machine can spare), as a user writes it."""
+    from transformers import AutoModelForCausalLM
 
-    monkeypatch.setattr(axes, "PROBE_BYTES", 0)
-    result = plan_on_paper(workload(), env(world=8), budget=Budget(n_trials=2), estimator=StandIn())
-    assert "tensor:" not in result.axes and "tensor 2" not in result.axes
-    assert any("tensor parallelism not offered" in n for n in result.notes)
-    monkeypatch.setattr(axes, "PROBE_BYTES", 2**40)
-    result = plan_on_paper(workload(), env(world=8), budget=Budget(n_trials=2), estimator=StandIn())
+    return AutoModelForCausalLM.from_config(llama_config(width=4096, layers=32, vocab=32000, intermediate_size=11008))
+
+
+def test_a_model_too_large_for_this_machine_is_planned_for_tensor_parallelism_on_fake_tensors():
+    """On paper the model is built on the meta device; tensor_parallel's planner (and ddp's unused-parameter
+    probe) then trace a replica of fake tensors, not a zero-weight copy in this machine's memory: the
+    7B's Megatron pairs are found in every layer, the plan is checked at degree 8, tensor degrees are
+    offered by the search, and nothing near the model's size is allocated."""
+    import resource
+
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    from composable_atorch.auto.workload import example_model
+    from composable_atorch.transforms.parallel.shared import probe
+    from composable_atorch.transforms.parallel.tensor import graph
+    from composable_atorch.transforms.parallel.tensor.transform import TensorParallel
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    meta = example_model(big_llama)
+    assert all(p.is_meta for p in meta.parameters())
+    assert all(isinstance(p, FakeTensor) for p in probe.replica(meta).parameters())
+    pairs = graph.pairs(meta, graph.trace(meta, graph.example_input(meta)))
+    attn = [p for p in pairs if p.row.endswith("self_attn.o_proj")]
+    mlp = [p for p in pairs if p.row.endswith("mlp.down_proj")]
+    assert len(attn) == len(mlp) == 32 and len(pairs) == 64
+    assert {c.rsplit(".", 1)[1] for p in attn for c in p.cols} == {"q_proj", "k_proj", "v_proj"}
+    notes = TensorParallel().check(meta, 8)  # one rank's shapes run on an example input, on fake tensors
+    assert any("plan verified at tensor degree 8" in n for n in notes), notes
+    assert probe.probe_unused(meta).unused == []
+    result = plan_on_paper(
+        token_workload(big_llama, seq=SEQ, global_batch=BATCH), env(world=8), budget=Budget(n_trials=2),
+        estimator=StandIn(),
+    )
     assert "tensor:" in result.axes
+    grew = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    weights = sum(p.numel() * p.element_size() for p in meta.parameters())
+    assert weights > 24e9 and grew < 2e9, (weights, grew)
+    assert torch.get_default_device() == torch.device("cpu")
 
 
 def test_on_paper_candidates_widen_only_on_paper():

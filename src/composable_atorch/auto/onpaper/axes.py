@@ -52,12 +52,6 @@ AXES: dict[str, tuple[str, ...]] = {
 }
 
 
-#: the largest model (its weights' bytes) tensor parallelism is offered for on paper: tensor_parallel's
-#: planner traces a zero-weight copy of the model in this machine's memory, in the planning checks and
-#: inside the estimate (a 7B model: 27 GB), which a laptop or a shared machine cannot hold
-PROBE_BYTES = 2 * 2**30
-
-
 @dataclass(frozen=True)
 class Option:
     """One option of an axis: its label, its transforms, and the degree it lays out (1 without one)."""
@@ -138,13 +132,6 @@ def build(workload: Workload, env: Environment, space: SpaceOptions) -> Space:
     facts, notes = model_facts(example, workload)
     blocks = block_classes(example)[:1]
     excluded = {k for k in (canonical_kind(n) for n in space.excluded) if k is not None}
-    large = _weight_bytes(example) > PROBE_BYTES
-    if large:
-        excluded.add("tensor_parallel")
-        notes.append(
-            "tensor parallelism not offered: its planner traces a zero-weight copy of the model in this "
-            f"machine's memory ({_weight_bytes(example) / 2**30:.0f} GiB here), for the checks and the estimate alike"
-        )
     context = SearchContext(env, blocks, workload.batch_size, "compile" not in excluded, facts, on_paper=True)
     kinds = {k for k, cls in registry().items() if k not in excluded}
     groups = {name: tuple(k for k in members if k in kinds) for name, members in AXES.items()}
@@ -164,8 +151,6 @@ def build(workload: Workload, env: Environment, space: SpaceOptions) -> Space:
         if sub.admit is not None:
             rules.append(sub.admit)
         options = _options(sub)
-        if large:  # mixed_parallel's tensor degrees run the same planner
-            options = {k: o for k, o in options.items() if not any(_tensor_degree(t) > 1 for t in o.transforms)}
         if len(options) > 1 or (options and not next(iter(options.values())).absent):
             nothing = sub.nothing()
             implied = next((lab for lab, o in options.items() if nothing.valid and o.key == nothing.key), None)
@@ -175,21 +160,12 @@ def build(workload: Workload, env: Environment, space: SpaceOptions) -> Space:
         notes.append("no repeated block found: fsdp wraps, checkpoint and compile have nothing to act on")
     needs = None if workload.criterion is not None else plan_needs_criterion
     then = _all(rules + ([needs] if needs else [])) or _admit_all
-    admit = then if large else planning_admit(example, then)
+    admit = planning_admit(example, then)
     return Space(env, axes, admit, notes, rejected, example)
-
-
-def _tensor_degree(t: Transform) -> int:
-    return int(getattr(t, "tensor", None) or 1) if t.name == "mixed_parallel" else 1
 
 
 def _admit_all(plan: Plan) -> None:
     return None
-
-
-def _weight_bytes(model) -> int:
-    tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}.values()
-    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _all(rules: list[Callable[[Plan], str | None]]) -> Callable[[Plan], str | None] | None:

@@ -63,7 +63,7 @@ def paper_step(runs, setting, model, batch, global_batch: int, notes: list, extr
 
     hw = setting.hardware
     total = price.step([r.paper for r in runs], setting, runs[0].micro_batches)
-    dtype = matmul_dtype(runs[0].trace.ops)
+    dtype = matmul_dtype(runs[0].trace.events)
     usage = utilization(
         seconds=total.seconds,
         world=setting.world,

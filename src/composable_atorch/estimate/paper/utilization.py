@@ -43,14 +43,17 @@ def attention_flops(ops) -> float:
     return 3.0 / 2.5 * sum(size * n for (kind, _, size), n in ops.items() if kind == "sdpa_bwd")
 
 
-def matmul_dtype(ops) -> str:
-    """The dtype most matmul FLOPs run in (fp8 read as bf16 for the peak)."""
+def matmul_dtype(events) -> str:
+    """The dtype most matmul FLOPs of a rank's step run in (fp8 read as bf16 for the peak). Read from the
+    trace's events, whose GEMMs carry the dtype the device runs them in: a float8 Linear's GEMM is
+    "float8" there, whatever dtype this CPU's emulation counted it in (an fp32 model with fp8 Linears
+    would otherwise be measured against the fp32 peak, and show an MFU over 100%)."""
     totals = dict.fromkeys(MATMUL_DTYPES, 0.0)
-    for (kind, dtype, size), n in ops.items():
-        if kind in ("mm", "sdpa", "sdpa_bwd"):
-            key = "float8" if dtype.startswith("float8") else dtype
+    for ev in events:
+        if ev.kind in ("mm", "sdpa", "sdpa_bwd"):
+            key = "float8" if ev.dtype.startswith("float8") else ev.dtype
             if key in totals:
-                totals[key] += size * n
+                totals[key] += ev.size
     best = max(totals, key=totals.get)
     return "bfloat16" if best == "float8" or totals[best] == 0 else best
 

@@ -23,9 +23,11 @@ from composable_atorch.transforms.example_input import (  # noqa: F401 - re-expo
 
 def replica(model: nn.Module, grad: bool = False) -> nn.Module:
     """A CPU copy of ``model`` with zero weights (nothing copied from the real ones; parameters
-    require grad only with ``grad``). A model of fake tensors (``estimate`` applies the plan on them)
-    gets a replica of fake tensors in the same fake mode: only shapes are read, and a real copy
-    would allocate the whole model's weights for a plan that is only being estimated."""
+    require grad only with ``grad``). Only shapes are read, so a model without real weights gets a
+    replica of fake tensors: one of fake tensors (``estimate`` applies the plan on them) in the same
+    fake mode, one on the meta device (a search on paper builds the model there) in a fake mode of its
+    own. A real copy would allocate the whole model's weights (a 7B model: 27 GB) for a plan that is
+    only being planned. :func:`run` and :func:`probe_unused` run a replica in its fake mode."""
     memo = {}
     with _fake_mode_of(model):
         for t in (*model.parameters(), *model.buffers()):
@@ -40,20 +42,38 @@ def replica(model: nn.Module, grad: bool = False) -> nn.Module:
 
 
 def _fake_mode_of(model: nn.Module):
-    """The fake mode of the model's fake parameters, or a null context for a real model."""
+    """The fake mode of the model's fake parameters; a new one (real inputs allowed: the example input
+    is real) for a model on the meta device; a null context for a real model."""
+    import contextlib
+
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    tensors = [*model.parameters(), *model.buffers()]
+    fake = next((t for t in tensors if isinstance(t, FakeTensor)), None)
+    if fake is not None:
+        return fake.fake_mode
+    if any(t.is_meta for t in tensors):
+        return FakeTensorMode(allow_non_fake_inputs=True)
+    return contextlib.nullcontext()
+
+
+def _running(rep: nn.Module):
+    """The mode a replica runs in: its fake tensors' mode (unless that one is already active), else none."""
     import contextlib
 
     from torch._subclasses.fake_tensor import FakeTensor
 
-    fake = next((p for p in model.parameters() if isinstance(p, FakeTensor)), None)
-    return fake.fake_mode if fake is not None else contextlib.nullcontext()
+    fake = next((p for p in rep.parameters() if isinstance(p, FakeTensor)), None)
+    if fake is None or torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is fake.fake_mode:
+        return contextlib.nullcontext()
+    return fake.fake_mode
 
 
 def run(model: nn.Module, example) -> None:
     """One no-grad forward; the CPU random stream is restored after it (a probe's dropouts must not
     shift the masks training draws)."""
     args, kwargs = example
-    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+    with torch.no_grad(), torch.random.fork_rng(devices=[]), _running(model):
         model(*args, **kwargs)
 
 
@@ -81,13 +101,13 @@ def probe_unused(model: nn.Module) -> Probe:
     args, kwargs = example
     shown = ", ".join(f"{k}{list(v.shape)}" for k, v in kwargs.items()) or ", ".join(str(list(a.shape)) for a in args)
     try:
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[]), _running(rep):
             out = rep(*args, **kwargs)
-        leaves = out.values() if isinstance(out, dict) else (out if isinstance(out, tuple | list) else (out,))
-        floats = [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad]
-        if not floats:
-            return Probe(None, f"its forward on the example input ({shown}) returned no floating tensor")
-        sum(t.float().sum() for t in floats).backward()
+            leaves = out.values() if isinstance(out, dict) else (out if isinstance(out, tuple | list) else (out,))
+            floats = [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad]
+            if not floats:
+                return Probe(None, f"its forward on the example input ({shown}) returned no floating tensor")
+            sum(t.float().sum() for t in floats).backward()
     except Exception as e:  # noqa: BLE001 - a model that does not take the guessed input is not probed
         return Probe(None, f"its forward on the example input ({shown}) failed: {type(e).__name__}: {str(e)[:160]}")
     return Probe([n for n, p in rep.named_parameters() if p.requires_grad and p.grad is None])

@@ -139,7 +139,9 @@ class TensorParallel(Transform):
         for t in search.degrees:
             data = env.world_size // t
             if t > per_node:
-                out.append(NotOffered(cls.name, f"tensor degrees above the {per_node} devices of a node"))
+                # the subject names the degrees: "tensor_parallel not proposed" would read as no degree at all
+                why = f"every tensor-parallel all-reduce would leave the node's {per_node} devices for the network"
+                out.append(NotOffered(f"tensor degrees above {per_node}", why))
             elif not search.batch_size % data:
                 label = f"tensor {t} x data {data}: Linear layers sharded over {t} ranks of a node, data over {data}"
                 out.append(layout_option("tensor", t, env.world_size, label, cls()))
