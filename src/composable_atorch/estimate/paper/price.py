@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from composable_atorch.estimate.paper import comm, ops, schedules, timeline
 from composable_atorch.estimate.paper.fusion import fuse
 from composable_atorch.estimate.paper.timeline import Slot
+from composable_atorch.estimate.paper.utilization import matmul_dtype
 from composable_atorch.hardware import Hardware
 
 #: mesh dimensions whose collectives feed the very next compute
@@ -55,20 +56,22 @@ class RankStep:
     backward: float
     weight: float
     optimizer: float
+    #: the dtype most of its matmul FLOPs run in on the device (the peak MFU is counted against)
+    matmul_dtype: str = "bfloat16"
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     def extrapolate(self, other: RankStep, k1: int, k2: int, n: int) -> RankStep:
         """The step of an ``n``-block model from this (``k1`` blocks) and ``other`` (``k2``), per block linear."""
-        return RankStep(
-            **{
-                f.name: max(
-                    0.0, getattr(self, f.name) + (n - k1) * (getattr(other, f.name) - getattr(self, f.name)) / (k2 - k1)
-                )
-                for f in fields(self)
-            }
-        )
+        seconds = {
+            f.name: max(
+                0.0, getattr(self, f.name) + (n - k1) * (getattr(other, f.name) - getattr(self, f.name)) / (k2 - k1)
+            )
+            for f in fields(self)
+            if f.type == "float"
+        }
+        return RankStep(**seconds, matmul_dtype=other.matmul_dtype)
 
 
 def policy(ev, after_barrier: bool) -> str:
@@ -141,7 +144,10 @@ def price_run(run, setting: Setting) -> RankStep:
         ]
         slots = with_buckets(slots, priced)
     t = timeline.run(slots)
-    return RankStep(t.total, t.compute, t.overhead, t.exposed, t.comm, t.forward, t.backward, bwd_gemm / 2, t.optimizer)
+    return RankStep(
+        t.total, t.compute, t.overhead, t.exposed, t.comm, t.forward, t.backward, bwd_gemm / 2, t.optimizer,
+        matmul_dtype(trace.events),
+    )
 
 
 def data_group(groups: dict[str, tuple[int, ...]], world: int) -> tuple[int, ...]:

@@ -58,12 +58,12 @@ def tokens_of(batch, global_batch: int) -> int:
 
 def paper_step(runs, setting, model, batch, global_batch: int, notes: list, extra: dict):
     """The priced step of the simulated ranks (:mod:`.paper`), its StepTime and its Utilization."""
-    from composable_atorch.estimate.paper.utilization import attention_flops, lookup_free_params, matmul_dtype
+    from composable_atorch.estimate.paper.utilization import attention_flops, lookup_free_params
     from composable_atorch.estimate.steptime import StepTime
 
     hw = setting.hardware
     total = price.step([r.paper for r in runs], setting, runs[0].micro_batches)
-    dtype = matmul_dtype(runs[0].trace.events)
+    dtype = runs[0].paper.matmul_dtype
     usage = utilization(
         seconds=total.seconds,
         world=setting.world,
