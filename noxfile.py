@@ -9,7 +9,13 @@ CONSTRAINTS = ("-c", "constraints.txt")
 @nox.session(python="3.11")
 def tests(session):
     session.install(*CONSTRAINTS, "-e", ".[test]")
-    session.run("python", "-m", "pytest", "-q", *session.posargs, env={"OMP_NUM_THREADS": "1"})
+    env = {"OMP_NUM_THREADS": "1"}
+    if session.posargs:  # a file, a -k, ...: as given
+        session.run("python", "-m", "pytest", "-q", *session.posargs, env=env)
+        return
+    # the README's command: two files at a time, then the timing-sensitive ones alone
+    session.run("python", "-m", "pytest", "-q", "-n", "2", "--dist", "loadfile", "-m", "not serial", env=env)
+    session.run("python", "-m", "pytest", "-q", "-m", "serial", env=env)
 
 
 @nox.session(python="3.11")

@@ -132,3 +132,19 @@ class StartedWith:
         if any(self.needle in e for e in start) != self.present:
             raise RuntimeError(f"started with {start or 'no GLIBC_TUNABLES'}")
         return GPT(GPTConfig(seq_len=16, d_model=32, n_layer=2, n_head=2))
+
+
+def _refuse_to_load():
+    raise RuntimeError("this rank cannot load its workload")
+
+
+class FailsToArrive:
+    """A model factory the parent pickles and a rank cannot unpickle (loading it raises): the rank dies
+    while it starts, before its log begins, as every rank does when the user's script starts the search
+    outside an ``if __name__ == "__main__":`` block (the rank re-runs the script on import)."""
+
+    def __call__(self):
+        return GPT(GPTConfig(seq_len=16, d_model=32, n_layer=2, n_head=2))
+
+    def __reduce__(self):
+        return (_refuse_to_load, ())

@@ -18,7 +18,11 @@ from composable_atorch.data import TextDataset
 from composable_atorch.environment import Environment
 from composable_atorch.models import GPT
 
-from auto_faults import FaultyModelFn, StartedWith, adamw, alive, lm_step
+from auto_faults import FailsToArrive, FaultyModelFn, StartedWith, adamw, alive, lm_step
+
+#: wall-clock budgets and timeouts (hangs, heartbeats, rendezvous, kills mid-step): run alone, never beside
+#: another test file (the README's test command runs these after the others, which run two at a time)
+pytestmark = pytest.mark.serial
 
 ENV2 = Environment.detect().with_(world_size=2)
 
@@ -245,3 +249,16 @@ def test_a_trials_ranks_on_the_cpu_start_with_mallocs_training_tunables_unless_o
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")  # the user's own malloc settings win
     theirs = run_trial(plan, Workload(StartedWith("arena_max=2:glibc"), adamw, data, lm_step, 8), settings)
     assert not theirs.ok and "glibc.malloc.arena_max=2'" in theirs.reason
+
+
+@pytest.mark.dist
+def test_a_rank_that_dies_while_starting_says_where_its_error_went():
+    """A rank that ends before its log begins (here: its workload cannot be unpickled; for users: a
+    script without a ``__main__`` guard) is a failed trial whose reason says where the error went and
+    the usual cause, not an empty log tail."""
+    from composable_atorch.auto.trial import STARTUP_FAILURE, run_trial
+
+    plan = ca.compose(ca.ddp(), env=Environment(world_size=1)).to_json()
+    settings = TrialSettings(world_size=1, warmup_steps=1, measure_steps=1, measure_memory=False)
+    result = run_trial(plan, Workload(FailsToArrive(), adamw, TextDataset(16, limit=32), lm_step, 8), settings)
+    assert not result.ok and result.reason == f"crash on rank 0 (exit code 1): {STARTUP_FAILURE}", result.reason

@@ -13,7 +13,9 @@ from composable_atorch.models import GPT, GPTConfig
 
 from auto_faults import EscapingStep, HangingGPT, StubbornGPT, adamw, lm_step, processes_with
 
-pytestmark = pytest.mark.dist  # trials and the preflight spawn processes
+#: wall-clock budgets and timeouts (hangs, heartbeats, rendezvous, kills mid-step): run alone, never beside
+#: another test file (the README's test command runs these after the others, which run two at a time)
+pytestmark = [pytest.mark.dist, pytest.mark.serial]  # trials and the preflight spawn processes
 
 BUDGET_S, TRIAL_S = 20.0, 6.0
 #: spawning a process and importing torch, on 2 loaded cores (not a speed claim: the bound says the

@@ -27,6 +27,10 @@ from composable_atorch.models import GPT
 
 from auto_faults import adamw, lm_step
 
+#: wall-clock budgets and timeouts (hangs, heartbeats, rendezvous, kills mid-step): run alone, never beside
+#: another test file (the README's test command runs these after the others, which run two at a time)
+pytestmark = pytest.mark.serial
+
 MiB = 2**20
 KEPT = ("amp", "checkpoint")
 # the GPT's checkpoint options: Block, CausalSelfAttention, MLP fully, Block selectively; with amp or not,

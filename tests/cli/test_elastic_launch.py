@@ -21,6 +21,10 @@ import torch
 from composable_atorch.cli import elastic, launch
 from composable_atorch.state import restarts
 
+#: wall-clock budgets and timeouts (hangs, heartbeats, rendezvous, kills mid-step): run alone, never beside
+#: another test file (the README's test command runs these after the others, which run two at a time)
+pytestmark = pytest.mark.serial
+
 SCRIPTS = Path(__file__).parent.parent / "scripts"
 SCRIPT = SCRIPTS / "train_elastic.py"
 

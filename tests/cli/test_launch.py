@@ -14,6 +14,10 @@ from composable_atorch.cli import launch
 
 from _dist import free_port
 
+#: wall-clock budgets and timeouts (hangs, heartbeats, rendezvous, kills mid-step): run alone, never beside
+#: another test file (the README's test command runs these after the others, which run two at a time)
+pytestmark = pytest.mark.serial
+
 SCRIPT = Path(__file__).parent.parent / "scripts" / "report_ranks.py"
 
 

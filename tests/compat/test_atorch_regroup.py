@@ -29,6 +29,10 @@ from composable_atorch.runtime import liveness, mesh
 
 from _dist import run_world
 
+#: wall-clock budgets and timeouts (hangs, heartbeats, rendezvous, kills mid-step): run alone, never beside
+#: another test file (the README's test command runs these after the others, which run two at a time)
+pytestmark = pytest.mark.serial
+
 ROUNDS = 5
 
 

@@ -18,7 +18,7 @@ from composable_atorch.core.contract import (
     Package,
     Stage,
 )
-from composable_atorch.core.transform import Transform, registry_scope
+from composable_atorch.core.transform import Transform, register, registry_scope
 from composable_atorch.environment import Environment
 from composable_atorch.errors import (
     CompositionError,
@@ -74,7 +74,10 @@ def test_amp_half_conflict_only_for_different_dtypes():
 # Registered under names starting with "toy_" and removed after the module's tests.
 
 
-#: The toy transforms below register inside this scope; the module fixture closes it, restoring the registry.
+#: The toy transforms below register (as every Transform subclass does) inside this scope, closed right
+#: after them: importing this module leaves the registry as it was (pytest imports every test module
+#: before it runs any; a file run after this one in another process must not see the toys). The module
+#: fixture registers them for this file's tests alone.
 _TOY_SCOPE = registry_scope()
 _TOY_SCOPE.__enter__()
 
@@ -170,10 +173,16 @@ class ToyHater(Transform):
     )
 
 
+TOYS = (ToyGroup, ToySync, ToySync2, ToyGpu, ToyUsesGpu, ToyNeedsWorld, ToyFirst, ToyCycle, ToyHater)
+_TOY_SCOPE.__exit__(None, None, None)
+
+
 @pytest.fixture(autouse=True, scope="module")
-def _unregister_toys():
-    yield
-    _TOY_SCOPE.__exit__(None, None, None)
+def _toys_registered():
+    with registry_scope():
+        for toy in TOYS:
+            register(toy)
+        yield
 
 
 def test_implied_step_is_added_and_shown_and_strict_refuses():

@@ -28,6 +28,10 @@ from composable_atorch.transforms.precision import GradScalerHook
 
 from _dist import run_world
 
+#: wall-clock budgets and timeouts (hangs, heartbeats, rendezvous, kills mid-step): run alone, never beside
+#: another test file (the README's test command runs these after the others, which run two at a time)
+pytestmark = pytest.mark.serial
+
 SCRIPTS = Path(__file__).parent.parent / "scripts"
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 

@@ -162,10 +162,18 @@ def _signal_reason(code: int) -> str:
     return f"crash (killed by {name})"
 
 
+#: what a failed rank's reason says when the rank ended before its log began (during its start-up)
+STARTUP_FAILURE = (
+    "the rank ended while starting, before its log began; its error went to this process's stderr. A "
+    "script that starts the search outside an `if __name__ == \"__main__\":` block is run again by every "
+    "rank (each rank imports the main module) and fails there"
+)
+
+
 def _log_tail(out_dir: str, rank: int, lines: int = 6) -> str:
     path = os.path.join(out_dir, f"rank{rank}.log")
     if not os.path.exists(path):
-        return ""
+        return STARTUP_FAILURE
     with open(path, errors="replace") as f:
         tail = [ln.rstrip() for ln in f.readlines() if ln.strip()][-lines:]
     return " | ".join(tail)
