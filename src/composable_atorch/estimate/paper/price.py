@@ -69,7 +69,7 @@ class RankStep:
                 0.0, getattr(self, f.name) + (n - k1) * (getattr(other, f.name) - getattr(self, f.name)) / (k2 - k1)
             )
             for f in fields(self)
-            if f.type == "float"
+            if isinstance(getattr(self, f.name), float)
         }
         return RankStep(**seconds, matmul_dtype=other.matmul_dtype)
 

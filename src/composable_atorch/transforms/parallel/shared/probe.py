@@ -41,18 +41,25 @@ def replica(model: nn.Module, grad: bool = False) -> nn.Module:
     return copy.deepcopy(model, memo)
 
 
+def _fake_of(model: nn.Module):
+    """The fake mode of the model's fake tensors, or None."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    fake = next((t for t in (*model.parameters(), *model.buffers()) if isinstance(t, FakeTensor)), None)
+    return None if fake is None else fake.fake_mode
+
+
 def _fake_mode_of(model: nn.Module):
     """The fake mode of the model's fake parameters; a new one (real inputs allowed: the example input
     is real) for a model on the meta device; a null context for a real model."""
     import contextlib
 
-    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
-    tensors = [*model.parameters(), *model.buffers()]
-    fake = next((t for t in tensors if isinstance(t, FakeTensor)), None)
-    if fake is not None:
-        return fake.fake_mode
-    if any(t.is_meta for t in tensors):
+    mode = _fake_of(model)
+    if mode is not None:
+        return mode
+    if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
         return FakeTensorMode(allow_non_fake_inputs=True)
     return contextlib.nullcontext()
 
@@ -61,12 +68,10 @@ def _running(rep: nn.Module):
     """The mode a replica runs in: its fake tensors' mode (unless that one is already active), else none."""
     import contextlib
 
-    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._guards import active_fake_mode
 
-    fake = next((p for p in rep.parameters() if isinstance(p, FakeTensor)), None)
-    if fake is None or torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is fake.fake_mode:
-        return contextlib.nullcontext()
-    return fake.fake_mode
+    mode = _fake_of(rep)
+    return contextlib.nullcontext() if mode is None or active_fake_mode() is mode else mode
 
 
 def run(model: nn.Module, example) -> None:
