@@ -13,9 +13,8 @@ def tests(session):
     if session.posargs:  # a file, a -k, ...: as given
         session.run("python", "-m", "pytest", "-q", *session.posargs, env=env)
         return
-    # the README's command: two files at a time, then the timing-sensitive ones alone
-    session.run("python", "-m", "pytest", "-q", "-n", "2", "--dist", "loadfile", "-m", "not serial", env=env)
-    session.run("python", "-m", "pytest", "-q", "-m", "serial", env=env)
+    # the README's command: the timing-sensitive files beside the others (tests/run.sh says why)
+    session.run("bash", "tests/run.sh", env={"PYTHON": f"{session.bin}/python"}, external=True)
 
 
 @nox.session(python="3.11")

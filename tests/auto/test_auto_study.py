@@ -20,8 +20,8 @@ from composable_atorch.models import GPT
 
 from auto_faults import FailsToArrive, FaultyModelFn, StartedWith, adamw, alive, lm_step
 
-#: wall-clock budgets and timeouts (hangs, heartbeats, rendezvous, kills mid-step): run alone, never beside
-#: another test file (the README's test command runs these after the others, which run two at a time)
+#: wall-clock budgets and timeouts (hangs, heartbeats, rendezvous, kills mid-step): run one file at a time,
+#: at a CPU priority above every other file's (tests/run.sh, the README's test command)
 pytestmark = pytest.mark.serial
 
 ENV2 = Environment.detect().with_(world_size=2)

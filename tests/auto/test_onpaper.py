@@ -9,7 +9,6 @@ import json
 from types import SimpleNamespace
 
 import pytest
-from tests.zoo.configs import llama_config
 
 from composable_atorch.auto import search
 from composable_atorch.auto.onpaper import plan_on_paper, token_workload
@@ -21,6 +20,7 @@ from composable_atorch.core import strategy
 from composable_atorch.environment import Environment
 from composable_atorch.errors import ConfigError
 from composable_atorch.hardware import HardwareError
+from zoo.configs import llama_config
 
 SEQ, BATCH, WORLD = 32, 8, 4
 

@@ -13,8 +13,8 @@ from composable_atorch.models import GPT, GPTConfig
 
 from auto_faults import EscapingStep, HangingGPT, StubbornGPT, adamw, lm_step, processes_with
 
-#: wall-clock budgets and timeouts (hangs, heartbeats, rendezvous, kills mid-step): run alone, never beside
-#: another test file (the README's test command runs these after the others, which run two at a time)
+#: wall-clock budgets and timeouts (hangs, heartbeats, rendezvous, kills mid-step): run one file at a time,
+#: at a CPU priority above every other file's (tests/run.sh, the README's test command)
 pytestmark = [pytest.mark.dist, pytest.mark.serial]  # trials and the preflight spawn processes
 
 BUDGET_S, TRIAL_S = 20.0, 6.0

@@ -21,8 +21,8 @@ import torch
 from composable_atorch.cli import elastic, launch
 from composable_atorch.state import restarts
 
-#: wall-clock budgets and timeouts (hangs, heartbeats, rendezvous, kills mid-step): run alone, never beside
-#: another test file (the README's test command runs these after the others, which run two at a time)
+#: wall-clock budgets and timeouts (hangs, heartbeats, rendezvous, kills mid-step): run one file at a time,
+#: at a CPU priority above every other file's (tests/run.sh, the README's test command)
 pytestmark = pytest.mark.serial
 
 SCRIPTS = Path(__file__).parent.parent / "scripts"
