@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import os
 import socket
 import sys
@@ -305,7 +306,16 @@ def watch(timeout_s: float | None = None) -> float:
 
 def _done_at_exit() -> None:
     """Tell the peers this rank ended on purpose, and let the thread end before the interpreter
-    finalizes: one caught inside a store call then would abort the process (see ``_Watchdog._beat``)."""
+    finalizes: one caught inside a store call then would abort the process (see ``_Watchdog._beat``).
+
+    Then free the cyclic garbage while the interpreter is whole. A DDP module and its optimizer stay
+    in reference cycles after the user's function returns (plain torch's too), holding the gloo
+    group past ``destroy_process_group()``; left to the interpreter's finalization, the group is
+    freed there, and a gloo worker thread that then releases a tensor needs the GIL, is ended by
+    ``pthread_exit`` inside a C++ frame, and aborts the rank ("terminate called without an active
+    exception", SIGABRT after all of its work was done; torch's own attempt at this, an atexit
+    ``destroy_process_group``, is pytorch/pytorch#179291)."""
     if _watchdog is not None and _watchdog.is_alive():
         _watchdog.done()
         _watchdog.join(timeout=2.0)
+    gc.collect()
