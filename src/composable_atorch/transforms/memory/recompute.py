@@ -26,6 +26,13 @@ exactly what the forward computed, and which op outputs selective checkpointing 
 
   Every other op is ``PREFER_RECOMPUTE``; the saved ones are ``MUST_SAVE``, so torch.compile's
   partitioner keeps them too. The op set is resolved once by name: ops a build lacks are skipped.
+
+  A saved output the block then changes in place (Mixtral's router divides its top-k weights with
+  ``/=``, a user block writes ``out = self.fc2(h); out += x``) is kept as the op made it: torch's
+  cache holds the very tensor the block mutates, and its rerun refused it ("Tensor cached during
+  selective activation checkpoint has been mutated") in the backward, after all the forward's work.
+  :class:`_KeepsMutatedOutputs` copies such an entry just before the forward's in-place op writes
+  to it, so the rerun replays the op's own output and then the same in-place op, as the forward did.
 """
 
 from __future__ import annotations
@@ -38,6 +45,8 @@ import types
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 from torch.distributed._composable import checkpoint as composable_checkpoint
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 #: the block's own forward (a bound method) under the reentrant wrapper
@@ -314,19 +323,74 @@ class _PassProfilerOps:
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 
+def _written(func, args, kwargs) -> list[torch.Tensor]:
+    """The tensors an op writes to: its schema's mutable arguments (``out=`` included)."""
+    schema = getattr(func, "_schema", None)  # higher-order ops have none and write nothing
+    if schema is None or not schema.is_mutable:
+        return []
+    written = []
+    for i, arg in enumerate(schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            value = args[i] if i < len(args) else kwargs.get(arg.name)
+            written += [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
+    return written
+
+
+def _storage(t: torch.Tensor):
+    try:
+        return StorageWeakRef(t.untyped_storage())
+    except (RuntimeError, NotImplementedError, TypeError):  # a wrapper subclass without a storage
+        return None
+
+
+def _tracing() -> bool:
+    """Under torch.compile's tracing the cache is a graph annotation and in-place ops are
+    functionalized: nothing to copy (torch's own ``_is_compiling`` test)."""
+    proxy = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY)
+    return torch.compiler.is_compiling() or proxy is not None
+
+
+class _KeepsMutatedOutputs:
+    """Mixed into torch's caching mode (the forward's): before an op writes in place to a tensor
+    sharing storage with a cached output, that entry is replaced by a copy of its value then (the
+    op's own output), so the recompute's cached mode hands back what the op made. Entries are
+    torch's ``_VersionWrapper`` (``val``, ``version``); on a torch whose cache looks otherwise,
+    nothing is copied and torch's own check stands."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        written = _written(func, args, kwargs or {})
+        if written and not _tracing():
+            hit = {key for key in map(_storage, written) if key is not None}
+            if hit:
+                _copy_entries(self.storage, hit)
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def _copy_entries(storage, hit: set) -> None:
+    for entries in storage.values():
+        for entry in entries.values() if isinstance(entries, dict) else entries:
+            for wrapper in tree_leaves(entry):
+                val = getattr(wrapper, "val", None)
+                if isinstance(val, torch.Tensor) and hasattr(wrapper, "version") and _storage(val) in hit:
+                    wrapper.val = val.clone()  # below this mode (a mode is off inside its own handler)
+                    wrapper.version = wrapper.val._version
+
+
 @functools.cache
-def _passing(mode_class: type) -> type:
-    return type(f"ProfilerPassing{mode_class.__name__}", (_PassProfilerOps, mode_class), {})
+def _passing(mode_class: type, keeps_mutated: bool = False) -> type:
+    bases = (_PassProfilerOps, _KeepsMutatedOutputs, mode_class) if keeps_mutated else (_PassProfilerOps, mode_class)
+    return type(f"ProfilerPassing{mode_class.__name__}", bases, {})
 
 
 def selective_contexts():
     """A fresh pair of contexts per checkpointed call (torch's ``context_fn``): the forward's
-    caching mode and the recompute's cached mode, sharing the call's saved outputs, each letting
+    caching mode (which keeps what in-place ops would change, :class:`_KeepsMutatedOutputs`) and
+    the recompute's cached mode, sharing the call's saved outputs, each letting
     :data:`PASSED_OPS` through."""
-    modes = create_selective_checkpoint_contexts(save_expensive_ops)
-    for mode in modes:
-        mode.__class__ = _passing(type(mode))
-    return modes
+    caching, cached = create_selective_checkpoint_contexts(save_expensive_ops)
+    caching.__class__ = _passing(type(caching), keeps_mutated=True)
+    cached.__class__ = _passing(type(cached))
+    return caching, cached
 
 
 def describe_saved() -> str:
