@@ -122,7 +122,7 @@ def test_world2_every_rank_skips_the_poisoned_step_and_ranks_stay_equal():
 def test_the_check_is_exact_where_a_sum_overflows_or_cancels():
     """The check sums each gradient first: huge finite gradients whose sum overflows still step, and
     an inf next to a -inf (a nan sum) or a lone nan are still caught."""
-    from composable_atorch.transforms.precision import _all_finite
+    from composable_atorch.transforms.parallel.shared.grads import all_finite as _all_finite
 
     big = torch.full((4,), 3e38)
     assert _all_finite([big, big.clone()])  # the float32 sum is inf, every element finite

@@ -40,6 +40,19 @@ class ExpertLayout:
         return 1 if self.replica_mesh is None else self.replica_mesh.size()
 
 
+@dataclass(frozen=True)
+class StageGradients:
+    """How a pipeline splits the model's gradients over ranks, outside DTensor: each rank of
+    ``group`` holds its own stages' parameters. ``held_by`` maps ``id(parameter)`` to how many ranks
+    of the group hold that parameter in full (a tied embedding on the first and the last stage's
+    ranks: 2; pieces every stage holds: the pipeline's size); absent means 1. A global gradient norm
+    sums each rank's part over the group, counting such a parameter once; an inf/nan check reduces
+    its verdict over the group, so every stage skips the same steps."""
+
+    group: Any
+    held_by: dict[int, int] = field(default_factory=dict)
+
+
 @dataclass
 class AppliedRegistry:
     """What was applied to which module, kept per module as torch's composable ``contract`` keeps it: a
@@ -75,6 +88,8 @@ class ParallelContext:
     rank: int = 0
     mesh: Any = None
     grad_shard_group: Any = None
+    #: a pipeline's split of the gradients (None without one): clipping and inf/nan checks reduce over it
+    stage_grads: StageGradients | None = None
     #: expert_parallel's split, for the data-parallel steps and the estimate (None without one)
     experts: ExpertLayout | None = None
     #: a sequence split's check of the loss function train_step trains with: ``check(loss_fn, output,

@@ -83,3 +83,22 @@ def cast_floats(value: Any, dtype: torch.dtype) -> Any:
 
 def dtype_of(name: str) -> torch.dtype:
     return DTYPES[name]
+
+
+def cast_module_(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """``model.to(dtype)`` as torch's ``Module._apply`` does it for real tensors: floating parameters
+    (and their gradients) re-pointed in place with ``.data``, so every Parameter object stays the one
+    the optimizer holds; floating buffers replaced. Written out because on fake tensors (the estimate's
+    simulated world) ``_apply`` swaps instead, and the weakref FakeTensorMode keeps on each Parameter
+    makes the swap fail ("Couldn't swap Embedding.weight"): ``half`` could not be estimated."""
+    with torch.no_grad():
+        for module in model.modules():
+            for p in module._parameters.values():
+                if p is not None and p.is_floating_point() and p.dtype != dtype:
+                    p.data = p.data.to(dtype)
+                    if p.grad is not None:
+                        p.grad = p.grad.to(dtype)
+            for name, b in module._buffers.items():
+                if b is not None and b.is_floating_point() and b.dtype != dtype:
+                    module._buffers[name] = b.to(dtype)
+    return model

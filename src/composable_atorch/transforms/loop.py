@@ -15,6 +15,7 @@ from composable_atorch.core.transform import ApplyContext, TrainState, Transform
 from composable_atorch.errors import ConfigError
 from composable_atorch.runtime.loader import loader_batch_size, rebuild_loader, split_batch
 from composable_atorch.runtime.optim import OptimizerHook
+from composable_atorch.transforms.parallel.shared.grads import clip_grads_
 
 
 class AccumulateHook(OptimizerHook):
@@ -99,10 +100,15 @@ def accumulate(steps: int) -> Accumulate:
 
 
 class ClipHook(OptimizerHook):
-    """Clip the global gradient norm just before the step (after any unscaling)."""
+    """Clip the whole model's gradient norm just before the step (after any unscaling).
 
-    def __init__(self, max_norm: float, norm_type: float):
-        self.max_norm, self.norm_type = max_norm, norm_type
+    ``parallel`` is the plan's ParallelContext, read at each step: the norm is the one process's,
+    over DTensor shards (FSDP2, tensor parallel) and plain gradients mixed, and summed over a
+    pipeline's stages (:func:`~composable_atorch.transforms.parallel.shared.grads.grad_norm`);
+    clipping each stage by its own norm would train otherwise than one process, silently."""
+
+    def __init__(self, max_norm: float, norm_type: float, parallel=None):
+        self.max_norm, self.norm_type, self.parallel = max_norm, norm_type, parallel
         self.last_norm: torch.Tensor | None = None
 
     def before_step(self, optimizer):
@@ -111,10 +117,8 @@ class ClipHook(OptimizerHook):
             # an optimizer that shards gradients outside DTensor (fairscale OSS) knows the global norm
             self.last_norm = own(self.max_norm, norm_type=self.norm_type)
             return
-        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        if params:
-            # torch computes the true global norm for DTensor (sharded) gradients
-            self.last_norm = torch.nn.utils.clip_grad_norm_(params, self.max_norm, norm_type=self.norm_type)
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        self.last_norm = clip_grads_(params, self.max_norm, self.norm_type, self.parallel)
 
 
 @dataclass(frozen=True)
@@ -145,7 +149,7 @@ class ClipGrad(Transform):
                 self.name, "an engine earlier in the plan clips with this max_norm itself; no second clipping hook"
             )
             return state
-        state.hooks.append(ClipHook(self.max_norm, self.norm_type))
+        state.hooks.append(ClipHook(self.max_norm, self.norm_type, state.parallel))
         return state
 
 

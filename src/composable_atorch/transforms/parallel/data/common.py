@@ -29,6 +29,7 @@ from torch import nn
 from composable_atorch.core.contract import Conflict, Implication, Package, When
 from composable_atorch.errors import ConfigError
 from composable_atorch.runtime.optim import OptimizerHook
+from composable_atorch.transforms.parallel.shared.grads import clip_grads_
 
 # -- the conflicts between gradient-sync owners, written once ----------------------------------
 DDP_VS_FSDP = "fsdp reduce-scatters gradients itself; DDP would all-reduce them a second time"
@@ -292,22 +293,9 @@ def options_label(options) -> str:
 
 def full_clip_grad_norm_(parameters, max_norm, norm_type=2.0) -> torch.Tensor:
     """torch's clip_grad_norm_ over gradients that may mix DTensors (sharded: FSDP2, tensor-parallel) and
-    plain tensors (replicated on every rank): the norm of each kind is taken apart (torch refuses the mix),
-    the DTensor one made full, and the two combined; returns the total norm as a plain tensor."""
-    grads = [p.grad for p in parameters if p.grad is not None]
-    if not grads:
-        return torch.tensor(0.0)
-    parts = []
-    for group in ([g for g in grads if hasattr(g, "full_tensor")], [g for g in grads if not hasattr(g, "full_tensor")]):
-        if group:
-            norm = torch.nn.utils.get_total_norm(group, norm_type)
-            parts.append((norm.full_tensor() if hasattr(norm, "full_tensor") else norm).float())
-    total = torch.nn.utils.get_total_norm(parts, norm_type)
-    coef = float(torch.clamp(max_norm / (total + 1e-6), max=1.0))
-    with torch.no_grad():
-        for g in grads:
-            g.mul_(coef)
-    return total
+    plain tensors (replicated on every rank), which torch refuses mixed; returns the total norm as a
+    plain tensor (:func:`~composable_atorch.transforms.parallel.shared.grads.clip_grads_`)."""
+    return clip_grads_(parameters, max_norm, norm_type)
 
 
 def _full_clip_grad_norm_(self, max_norm, norm_type=2.0):

@@ -48,6 +48,7 @@ from composable_atorch.core.transform import ApplyContext, TrainState, Transform
 from composable_atorch.errors import ConfigError, ParameterMappingError
 from composable_atorch.runtime.axes import DATA, PIPELINE
 from composable_atorch.runtime.loader import first_length
+from composable_atorch.runtime.mesh import StageGradients
 from composable_atorch.runtime.sequence import probing
 from composable_atorch.transforms.parallel.pipeline.check import check_stages, references
 from composable_atorch.transforms.parallel.pipeline.cutter import call_whole, inputs_of, shared_sync, tied_sync
@@ -67,6 +68,10 @@ from composable_atorch.transforms.parallel.shared.sync import GRAD_SYNC, DataGra
 
 def _zero_bubble(mine, _compile) -> bool:
     return mine.schedule in ZERO_BUBBLE
+
+
+def _fp16_scaler(_mine, amp) -> bool:
+    return getattr(amp, "dtype", None) == "fp16" and getattr(amp, "enabled", True)
 
 
 #: the schedule runs every backward itself, one per micro-batch: gradient accumulation IS its micro-batching
@@ -99,6 +104,13 @@ class PipelineParallel(Transform):
         uses=(DATA,),
         conflicts=(
             ACCUMULATE_CONFLICT,
+            Conflict(
+                "amp",
+                "torch's pipeline schedule computes and backpropagates the loss inside its own steps, where "
+                "fp16's grad scaler cannot scale it (the first step stopped on an unscaled backward)",
+                "use amp('bf16') (no scaler: fp32's range), or drop pipeline_parallel",
+                when=_fp16_scaler,
+            ),
             Conflict(
                 "compile",
                 "torch's zero-bubble schedules split each backward into input and weight passes, "
@@ -279,7 +291,7 @@ class PipelineParallel(Transform):
             checked = check_stages(an, cut.stage_mods, cut.local, cut.bounds, pp_group)
         # a tied weight the last stage holds through its head only goes by the head's name there
         state.param_names.update({id(p): n for n, p in cut.kept.named_parameters()})
-        _sync(state, pc, an, cut, pp_group)
+        pc.stage_grads = _sync(state, pc, an, cut, pp_group)
         state.runner = self._runner(ctx, pc, model, an, cut, pp_group)  # train_step drives it (on the plan's optim)
         if state.optim is not None:
             state.optim = _stage_optimizer(state.optim, state.param_names, cut.kept)
@@ -332,19 +344,24 @@ def _whole(state: TrainState, pc, who: str) -> TrainState:
     return state
 
 
-def _sync(state: TrainState, pc, an, cut: Cut, pp_group) -> None:
+def _sync(state: TrainState, pc, an, cut: Cut, pp_group) -> StageGradients:
     """The stage's gradient hooks: averaged over the data replicas, a tied weight summed over its two stages,
-    parameters every stage holds summed over the pipeline."""
+    parameters every stage holds summed over the pipeline. Returns how the gradients are split over the
+    pipeline (clip_grad's norm and the inf/nan checks reduce over it, each such parameter counted once)."""
     if pc.data_size > 1:
         group = pc.data_group()
         broadcast_local(cut.kept, group)
         state.hooks.append(DataGradSync(cut.kept, group, pc.data_size))
+    held: dict[int, int] = {}
     tie = tied_sync(an, cut.kept, cut.local, cut.n_stages, cut.placement, pp_group)
     if tie is not None:  # a sum over the two stages; the data average above commutes with it
         state.hooks.append(tie)
+        held.update((id(p), 2) for p in tie.params)
     common = shared_sync(an, cut.kept, pp_group)
     if common is not None:
         state.hooks.append(common)
+        held.update((id(p), pc.layout.size("pipeline")) for p in common.params)
+    return StageGradients(pp_group, held)
 
 
 def _shared(kept: nn.Module, stage_mods: list[nn.Module]) -> list | None:
