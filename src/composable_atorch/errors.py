@@ -197,6 +197,19 @@ class SequenceSplitMismatchError(ConfigError):
         self.field, self.value, self.allowed = f"{who}.model", problem, fix
 
 
+class SequenceInputError(ConfigError):
+    """A batch every rank of a sequence split's group holds alike: each rank of context parallelism or
+    Ulysses trains on its own part of every sequence (the loader the plan returns cuts it), so the
+    same whole batch on every rank (the user's own loader, not passed to the plan) would train on
+    wrong positions and attention, silently. Raised in the forward, before that step's work; names
+    the fix."""
+
+    def __init__(self, who: str, problem: str, fix: str):
+        self.problem, self.fix = problem, fix
+        CompositionError.__init__(self, f"{who}: {problem}. Fix: {fix}.")
+        self.field, self.value, self.allowed = f"{who}.inputs", problem, fix
+
+
 class SequenceLossError(ConfigError):
     """A loss that does not train a sequence split (context parallelism, Ulysses) as one process:
     it shifts the targets inside itself (``out[:, :-1]`` against ``y[:, 1:]``: each rank holds

@@ -13,7 +13,7 @@ from torch import nn
 
 import _seq
 import composable_atorch as ca
-from composable_atorch.errors import ConfigError, SequenceSplitMismatchError
+from composable_atorch.errors import ConfigError, SequenceInputError, SequenceSplitMismatchError
 
 from _dist import module_world
 
@@ -54,6 +54,22 @@ def _refusal(fn):
     return "trained", ""
 
 
+def _own_loader(*transforms):
+    """The user's own loop: the plan applied to the model and optimizer only, every rank training on
+    the whole batches of its own loader (the split never sees them)."""
+    model = _seq.MODELS["llama"]()
+    optim = _seq.make_optim(model, "sgd")
+    model, optim, _ = ca.compose(*transforms)(model, optim)
+    before = [p.detach().clone() for p in model.parameters()]
+    x, y = next(iter(_seq.loader()))
+    try:
+        ca.train_step(model, optim, x, y, _seq.seq_loss)
+    except SequenceInputError as exc:
+        unchanged = all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+        return type(exc).__name__, str(exc), unchanged
+    return "trained", "", False
+
+
 def _world2(rank, world):
     context = (ca.parallel_mode([("context", 2)]), ca.context_parallel())
     ulysses = (ca.parallel_mode([("sequence", 2)]), ca.sequence_parallel())
@@ -61,6 +77,8 @@ def _world2(rank, world):
         "conv_context": _refusal(lambda: _seq.run("conv_mixer", "sgd", *context)),
         "conv_ulysses": _refusal(lambda: _seq.run("conv_mixer", "sgd", *ulysses)),
         "llama": _seq.run("llama", "sgd", *context)["explain"],
+        "own_loader_context": _own_loader(*context),
+        "own_loader_ulysses": _own_loader(*ulysses),
     }
 
 
@@ -79,3 +97,16 @@ def test_a_token_mixer_outside_attention_is_refused_before_any_step(world2, spli
 @pytest.mark.dist
 def test_an_exact_split_passes_the_guard_and_says_so(world2):
     assert "split output checked against the whole model's on a probe sequence" in world2[0]["llama"]
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("split", ["own_loader_context", "own_loader_ulysses"])
+def test_the_same_whole_batch_on_every_rank_is_refused_before_the_step(world2, split):
+    """Found by a user's habit: the plan applied to the model and optimizer, the loop over their own
+    loader. Every rank then held the whole batch, and the split trained 1e-3 to 1e-2 off one process
+    in three steps, silently."""
+    for rank in (0, 1):
+        kind, text, unchanged = world2[rank][split]
+        assert kind == "SequenceInputError", (kind, text)
+        assert "same batch (4, 64)" in text and "loader it returns" in text
+        assert unchanged  # refused in the forward: no weight moved

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.overrides import TorchFunctionMode
 
 from composable_atorch.errors import ConfigError
@@ -30,7 +31,12 @@ from composable_atorch.runtime.sequence import is_probing
 from composable_atorch.transforms.parallel.sequence.check import check_heads, check_ring
 from composable_atorch.transforms.parallel.sequence.comm import gather_sequence, heads_to_sequence, sequence_to_heads
 from composable_atorch.transforms.parallel.sequence.ring import ring_attention
-from composable_atorch.transforms.parallel.sequence.shard import all_positions, chunk_bounds, chunk_positions
+from composable_atorch.transforms.parallel.sequence.shard import (
+    all_positions,
+    check_own_parts,
+    chunk_bounds,
+    chunk_positions,
+)
 
 if TYPE_CHECKING:
     from torch.nn.attention.bias import CausalBias
@@ -358,6 +364,8 @@ class SequenceHooks:
     def __init__(self, model: torch.nn.Module, attend: Attend, *, intercept_sdpa: bool, positions: bool):
         self.attend, self.intercept_sdpa, self.positions = attend, intercept_sdpa, positions
         self._modes: list[_SDPAMode] = []
+        #: input shapes whose batches were checked to differ over the group (:func:`.shard.check_own_parts`)
+        self._checked: set[tuple] = set()
         model.register_forward_pre_hook(self.before, with_kwargs=True)
         model.register_forward_hook(self.after, with_kwargs=True, always_call=True)
         if positions:
@@ -377,6 +385,7 @@ class SequenceHooks:
         self.attend.calls = 0
         if is_probing():
             return args, kwargs
+        self._check_own_parts(args, kwargs)
         mask = kwargs.get("attention_mask")
         if isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool(mask.all()):
             raise ConfigError(
@@ -387,6 +396,21 @@ class SequenceHooks:
             mode.__enter__()
             self._modes.append(mode)
         return args, kwargs
+
+    def _check_own_parts(self, args, kwargs) -> None:
+        """A training forward's token ids, once per input shape: refused if every rank holds the same.
+        Float inputs are left alone: a later pipeline stage receives activations (the first stage
+        checked the tokens), and torch's pipelining infers shapes from zeros."""
+        a = self.attend
+        if a.group is None or a.n < 2 or not torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return
+        for t in (args[0] if args else None, kwargs.get("input_ids")):
+            if isinstance(t, torch.Tensor) and t.dim() >= 2:
+                if t.is_floating_point() or isinstance(t, FakeTensor) or t.is_meta or tuple(t.shape) in self._checked:
+                    return
+                check_own_parts(t, a.group, a.n, a.who, "context" if a.balanced else "sequence")
+                self._checked.add(tuple(t.shape))
+                return
 
     def after(self, module, args, kwargs, output):
         if self._modes:

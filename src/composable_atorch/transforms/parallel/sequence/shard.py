@@ -190,3 +190,36 @@ class ShardCollate:
         if self.signals.checking:
             self.signals.targets_equal_inputs = targets_equal_inputs(batch)
         return shard_batch(batch, self.rank, self.n, self.balanced, self.who, labels=self.labels)
+
+
+def _fingerprint(t: torch.Tensor) -> torch.Tensor:
+    """Three float64 numbers that tell two batches apart: the element count, the sum and a
+    position-weighted sum of the values."""
+    flat = t.detach().reshape(-1).to(torch.float64)
+    weights = torch.arange(1, flat.numel() + 1, device=flat.device, dtype=torch.float64)
+    count = torch.full((), float(flat.numel()), device=flat.device, dtype=torch.float64)
+    return torch.stack([count, flat.sum(), (flat * weights).sum()])
+
+
+def check_own_parts(tokens: torch.Tensor, group, n: int, who: str, dim: str) -> None:
+    """Raise :class:`~composable_atorch.errors.SequenceInputError` when every rank of the split's
+    ``group`` was given the same batch: the loader the plan returns gives each rank its own part of
+    every sequence; a loop over the user's own loader (not passed to the plan) gives every rank the
+    whole batch, and the split then trains on wrong positions and attention without a word (measured:
+    losses 1e-3 to 1e-2 off one process's in three steps). One small all-gather, on a training
+    forward whose input shape the check has not seen yet."""
+    import torch.distributed as dist
+
+    from composable_atorch.errors import SequenceInputError
+
+    mine = _fingerprint(tokens)
+    every = [torch.empty_like(mine) for _ in range(n)]
+    dist.all_gather(every, mine, group=group)
+    if all(torch.equal(every[0], other) for other in every[1:]):
+        raise SequenceInputError(
+            who,
+            f"every rank of the {dim} group of {n} was given the same batch {tuple(tokens.shape)}; each must train "
+            "on its own part of every sequence",
+            "pass your DataLoader to the plan (model, optim, loader = plan(model, optim, loader)) and train on the "
+            "loader it returns: it cuts each sequence for this rank",
+        )
