@@ -1,7 +1,9 @@
 """Throughput per device, model FLOPs, MFU and HFU, counted as PaLM and Megatron count them.
 
 * Model FLOPs per step: ``6 N T`` (forward and backward of every weight once; ``N`` the parameters
-  without embedding lookups, which multiply nothing, ``T`` the step's tokens) plus attention,
+  a token multiplies: without embedding lookups, and a mixture of experts' stacked experts at
+  ``top_k / num_experts`` of their size, as torchtitan counts MoE models' active parameters; ``T``
+  the step's tokens) plus attention,
   ``12 L H Q T`` per token in PaLM's appendix B (Chowdhery et al., arXiv 2204.02311): the scores and
   their product with the values, forward (4 ``s d`` per token and layer) and backward (twice that).
   Attention is counted whole, not halved for a causal mask (PaLM, Megatron-LM, torchtitan do the
@@ -24,16 +26,48 @@ import torch
 MATMUL_DTYPES = ("float32", "bfloat16", "float16", "float8")
 
 
-def lookup_free_params(model: torch.nn.Module) -> int:
-    """Parameters without embedding lookups (an embedding tied to an output Linear is counted once)."""
+#: where a mixture-of-experts block keeps its experts per token: on itself or its router (transformers
+#: 5's MoE blocks: ``top_k``; a user block following the experts protocol: ``k``), else the config's
+_TOP_K = ("top_k", "num_experts_per_tok", "k")
+
+
+def _experts_per_token(model: torch.nn.Module, parent: torch.nn.Module, experts: int) -> int | None:
+    for owner in (parent, *parent.children()):
+        for attr in _TOP_K:
+            k = getattr(owner, attr, None)
+            if isinstance(k, int) and not isinstance(k, bool) and 0 < k <= experts:
+                return k
+    k = getattr(getattr(model, "config", None), "num_experts_per_tok", None)
+    return k if isinstance(k, int) and 0 < k <= experts else None
+
+
+def _expert_weights(model: torch.nn.Module) -> dict[int, float]:
+    """``id(parameter) -> the share of it a token multiplies`` for stacked experts (1 elsewhere)."""
+    from composable_atorch.transforms.parallel.expert.families import follows_protocol
+
+    modules = dict(model.named_modules())
+    share: dict[int, float] = {}
+    for name, m in modules.items():
+        if follows_protocol(m) and not any(id(p) in share for p in m.parameters()):
+            k = _experts_per_token(model, modules[name.rpartition(".")[0]], m.num_experts)
+            if k is not None:
+                share.update((id(p), k / m.num_experts) for p in m.parameters())
+    return share
+
+
+def lookup_free_params(model: torch.nn.Module) -> float:
+    """The parameters a token multiplies: without embedding lookups (an embedding tied to an output
+    Linear is counted once), stacked experts at their ``top_k / num_experts`` share (an MoE's MFU
+    over all experts read 145% for a Mixtral-shaped model)."""
     linear = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Linear)}
     lookups = {
         id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding) and id(m.weight) not in linear
     }
-    seen, n = set(), 0
+    share = _expert_weights(model)
+    seen, n = set(), 0.0
     for p in model.parameters():
         if id(p) not in seen and id(p) not in lookups:
-            n += p.numel()
+            n += p.numel() * share.get(id(p), 1.0)
         seen.add(id(p))
     return n
 
@@ -80,7 +114,7 @@ def utilization(
     seconds: float,
     world: int,
     tokens: float,
-    params: int,
+    params: float,
     attention_per_stage: list[float],
     flops_per_stage: list[float],
     peak: float,
