@@ -254,7 +254,7 @@ def test_grouped_expert_gemms_are_counted_and_priced():
     time were left out of the step: a Mixtral-shaped plan on 8 H100s read HFU 16% beside MFU 47%."""
     import composable_atorch as ca
     from composable_atorch.estimate import estimate
-    from composable_atorch.estimate.steptime import _grouped_flops
+    from composable_atorch.estimate.kernels import grouped_flops as _grouped_flops
     from zoo import moe
 
     tokens, w = torch.empty(12, 8), torch.empty(4, 8, 16)

@@ -19,8 +19,8 @@ import composable_atorch as ca
 import equivalence as eq
 from composable_atorch.environment import Environment
 from composable_atorch.errors import ConflictError
-from composable_atorch.models import GPT, GPTConfig
 from composable_atorch.models.gpt import lm_loss
+from test_pipeline_parallel import batches, gpt  # the tiny 4-block GPT and batches the pipeline tests train
 from zoo.configs import llama_config
 
 from _dist import run_world
@@ -28,24 +28,11 @@ from _dist import run_world
 LR, CLIP = 0.1, 0.05
 
 
-def gpt():
-    torch.manual_seed(0)
-    return GPT(GPTConfig(seq_len=16, d_model=32, n_layer=4, n_head=4))
-
-
 def tied_llama():
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
     return LlamaForCausalLM(llama_config(layers=4, vocab=256, max_position_embeddings=32, tie_word_embeddings=True))
-
-
-def batches(n=4, batch=8):
-    g = torch.Generator().manual_seed(1)
-    return [
-        (torch.randint(0, 256, (batch, 16), generator=g), torch.randint(0, 256, (batch, 16), generator=g))
-        for _ in range(n)
-    ]
 
 
 def _clipped_reference(model, optim_cls, data):

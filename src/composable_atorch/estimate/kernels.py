@@ -5,7 +5,8 @@
   accepts bf16 only, so an fp32 MoE model cannot be simulated as it runs. Transformers' own fallback
   (``transformers::grouped_mm_fallback``, registered with a fake implementation) computes the same
   products with the same output shapes, so while a step is simulated the dispatcher is pointed at it
-  for fake tensors (:func:`fake_grouped_mm`).
+  for fake tensors (:func:`fake_grouped_mm`). Its fake kernel runs no matmul and torch's flop
+  counter has no formula for either: the traced step counts them from their shapes (:func:`grouped_flops`).
 * a lower-right causal bias (``torch.nn.attention.bias``, context parallelism's chunks over the keys before
   them): on CUDA SDPA runs it as the flash kernel's causal mode, no mask held, only the visible blocks
   computed; on the CPU torch materializes the ``(q, k)`` mask and computes every score. For a CUDA
@@ -54,6 +55,26 @@ def fake_grouped_mm():
         yield
     finally:
         moe._can_use_grouped_mm = original
+
+#: grouped GEMMs (a mixture of experts' experts, every expert's tokens in one call): torch's own and the
+#: fallback transformers 5 registers as custom ops (:func:`fake_grouped_mm` routes fake tensors to it),
+#: whose fake kernels run no matmul and which torch's flop counter has no formula for
+GROUPED = {"_grouped_mm", "grouped_mm", "grouped_mm_fallback", "grouped_mm_fallback_backward"}
+
+
+def grouped_flops(name: str, args) -> float:
+    """FLOPs of a grouped GEMM from its shapes (the groups' sizes change none of them): tokens ``(S, K)``
+    against stacked weights ``(E, K, N)``: ``2 S K N``; the fallback's backward computes the input's and
+    the weights' gradients: twice that; torch's ``_grouped_mm`` also takes batched ``(E, M, K) x (E, K, N)``
+    and ``(M, S) x (S, N)`` grouped along ``S`` (a weight gradient): ``2 M S N``."""
+    a, b = args[0], args[1]
+    if name == "grouped_mm_fallback_backward":
+        return 4.0 * a.shape[0] * a.shape[1] * b.shape[-1]
+    if a.dim() == 2 and b.dim() == 2:
+        return 2.0 * a.shape[0] * a.shape[1] * b.shape[1]
+    if a.dim() == 3 and b.dim() == 3:
+        return 2.0 * a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2]
+    return 2.0 * a.shape[0] * a.shape[1] * b.shape[-1]
 
 
 def _as_flash(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):

@@ -37,6 +37,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from composable_atorch.estimate.kernels import GROUPED, grouped_flops
+
 #: ops that move no data (views, metadata, bookkeeping): no kernel and no framework cost counted
 FREE = {
     "view",
@@ -74,10 +76,6 @@ FREE = {
     "_local_scalar_dense",
 }
 MATMULS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "convolution", "convolution_backward", "_scaled_mm"}
-#: grouped GEMMs (a mixture of experts' experts, every expert's tokens in one call): torch's own and the
-#: fallback transformers 5 registers as custom ops, whose fake kernels run no matmul and which torch's
-#: flop counter has no formula for (:func:`_grouped_flops`)
-GROUPED = {"_grouped_mm", "grouped_mm", "grouped_mm_fallback", "grouped_mm_fallback_backward"}
 SDPA_CPU = "_scaled_dot_product_flash_attention_for_cpu"
 
 
@@ -331,26 +329,11 @@ def price_op(cal, kind: str, dtype: str, size: float, world: int = 2) -> float:
     return cal.curve("memory")(size)
 
 
-def _grouped_flops(name: str, args) -> float:
-    """FLOPs of a grouped GEMM from its shapes (the groups' sizes change none of them): tokens ``(S, K)``
-    against stacked weights ``(E, K, N)``: ``2 S K N``; the fallback's backward computes the input's and
-    the weights' gradients: twice that; torch's ``_grouped_mm`` also takes batched ``(E, M, K) x (E, K, N)``
-    and ``(M, S) x (S, N)`` grouped along ``S`` (a weight gradient): ``2 M S N``."""
-    a, b = args[0], args[1]
-    if name == "grouped_mm_fallback_backward":
-        return 4.0 * a.shape[0] * a.shape[1] * b.shape[-1]
-    if a.dim() == 2 and b.dim() == 2:
-        return 2.0 * a.shape[0] * a.shape[1] * b.shape[1]
-    if a.dim() == 3 and b.dim() == 3:
-        return 2.0 * a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2]
-    return 2.0 * a.shape[0] * a.shape[1] * b.shape[-1]
-
-
 def _flops(packet, name, args, kwargs, out) -> float:
     from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
     if name in GROUPED:
-        return _grouped_flops(name, args)
+        return grouped_flops(name, args)
     if name == SDPA_CPU:
         return sdpa_flop_count(args[0].shape, args[1].shape, args[2].shape)
     if name == SDPA_CPU + "_backward":

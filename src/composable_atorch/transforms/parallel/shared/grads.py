@@ -35,17 +35,13 @@ def _norm(grads: list, p: float) -> torch.Tensor:
     return (norm.full_tensor() if _is_dtensor(norm) else norm).float()
 
 
-def _stage_split(parallel):
-    return getattr(parallel, "stage_grads", None) if parallel is not None else None
-
-
-def grad_norm(params, norm_type: float = 2.0, parallel=None, device=None) -> torch.Tensor:
+def grad_norm(params, norm_type: float = 2.0, parallel=None) -> torch.Tensor:
     """The norm of the gradients of ``params`` over the whole model, as a plain float32 tensor.
 
     ``parallel``: the plan's ParallelContext (its pipeline split, if any, is reduced over: every
     rank of the pipeline must call this, with or without gradients of its own)."""
     p = float(norm_type)
-    split = _stage_split(parallel)
+    split = getattr(parallel, "stage_grads", None)
     held = split.held_by if split is not None else {}
     seen, by_weight = set(), {}
     for param in params:
@@ -55,9 +51,8 @@ def grad_norm(params, norm_type: float = 2.0, parallel=None, device=None) -> tor
         kind = _is_dtensor(param.grad)
         by_weight.setdefault((1.0 / held.get(id(param), 1), kind), []).append(param.grad)
     parts = [(_norm(grads, p), weight) for (weight, _), grads in by_weight.items()]
-    if device is None:  # a rank without gradients still joins the reduction, on the mesh's device
-        mesh = getattr(parallel, "mesh", None)
-        device = parts[0][0].device if parts else torch.device(getattr(mesh, "device_type", "cpu"))
+    mesh = getattr(parallel, "mesh", None)  # a rank without gradients still joins, on the mesh's device
+    device = parts[0][0].device if parts else torch.device(getattr(mesh, "device_type", "cpu"))
     if math.isinf(p):
         total = torch.stack([n for n, _ in parts]).max() if parts else torch.zeros((), device=device)
         if split is not None:
@@ -69,13 +64,13 @@ def grad_norm(params, norm_type: float = 2.0, parallel=None, device=None) -> tor
     return total.pow(1.0 / p)
 
 
-def clip_grads_(params, max_norm: float, norm_type: float = 2.0, parallel=None, device=None) -> torch.Tensor:
+def clip_grads_(params, max_norm: float, norm_type: float = 2.0, parallel=None) -> torch.Tensor:
     """torch's ``clip_grad_norm_`` over the whole model's gradients (see :func:`grad_norm`); returns
     the norm before clipping. The coefficient stays a tensor, as torch's: no device sync, and a
     simulated step on fake tensors runs it too. DTensor and plain gradients are scaled apart (torch's
     foreach ops refuse the two kinds mixed in one list)."""
     params = list(params)
-    total = grad_norm(params, norm_type, parallel, device)
+    total = grad_norm(params, norm_type, parallel)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     kinds: dict[tuple, list] = {}
     for param in params:
@@ -119,7 +114,7 @@ def all_finite(grads, parallel=None) -> bool:
     for mesh in groups.values():
         for dim in range(mesh.ndim):
             dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
-    split = _stage_split(parallel)
+    split = getattr(parallel, "stage_grads", None)
     for group in (getattr(parallel, "grad_shard_group", None), split.group if split is not None else None):
         if group is not None:
             dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=group)
