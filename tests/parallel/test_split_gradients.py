@@ -14,13 +14,13 @@ import copy
 
 import pytest
 import torch
+from test_pipeline_parallel import batches, gpt  # the tiny 4-block GPT and batches the pipeline tests train
 
 import composable_atorch as ca
 import equivalence as eq
 from composable_atorch.environment import Environment
 from composable_atorch.errors import ConflictError
 from composable_atorch.models.gpt import lm_loss
-from test_pipeline_parallel import batches, gpt  # the tiny 4-block GPT and batches the pipeline tests train
 from zoo.configs import llama_config
 
 from _dist import run_world
